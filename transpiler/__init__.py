@@ -1,0 +1,51 @@
+"""graph-transpiler: rewrite a single-device ONNX training graph into data-parallel per-rank graphs.
+
+    plan = transpile("model.onnx", "out/", Options(world_size=4, strategy="sharded"))
+
+The output directory is the contract with ``runtime`` (docs/contracts.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transpiler.errors import TranspileError, UnsupportedOpsError
+from transpiler.load import Problem, load_problem, validate_freeze
+from transpiler.optimizer import OptimizerConfig
+from transpiler.passes import Job, Options, run_passes
+from transpiler.plan import write_out
+
+__all__ = [
+    "Job",
+    "OptimizerConfig",
+    "Options",
+    "Problem",
+    "TranspileError",
+    "UnsupportedOpsError",
+    "build",
+    "load_problem",
+    "transpile",
+]
+
+
+def build(model_path: str | Path, options: Options, *, loss: str | None = None, freeze: str | None = None) -> Job:
+    """Run every pass and return the Job (graphs in memory, nothing written)."""
+    options.validate()
+    validate_freeze(freeze)
+    problem = load_problem(model_path, loss=loss, freeze=freeze)
+    job = Job(problem=problem, options=options)
+    run_passes(job)
+    return job
+
+
+def transpile(
+    model_path: str | Path,
+    out_dir: str | Path,
+    options: Options | None = None,
+    *,
+    loss: str | None = None,
+    freeze: str | None = None,
+) -> dict:
+    """Transpile ``model_path`` into ``out_dir``; returns the plan (also written as plan.json)."""
+    job = build(model_path, options or Options(), loss=loss, freeze=freeze)
+    return write_out(job, out_dir)

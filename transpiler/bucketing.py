@@ -1,0 +1,59 @@
+"""Bucketing: gradients grouped, in the order the backward produces them, so one collective moves
+many small tensors (as PyTorch DDP and Horovod's tensor fusion do).
+
+A bucket holds parameters of one root only (in the sharded strategy the whole bucket is reduced to,
+and broadcast from, that root), and at most ``cap_bytes`` unless a single parameter is larger.
+Buckets are ordered by when they become ready: the backward position of their last gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Bucket:
+    id: int
+    root: int
+    params: list[str] = field(default_factory=list)
+    bytes: int = 0
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "root": self.root, "params": list(self.params), "bytes": self.bytes}
+
+
+def make_buckets(
+    order: Sequence[str],
+    sizes: Mapping[str, int],
+    roots: Mapping[str, int],
+    cap_bytes: int,
+    *,
+    group_by_root: bool,
+) -> list[Bucket]:
+    """Group ``order`` (gradients in backward order) into buckets.
+
+    With ``group_by_root`` each root has its own open bucket; otherwise parameters are grouped in
+    order regardless of root and the bucket's root is that of its first parameter (it is used only
+    to initialize the bucket's parameters with one Broadcast).
+    """
+    closed: list[tuple[int, Bucket]] = []  # (backward position of the last gradient, bucket)
+    open_: dict[int, tuple[int, Bucket]] = {}
+    for position, name in enumerate(order):
+        key = roots[name] if group_by_root else 0
+        if key in open_:
+            _, bucket = open_[key]
+            if bucket.bytes + sizes[name] > cap_bytes:
+                closed.append(open_.pop(key))
+        if key not in open_:
+            open_[key] = (position, Bucket(id=-1, root=roots[name]))
+        _, bucket = open_[key]
+        bucket.params.append(name)
+        bucket.bytes += sizes[name]
+        open_[key] = (position, bucket)
+    closed.extend(open_.values())
+    closed.sort(key=lambda item: item[0])
+    buckets = [bucket for _, bucket in closed]
+    for i, bucket in enumerate(buckets):
+        bucket.id = i
+    return buckets

@@ -1,0 +1,121 @@
+"""The ``transpile`` command.
+
+    transpile MODEL.onnx --gpus N -o OUT [options]     rewrite for N ranks
+    transpile run OUT --data DATA.npz --batch B ...    train (runtime/)
+    transpile inspect OUT                              what the rewrite produced
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from transpiler.errors import TranspileError
+
+SUBCOMMANDS = ("run", "inspect")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like '0.9,0.999', got '{text}'") from None
+
+
+def transpile_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="transpile",
+        description="Rewrite a single-device ONNX model (loss inside the graph) into data-parallel training "
+        "graphs for N ranks. Subcommands: 'transpile run OUT ...' trains, 'transpile inspect OUT' shows the result.",
+    )
+    p.add_argument("model", help="the ONNX model; its loss is computed inside the graph")
+    p.add_argument("-o", "--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--gpus", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--strategy", default="sharded", help="sharded (default: reduce to a root, update there, broadcast) or allreduce")
+    p.add_argument("--placement", default="hash", help="root of each parameter: hash (crc32 of the name, default) or balanced (greedy by bytes)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (default 25)")
+    p.add_argument("--loss", help="the graph output to minimize (default: the only scalar float output)")
+    p.add_argument("--freeze", metavar="REGEX", help="initializers whose name matches are not trained")
+    o = p.add_argument_group("optimizer (torch.optim formulas, docs/optimizers.md)")
+    o.add_argument("--optimizer", default="sgd", help="sgd, momentum, adam or adamw (default sgd)")
+    o.add_argument("--lr", type=float, default=None, help="default learning rate (run --lr overrides it)")
+    o.add_argument("--momentum", type=float, default=None)
+    o.add_argument("--nesterov", action="store_true")
+    o.add_argument("--weight-decay", type=float, default=None)
+    o.add_argument("--betas", type=_floats, default=None, help="adam betas, e.g. 0.9,0.999")
+    o.add_argument("--eps", type=float, default=None)
+    return p
+
+
+def optimizer_config(args: argparse.Namespace):
+    from transpiler.optimizer import OptimizerConfig
+
+    given = {
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "weight_decay": args.weight_decay,
+        "betas": args.betas,
+        "eps": args.eps,
+    }
+    if args.betas is not None and len(args.betas) != 2:
+        raise TranspileError(f"--betas takes two numbers (got {len(args.betas)})")
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if args.nesterov:
+        kwargs["nesterov"] = True
+    return OptimizerConfig(name=args.optimizer, **kwargs)
+
+
+def cmd_transpile(argv: list[str]) -> int:
+    args = transpile_parser().parse_args(argv)
+    from transpiler import transpile
+    from transpiler.passes import Options
+
+    options = Options(
+        world_size=args.gpus,
+        strategy=args.strategy,
+        placement=args.placement,
+        optimizer=optimizer_config(args),
+        bucket_mb=args.bucket_mb,
+    )
+    plan = transpile(args.model, args.out, options, loss=args.loss, freeze=args.freeze)
+    n_bytes = sum(p["bytes"] for p in plan["parameters"])
+    print(
+        f"wrote {args.out}: {plan['world_size']} rank(s), strategy {plan['strategy']}, "
+        f"{len(plan['parameters'])} parameters ({n_bytes / 1e6:.3f} MB), "
+        f"{len(plan['buckets'])} bucket(s), {len(plan['collectives']['step'])} collective(s) per step, "
+        f"placement {plan['placement']['method']} (imbalance {plan['placement']['imbalance']:.2f}); "
+        f"see: transpile inspect {args.out}"
+    )
+    return 0
+
+
+def cmd_inspect(argv: list[str]) -> int:
+    from transpiler.inspect import inspect_main
+
+    return inspect_main(argv)
+
+
+def cmd_run(argv: list[str]) -> int:
+    # The runtime is a separate package; it is imported only for this subcommand.
+    from runtime.cli import main as run_main
+
+    return run_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "run":
+            return cmd_run(argv[1:])
+        if argv and argv[0] == "inspect":
+            return cmd_inspect(argv[1:])
+        return cmd_transpile(argv)
+    except TranspileError as exc:
+        print(f"transpile: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Load and validate the user's model: find its data inputs, its loss and its trainable parameters."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import onnx.checker
+import onnx.shape_inference
+import onnx.version_converter
+import onnx_ir as ir
+
+from transpiler.errors import TranspileError, UnsupportedOpsError
+
+# Graphs handed to autodiff and the optimizer are at least this opset, so every Reduce* op takes
+# its axes as an input and the rules need to know one form only.
+MIN_OPSET = 18
+BATCH_DIM = "batch"
+
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+@dataclass
+class DataInput:
+    name: str
+    dtype: str  # numpy dtype name
+    shape: list[int | str | None]
+    batch_axis: int = 0
+
+
+@dataclass
+class Problem:
+    """What training the user's model means: a forward graph, its loss and what to train."""
+
+    path: Path
+    source: onnx.ModelProto  # the model exactly as the user gave it (for --export)
+    sha256: str
+    model: ir.Model  # forward graph, opset >= MIN_OPSET, batch axes symbolic, shapes inferred
+    loss: str
+    data_inputs: list[DataInput]
+    params: list[str]  # trainable initializers, in graph order
+    frozen: list[str] = field(default_factory=list)  # float initializers not trained
+
+    @property
+    def opset(self) -> int:
+        return self.model.opset_imports.get("", 0)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def read_model(path: str | Path) -> tuple[onnx.ModelProto, bytes]:
+    path = Path(path)
+    if not path.is_file():
+        raise TranspileError(f"{path}: no such file")
+    raw = path.read_bytes()
+    try:
+        proto = onnx.load_from_string(raw)
+    except Exception as exc:  # protobuf raises DecodeError and friends
+        raise TranspileError(f"{path}: not an ONNX model ({_one_line(exc)})") from None
+    if not proto.HasField("graph") or not proto.graph.node:
+        raise TranspileError(f"{path}: not an ONNX model (no graph or no nodes)")
+    if any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer):
+        onnx.load_external_data_for_model(proto, str(path.parent))
+    return proto, raw
+
+
+def _upgrade(proto: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset >= MIN_OPSET:
+        return proto
+    try:
+        return onnx.version_converter.convert_version(proto, MIN_OPSET)
+    except Exception as exc:
+        raise TranspileError(
+            f"{path}: cannot upgrade opset {opset} to {MIN_OPSET} ({_one_line(exc)}); re-export with opset >= {MIN_OPSET}"
+        ) from None
+
+
+def _make_batch_symbolic(proto: onnx.ModelProto, data_names: list[str]) -> None:
+    # Each rank is fed B/N rows and one device B rows, so the batch axis must not be a constant.
+    for vi in proto.graph.input:
+        if vi.name in data_names and vi.type.tensor_type.shape.dim:
+            dim = vi.type.tensor_type.shape.dim[0]
+            dim.Clear()
+            dim.dim_param = BATCH_DIM
+    # Stale value_info (with the old batch size) would contradict the new shapes.
+    del proto.graph.value_info[:]
+
+
+def _shape_of(value: ir.Value) -> list[int | str | None]:
+    if value.shape is None:
+        return []
+    return [d if isinstance(d, int) else (d.value if d.value is not None else None) for d in value.shape]
+
+
+def _find_loss(graph: ir.Graph, loss: str | None, path: Path) -> ir.Value:
+    outputs = {v.name: v for v in graph.outputs}
+    if loss is not None:
+        if loss not in outputs:
+            raise TranspileError(
+                f"{path}: --loss '{loss}' is not an output of the graph (outputs: {', '.join(outputs) or 'none'})"
+            )
+        value = outputs[loss]
+        if value.dtype not in FLOAT_TYPES or (value.shape is not None and value.shape.rank() != 0):
+            raise TranspileError(
+                f"{path}: loss '{loss}' must be a float scalar, but it is {value.dtype} with shape {_shape_of(value)}"
+            )
+        return value
+    scalars = [
+        v for v in graph.outputs if v.dtype in FLOAT_TYPES and v.shape is not None and v.shape.rank() == 0
+    ]
+    if len(scalars) == 1:
+        return scalars[0]
+    described = ", ".join(f"{v.name} {v.dtype} {_shape_of(v)}" for v in graph.outputs)
+    if not scalars:
+        raise TranspileError(f"{path}: no scalar float output to use as the loss (outputs: {described})")
+    raise TranspileError(
+        f"{path}: several scalar float outputs could be the loss ({', '.join(v.name for v in scalars)}); pick one with --loss"
+    )
+
+
+def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | None = None) -> Problem:
+    """Read, check and normalise the user's model; raise TranspileError with a one-line reason."""
+    # Imported here: autodiff imports this module's constants.
+    from transpiler.autodiff import check_supported, differentiable_values
+
+    path = Path(path)
+    source, raw = read_model(path)
+    try:
+        onnx.checker.check_model(source)
+    except Exception as exc:
+        raise TranspileError(f"{path}: invalid ONNX model ({_one_line(exc)})") from None
+
+    proto = onnx.ModelProto()
+    proto.CopyFrom(source)
+    init_names = {t.name for t in proto.graph.initializer}
+    data_names = [vi.name for vi in proto.graph.input if vi.name not in init_names]
+    proto = _upgrade(proto, path)
+    _make_batch_symbolic(proto, data_names)
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        raise TranspileError(f"{path}: shape inference failed ({_one_line(exc)})") from None
+
+    model = ir.serde.deserialize_model(proto)
+    graph = model.graph
+    loss_value = _find_loss(graph, loss, path)
+
+    data_inputs = []
+    for value in graph.inputs:
+        if value.name in init_names:
+            continue
+        dtype = value.dtype.numpy().name if value.dtype is not None else "float32"
+        data_inputs.append(DataInput(value.name, dtype, _shape_of(value)))
+
+    reachable = differentiable_values(graph, loss_value)
+    pattern = re.compile(freeze) if freeze else None
+    params, frozen = [], []
+    for name, value in graph.initializers.items():
+        if value.dtype not in FLOAT_TYPES:
+            continue
+        if value in reachable and not (pattern and pattern.search(name)):
+            params.append(name)
+        else:
+            frozen.append(name)
+    if not params:
+        why = f" after --freeze '{freeze}'" if freeze else ""
+        raise TranspileError(
+            f"{path}: loss '{loss_value.name}' is not reachable from any float parameter{why}; nothing to train"
+        )
+    try:
+        check_supported(graph, loss_value, [graph.initializers[p] for p in params])
+    except UnsupportedOpsError as exc:
+        raise UnsupportedOpsError(exc.nodes, where=str(path)) from None
+
+    return Problem(
+        path=path,
+        source=source,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        model=model,
+        loss=loss_value.name,
+        data_inputs=data_inputs,
+        params=params,
+        frozen=frozen,
+    )
+
+
+def validate_freeze(freeze: str | None) -> None:
+    if freeze is None:
+        return
+    try:
+        re.compile(freeze)
+    except re.error as exc:
+        raise TranspileError(f"--freeze '{freeze}' is not a valid regular expression ({exc})") from None

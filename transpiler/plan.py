@@ -1,0 +1,174 @@
+"""Write OUT: the graphs and plan.json (docs/contracts.md), atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx.checker
+import onnx_ir as ir
+
+from transpiler.collectives import collective_nodes
+from transpiler.errors import TranspileError
+from transpiler.passes import LR_INPUT, Job, RankGraphs
+from transpiler.placement import METHODS, place
+
+FORMAT = "graph-transpiler/plan"
+FORMAT_VERSION = 1
+# Protobuf cannot serialize a message over 2 GiB; larger graphs keep their tensors beside them.
+EXTERNAL_DATA_BYTES = 1 << 30
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("graph-transpiler")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _save(model: ir.Model, path: Path) -> None:
+    proto = ir.serde.serialize_model(model)
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto)
+    except Exception:
+        pass  # types of the collectives' outputs are already explicit; inference only adds detail
+    try:
+        onnx.checker.check_model(proto)
+    except Exception as exc:
+        raise TranspileError(f"internal error: {path.name} fails onnx.checker ({' '.join(str(exc).split())[:300]})") from None
+    if proto.ByteSize() > EXTERNAL_DATA_BYTES:
+        onnx.save_model(proto, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(proto, path)
+
+
+def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
+    """The (rank-independent) collective sequence, described by the parameters it moves."""
+    model = graphs.step if phase == "step" else graphs.init
+    by_param = {}
+    for p in job.problem.params:
+        slots = [f"{p}.{slot}" for slot in job.options.optimizer.slots()]
+        for name in (p, p + ".next", p + ".updated", job.grad_names[p], job.grad_names[p] + ".mean", *slots):
+            by_param[name] = p
+    out = []
+    for node in sorted(collective_nodes(model.graph), key=lambda n: n.attributes["order"].as_int()):
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        # Whichever side of the wire this rank has: a non-root Reduce only sends, a non-root
+        # Broadcast only receives; the tensors are the same on every rank.
+        tensors = node.outputs if node.outputs else node.inputs
+        out.append(
+            {
+                "order": attrs["order"],
+                "op": node.op_type,
+                "root": attrs.get("root"),
+                "bucket": attrs["bucket"],
+                "reduction": attrs.get("reduction"),
+                "params": [by_param[v.name] for v in tensors],
+                "bytes": sum(v.dtype.itemsize * _numel(v) for v in tensors),
+            }
+        )
+    return out
+
+
+def _numel(value: ir.Value) -> int:
+    n = 1
+    for d in value.shape.numpy():
+        n *= int(d)
+    return n
+
+
+def plan_json(job: Job) -> dict:
+    problem, opts = job.problem, job.options
+    placement = job.placement
+    others = {}
+    for method in METHODS:
+        if method != placement.method:
+            alt = place(job.sizes, opts.world_size, method)
+            others[method] = {**alt.to_json(), "imbalance": round(alt.imbalance, 6)}
+    bucket_of = {p: b.id for b in job.buckets for p in b.params}
+    params_json = []
+    for p in job.grad_order:
+        value = problem.model.graph.initializers[p]
+        params_json.append(
+            {
+                "name": p,
+                "shape": [int(d) for d in value.shape.numpy()],
+                "dtype": value.dtype.numpy().name,
+                "bytes": job.sizes[p],
+                "root": placement.roots[p],
+                "bucket": bucket_of[p],
+            }
+        )
+
+    def graphs_json(g: RankGraphs, stem: str) -> dict:
+        entry = {"step": f"{stem}.onnx", "init": f"{stem}_init.onnx", "state": [s.to_json() for s in g.state]}
+        entry["optimizer_state_bytes"] = sum(job.sizes[s.param] for s in g.state if s.kind == "optimizer")
+        entry["updates"] = list(g.updates)
+        return entry
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "world_size": opts.world_size,
+        "strategy": opts.strategy,
+        "source_model": {"file": "model.onnx", "sha256": problem.sha256, "path": str(problem.path.resolve())},
+        "opset": problem.opset,
+        "data_inputs": [
+            {"name": d.name, "dtype": d.dtype, "shape": d.shape, "batch_axis": d.batch_axis} for d in problem.data_inputs
+        ],
+        "loss": problem.loss,
+        "lr_input": LR_INPUT,
+        "optimizer": opts.optimizer.to_json(),
+        "bucket_mb": opts.bucket_mb,
+        "parameters": params_json,
+        "frozen": list(problem.frozen),
+        "placement": {**placement.to_json(), "other_methods": others},
+        "buckets": [b.to_json() for b in job.buckets],
+        "graphs": {
+            "single": graphs_json(job.single, "train"),
+            "ranks": [{"rank": g.rank, **graphs_json(g, f"rank{g.rank}")} for g in job.ranks],
+        },
+        "collectives": {
+            "init": _collectives_json(job, job.ranks[0], "init"),
+            "step": _collectives_json(job, job.ranks[0], "step"),
+        },
+        "versions": {"graph_transpiler": _version(), "onnx": onnx.__version__, "onnx_ir": ir.__version__},
+    }
+
+
+def write_out(job: Job, out_dir: str | Path) -> dict:
+    """Write every file into a temporary sibling of OUT, then swap it into place.
+
+    A failure leaves no OUT behind (and an existing OUT untouched until the new one is complete).
+    """
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TranspileError(f"-o {out_dir}: exists and is not a directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        onnx.save_model(job.problem.source, tmp / "model.onnx")
+        _save(job.single.step, tmp / "train.onnx")
+        _save(job.single.init, tmp / "train_init.onnx")
+        for g in job.ranks:
+            _save(g.step, tmp / f"rank{g.rank}.onnx")
+            _save(g.init, tmp / f"rank{g.rank}_init.onnx")
+        plan = plan_json(job)
+        (tmp / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / "out")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return plan
