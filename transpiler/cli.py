@@ -97,9 +97,11 @@ def cmd_inspect(argv: list[str]) -> int:
 
 def cmd_run(argv: list[str]) -> int:
     # The runtime is a separate package; it is imported only for this subcommand.
-    from runtime.cli import main as run_main
+    from runtime.cli import add_run_arguments, run_command
 
-    return run_main(argv)
+    parser = argparse.ArgumentParser(prog="transpile run", description="Train on the graphs in OUT, one process per rank.")
+    add_run_arguments(parser)
+    return run_command(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

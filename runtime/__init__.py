@@ -1,0 +1,36 @@
+"""Runtime: execute a transpiler output directory (OUT) as data-parallel training.
+
+OUT's files are the only contract with the transpiler (docs/contracts.md); nothing here imports
+``transpiler``. How it works: docs/runtime.md.
+"""
+
+from runtime.collectives import Communicator, LocalGroup, TensorSpec
+from runtime.data import Dataset, shard_size
+from runtime.errors import RunError
+from runtime.executor import Backend, CpuBackend, Program
+from runtime.plan import Plan, load_plan
+from runtime.segments import CutGraph, Segment, cut_graph
+from runtime.trainer import RunConfig, SimResult, Trainer, export_model, simulate, train
+
+__all__ = [
+    "Backend",
+    "Communicator",
+    "CpuBackend",
+    "CutGraph",
+    "Dataset",
+    "LocalGroup",
+    "Plan",
+    "Program",
+    "RunConfig",
+    "RunError",
+    "Segment",
+    "SimResult",
+    "TensorSpec",
+    "Trainer",
+    "cut_graph",
+    "export_model",
+    "load_plan",
+    "shard_size",
+    "simulate",
+    "train",
+]

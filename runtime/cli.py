@@ -1,0 +1,98 @@
+"""``transpile run OUT ...``: train on the graphs in OUT. The lead wires this into ``transpile``;
+``python -m runtime run ...`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runtime.collectives import LocalGroup
+from runtime.data import Dataset, shard_size
+from runtime.errors import RunError
+from runtime.executor import CpuBackend
+from runtime.launcher import detect_launcher, spawn
+from runtime.plan import Plan, load_plan
+from runtime.trainer import RunConfig, Trainer, train
+
+BACKENDS = ("cpu",)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", metavar="OUT", help="transpiler output directory (holds plan.json)")
+    parser.add_argument("--data", required=True, metavar="DATA.npz", help="arrays named like the model's data inputs")
+    parser.add_argument("--batch", required=True, type=int, metavar="B", help="global batch size, over all ranks")
+    length = parser.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, metavar="K", help="number of training steps")
+    length.add_argument("--epochs", type=float, metavar="E", help="passes over the data (steps = ceil(E * rows / B))")
+    parser.add_argument("--lr", type=float, metavar="X", help="learning rate (default: the plan's optimizer lr)")
+    parser.add_argument("--shuffle", action="store_true", help="read each epoch in a seeded random order")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="shuffle seed (default 0)")
+    parser.add_argument("--export", metavar="TRAINED.onnx", help="write the user's model with the trained parameters")
+    parser.add_argument("--log-every", type=int, default=10, metavar="N",
+                        help="log every N steps on rank 0 (also the first and last; 0: silent; default 10)")
+    parser.add_argument("--backend", choices=BACKENDS, default="cpu", help="execution backend (default cpu)")
+
+
+def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
+    """Everything that can be checked before any rank starts: plan, data, batch and options."""
+    plan = load_plan(args.out)
+    dataset = Dataset.load(args.data, plan.data_inputs)
+    shard_size(args.batch, plan.world_size)
+    if args.steps is not None and args.steps < 1:
+        raise RunError(f"--steps must be >= 1, got {args.steps}")
+    steps = args.steps if args.steps is not None else dataset.steps_for_epochs(args.epochs, args.batch)
+    lr = plan.lr if args.lr is None else args.lr
+    if args.seed < 0:
+        raise RunError(f"--seed must be >= 0, got {args.seed}")
+    if args.log_every < 0:
+        raise RunError(f"--log-every must be >= 0, got {args.log_every}")
+    export = None
+    if args.export is not None:
+        export = Path(args.export).resolve()
+        if not export.parent.is_dir():
+            raise RunError(f"--export {args.export}: directory {export.parent} does not exist")
+    config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed,
+                       log_every=args.log_every, export=export)
+    return plan, dataset, config
+
+
+def worker_arguments(args: argparse.Namespace) -> list[str]:
+    """The command line that makes a spawned rank run exactly what ``args`` asks for."""
+    argv = [str(Path(args.out).resolve()), "--data", str(Path(args.data).resolve()), "--batch", str(args.batch)]
+    argv += ["--steps", str(args.steps)] if args.steps is not None else ["--epochs", repr(args.epochs)]
+    if args.lr is not None:
+        argv += ["--lr", repr(args.lr)]
+    if args.shuffle:
+        argv.append("--shuffle")
+    argv += ["--seed", str(args.seed), "--log-every", str(args.log_every), "--backend", args.backend]
+    if args.export is not None:
+        argv += ["--export", str(Path(args.export).resolve())]
+    return argv
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if detect_launcher() is not None:
+        # Already one rank of an mpirun/mpiexec/srun job: run as that rank, spawn nothing.
+        from runtime.worker import run_as_rank
+
+        return run_as_rank(args)
+    try:
+        plan, dataset, config = prepare(args)
+        if plan.world_size == 1:
+            trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=0, backend=CpuBackend())
+            train(trainer, dataset, config, rank=0, world_size=1)
+            return 0
+        return spawn(plan.world_size, worker_arguments(args))
+    except RunError as exc:
+        print(f"transpile: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime", description="Run transpiled data-parallel training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_run_arguments(commands.add_parser("run", help="train on the graphs in a transpiler output directory"))
+    args = parser.parse_args(argv)
+    return run_command(args)

@@ -1,0 +1,43 @@
+"""Collectives: the Communicator interface, its backends, and one executor class per collective op.
+
+To add a collective: write ``runtime/collectives/<op>.py`` with a ``CollectiveOp`` subclass and list
+it in ``_EXECUTORS`` below; every backend then runs it through the Communicator calls it makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+
+from runtime.collectives.allreduce import AllReduce
+from runtime.collectives.base import Communicator, TensorSpec
+from runtime.collectives.broadcast import Broadcast
+from runtime.collectives.local import LocalCommunicator, LocalGroup
+from runtime.collectives.op import CollectiveOp
+from runtime.collectives.reduce import Reduce
+from runtime.errors import RunError
+
+COLLECTIVE_DOMAIN = "graph_transpiler"
+
+_EXECUTORS: dict[str, type[CollectiveOp]] = {cls.op_type: cls for cls in (AllReduce, Reduce, Broadcast)}
+
+
+def make_collective(node: onnx.NodeProto, output_specs: Sequence[TensorSpec], rank: int, where: str) -> CollectiveOp:
+    """The executor for one collective node of rank ``rank``'s graph (``where`` names the file)."""
+    cls = _EXECUTORS.get(node.op_type)
+    if cls is None:
+        raise RunError(f"{where}: node '{node.name}' is collective '{node.op_type}', which this runtime does not "
+                       f"implement (implemented: {', '.join(sorted(_EXECUTORS))}; add one in runtime/collectives/)")
+    return cls(node, output_specs, rank, where)
+
+
+__all__ = [
+    "COLLECTIVE_DOMAIN",
+    "CollectiveOp",
+    "Communicator",
+    "LocalCommunicator",
+    "LocalGroup",
+    "TensorSpec",
+    "make_collective",
+]

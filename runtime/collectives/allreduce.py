@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from runtime.collectives.op import CollectiveOp
+
+
+class AllReduce(CollectiveOp):
+    """``y_i = reduce over ranks of x_i`` on every rank."""
+
+    op_type = "AllReduce"
+    required = ("order", "reduction")
+
+    def check(self):
+        super().check()
+        if len(self.inputs) != len(self.outputs):
+            raise self.fail(f"AllReduce has {len(self.inputs)} inputs but {len(self.outputs)} outputs")
+
+    def run(self, comm, inputs):
+        return comm.allreduce(inputs, self.attrs["reduction"])

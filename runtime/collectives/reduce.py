@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+from runtime.collectives.op import CollectiveOp
+
+
+class Reduce(CollectiveOp):
+    """``y_i = reduce over ranks of x_i`` on ``root``; other ranks contribute and get no outputs."""
+
+    op_type = "Reduce"
+    required = ("order", "root", "reduction")
+
+    def check(self):
+        super().check()
+        root = self.attrs["root"]
+        expected = len(self.inputs) if self.rank == root else 0
+        if len(self.outputs) != expected:
+            role = "root" if self.rank == root else f"non-root (root is {root})"
+            raise self.fail(f"Reduce on rank {self.rank} ({role}) has {len(self.outputs)} outputs, expected {expected}")
+
+    def run(self, comm, inputs):
+        return comm.reduce(inputs, self.attrs["root"], self.attrs["reduction"]) or []

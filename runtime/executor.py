@@ -1,0 +1,122 @@
+"""Executing a cut rank graph: a Backend compiles segments, a Program runs segments and collectives.
+
+These are the seams for the GPU backend: it implements ``Backend.compile`` (onnxruntime CUDA EP with
+IOBinding on device buffers) and ``Backend.make_program`` (a Program that issues each collective on
+a communication stream and lets the next segments run while it is in flight). The trainer only calls
+``Program.run`` and the host conversions, so it stays the same.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from runtime.collectives import Communicator
+from runtime.errors import RunError
+from runtime.segments import CutGraph, Segment
+
+
+class SegmentRunner(ABC):
+    """One compiled segment; built once per rank, run every step."""
+
+    @abstractmethod
+    def run(self, feeds: dict[str, Any]) -> list[Any]:
+        """The segment's outputs, in ``segment.outputs`` order."""
+
+
+class Backend(ABC):
+    name: str
+
+    @abstractmethod
+    def compile(self, segment: Segment, where: str) -> SegmentRunner: ...
+
+    def make_program(self, cut: CutGraph, comm: Communicator) -> Program:
+        return Program(cut, self, comm)
+
+    def from_host(self, array: np.ndarray) -> Any:
+        """A host array as this backend's value (a device buffer on GPU)."""
+        return array
+
+    def to_host(self, value: Any) -> np.ndarray:
+        return np.asarray(value)
+
+
+class OrtCpuSegment(SegmentRunner):
+    def __init__(self, segment: Segment, where: str, threads: int | None):
+        import onnxruntime as ort
+
+        self.where = f"{where}: segment {segment.index}"
+        self.outputs = list(segment.outputs)
+        options = ort.SessionOptions()
+        options.log_severity_level = 4  # failures surface as RunError; ORT's own log line would repeat them
+        if threads is not None:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+        try:
+            self.session = ort.InferenceSession(segment.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/NotImplemented types
+            raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
+
+    def run(self, feeds):
+        try:
+            return self.session.run(self.outputs, feeds)
+        except Exception as exc:
+            raise RunError(f"{self.where}: onnxruntime failed: {_first_line(exc)}") from None
+
+
+class CpuBackend(Backend):
+    """onnxruntime CPU execution provider; ``threads`` caps each session's intra-op threads."""
+
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
+    def compile(self, segment, where):
+        return OrtCpuSegment(segment, where, self.threads)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Program:
+    """Runs a cut graph: segments on the backend, collectives on the communicator, in order.
+
+    Sessions are compiled once here. Each value is dropped right after its last reader, so a step
+    holds no more activations than the graph itself needs.
+    """
+
+    def __init__(self, cut: CutGraph, backend: Backend, comm: Communicator):
+        self.cut = cut
+        self.comm = comm
+        self.steps = [(item, backend.compile(item, cut.where) if isinstance(item, Segment) else None) for item in cut.items]
+        self.constants = {name: backend.from_host(value) for name, value in cut.constants.items()}
+        last_reader: dict[str, int] = {}
+        for pos, item in enumerate(cut.items):
+            for name in item.inputs:
+                last_reader[name] = pos
+        keep = set(cut.outputs)
+        self.release: list[list[str]] = [[] for _ in cut.items]
+        for name, pos in last_reader.items():
+            if name not in keep:
+                self.release[pos].append(name)
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        missing = [name for name in self.cut.inputs if name not in feeds]
+        if missing:
+            raise RunError(f"{self.cut.where}: not fed: {', '.join(missing)}")
+        env = {**self.constants, **feeds}
+        for (item, runner), release in zip(self.steps, self.release):
+            values = [env[name] for name in item.inputs]
+            if runner is not None:
+                results = runner.run(dict(zip(item.inputs, values)))
+            else:
+                results = item.run(self.comm, values)
+            env.update(zip(item.outputs, results))
+            for name in release:
+                del env[name]
+        return {name: env[name] for name in self.cut.outputs}

@@ -1,0 +1,117 @@
+"""Starting the rank processes: detect an enclosing MPI/Slurm launcher, or run mpiexec ourselves.
+
+Under mpirun/mpiexec/srun every process already is a rank: it reads its rank and the world size
+from the launcher's environment and must not spawn anything. Otherwise ``transpile run`` is the
+parent: it validates once, then runs ``mpiexec -n N python -m runtime.worker <same arguments>`` and
+returns its exit status (mpiexec tears all ranks down when one exits non-zero).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import RunError
+
+# Set in the environment of the ranks we spawn, so a failing rank knows that exiting non-zero is
+# enough to tear the others down (no MPI_Abort banner).
+SPAWNED_ENV = "GRAPH_TRANSPILER_SPAWNED"
+
+# (launcher, rank variable, size variable or None), first match wins. Open MPI also sets PMIX_RANK,
+# so it is checked first. PMIx publishes no size variable: the MPI communicator's size is the
+# authority anyway (check_world_size), detection only decides "already a rank, do not spawn".
+_LAUNCHERS = (
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MPICH/Hydra", "PMI_RANK", "PMI_SIZE"),
+    ("PMIx", "PMIX_RANK", None),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    launcher: str
+    rank: int
+    size: int | None  # None where the launcher does not publish it
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """The rank (and size) an enclosing launcher gave this process, or None when started by hand."""
+    environ = os.environ if environ is None else environ
+    for name, rank_var, size_var in _LAUNCHERS:
+        if rank_var not in environ or (size_var is not None and size_var not in environ):
+            continue
+        try:
+            return LaunchEnv(name, int(environ[rank_var]), None if size_var is None else int(environ[size_var]))
+        except ValueError:
+            raise RunError(f"{name} launcher: {rank_var} or {size_var} in the environment is not an integer") from None
+    return None
+
+
+def check_world_size(size: int, world_size: int, launcher: str) -> None:
+    """``size`` is the MPI world size this process sees; it must be the plan's."""
+    if size != world_size:
+        raise RunError(f"the {launcher} launcher started {size} process(es), but the plan was transpiled for "
+                       f"world_size {world_size}; launch with -n {world_size}")
+
+
+def find_mpiexec() -> str:
+    """mpiexec next to this Python (a venv with the mpich wheel), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise RunError(f"mpiexec not found next to {sys.executable} or on PATH; install MPI (pip install mpich) "
+                   "or start the ranks with your own launcher")
+
+
+def mpiexec_flavor(mpiexec: str) -> str:
+    """'openmpi', 'mpich' (Hydra, also Intel MPI) or 'unknown', from ``mpiexec --version``."""
+    try:
+        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if "Open MPI" in text or "OpenRTE" in text or "open-mpi" in text:
+        return "openmpi"
+    if "HYDRA" in text or "MPICH" in text or "Intel" in text:
+        return "mpich"
+    return "unknown"
+
+
+def mpiexec_command(mpiexec: str, flavor: str, n: int, worker_args: Sequence[str]) -> list[str]:
+    flags = []
+    if flavor == "openmpi":
+        # Open MPI refuses more ranks than cores and running as root unless told; both are normal here.
+        flags.append("--oversubscribe")
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            flags.append("--allow-run-as-root")
+    return [mpiexec, *flags, "-n", str(n), sys.executable, "-m", "runtime.worker", *worker_args]
+
+
+def child_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env[SPAWNED_ENV] = "1"
+    # NVLink SHARP (multicast) is off on the machines we target (docs/runtime.md); harmless on CPU.
+    env["NCCL_NVLS_ENABLE"] = "0"
+    # The ranks must import this very runtime even when it is run from a checkout, not installed.
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def spawn(n: int, worker_args: Sequence[str]) -> int:
+    """Run N rank processes of ``runtime.worker`` under mpiexec; returns mpiexec's exit status."""
+    mpiexec = find_mpiexec()
+    command = mpiexec_command(mpiexec, mpiexec_flavor(mpiexec), n, worker_args)
+    try:
+        return subprocess.run(command, env=child_environment()).returncode
+    except OSError as exc:
+        raise RunError(f"cannot start {mpiexec}: {exc.strerror or exc}") from None

@@ -1,0 +1,250 @@
+"""Cut a rank's graph at its collective nodes into compute segments (as late as possible).
+
+With K collectives (domain graph_transpiler) ordered by their ``order`` attribute, a rank graph runs
+as ``segment 0, collective 0, segment 1, collective 1, ..., collective K-1, segment K``. Segment k is
+a standalone ONNX model holding the compute nodes placed in it.
+
+Placement rule (ALAP): a compute node goes to segment ``min(order of the collectives downstream of
+it)``, or K if none: the latest segment that still precedes the first collective needing it. So
+segment k holds exactly what collective k needs that no earlier collective needed: on a GPU, the
+bucket's collective starts as soon as its gradients exist while the rest of the backward runs in
+later segments. A node must also come after every collective upstream of it (segment > that order);
+ALAP placement satisfies this unless the ``order`` attributes contradict the data flow, which is an
+error. Because a consumer's downstream collectives are a subset of its producer's, a producer is
+never placed after its consumer, so every segment only reads values that already exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
+from runtime.errors import RunError
+
+
+@dataclass
+class Segment:
+    """Compute nodes that run between collective ``index - 1`` and collective ``index``."""
+
+    index: int
+    node_names: tuple[str, ...]
+    inputs: tuple[str, ...]  # fed from graph inputs, earlier segments and collectives
+    outputs: tuple[str, ...]  # read by later segments, collectives or the graph outputs
+    model: onnx.ModelProto  # standalone: its initializers are the ones its nodes use
+
+
+@dataclass
+class CutGraph:
+    """A rank graph as the runtime executes it."""
+
+    where: str  # the file, for error messages
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    items: list[Segment | CollectiveOp]  # in execution order; empty segments are left out
+    # Initializers read directly by a collective or named as a graph output (no segment carries them),
+    # e.g. the initial parameter value a root's init graph feeds into its Broadcast.
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [item for item in self.items if isinstance(item, Segment)]
+
+    @property
+    def collectives(self) -> list[CollectiveOp]:
+        return [item for item in self.items if isinstance(item, CollectiveOp)]
+
+
+def load_graph(path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.load(str(path))
+    except Exception as exc:  # onnx raises DecodeError, OSError, ValueError... for a bad file
+        raise RunError(f"{path}: cannot load ONNX model: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def cut_graph(model: onnx.ModelProto, rank: int, where: str) -> CutGraph:
+    """Cut ``model`` (rank ``rank``'s step or init graph; ``where`` names its file) into segments."""
+    model = _with_inferred_types(model)
+    graph = model.graph
+    types = _value_types(graph)
+    nodes = list(graph.node)
+    graph_inputs = [i.name for i in graph.input]
+    graph_outputs = [o.name for o in graph.output]
+    # An initializer that is also a graph input is only a default; the fed value wins (ONNX semantics).
+    initializers = {t.name: t for t in graph.initializer if t.name not in set(graph_inputs)}
+    if graph.sparse_initializer:
+        raise RunError(f"{where}: sparse initializers are not supported by the runtime")
+
+    _check_defined(nodes, graph_inputs, initializers, graph_outputs, where)
+    collectives = _collectives(nodes, types, rank, where)
+    segment_of = _place_alap(nodes, collectives, where)
+    k_count = len(collectives)
+
+    # Position in execution order: segment k at 2k, collective k at 2k+1, graph outputs after all.
+    end = 2 * k_count + 1
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        pos = 2 * collectives[i].order + 1 if i in collectives else 2 * segment_of[i]
+        for name in _consumed(node):
+            readers.setdefault(name, []).append(pos)
+    for name in graph_outputs:
+        readers.setdefault(name, []).append(end)
+
+    by_order = sorted(collectives.values(), key=lambda op: op.order)
+    members: list[list[onnx.NodeProto]] = [[] for _ in range(k_count + 1)]
+    for i in sorted(segment_of):  # graph order is a topological order, and stays one per segment
+        members[segment_of[i]].append(nodes[i])
+    items: list[Segment | CollectiveOp] = []
+    for k in range(k_count + 1):
+        segment = _build_segment(model, k, members[k], readers, initializers, types, where)
+        if segment is not None:
+            items.append(segment)
+        if k < k_count:
+            items.append(by_order[k])
+
+    direct = {name for op in by_order for name in op.inputs} | set(graph_outputs)
+    constants = {name: numpy_helper.to_array(initializers[name]) for name in direct if name in initializers}
+    return CutGraph(where, tuple(graph_inputs), tuple(graph_outputs), items, constants)
+
+
+def _check_defined(nodes, graph_inputs, initializers, graph_outputs, where: str) -> None:
+    """Every value read is defined somewhere. Given that, ALAP placement (and collective order)
+    guarantees it is produced before it is read, so this is the only availability check needed."""
+    defined = set(graph_inputs) | set(initializers) | {name for node in nodes for name in node.output}
+    for node in nodes:
+        missing = [name for name in _consumed(node) if name not in defined]
+        if missing:
+            raise RunError(f"{where}: node '{node.name or node.op_type}' reads {', '.join(repr(m) for m in missing)}, "
+                           "which nothing produces")
+    missing = [name for name in graph_outputs if name not in defined]
+    if missing:
+        raise RunError(f"{where}: graph output(s) {', '.join(repr(m) for m in missing)} are never produced")
+
+
+def _with_inferred_types(model: onnx.ModelProto) -> onnx.ModelProto:
+    # Types of values crossing a segment boundary come from value_info; infer what the writer left out.
+    # Collective nodes are of an unknown domain, which inference skips; their outputs are typed by contract.
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # e.g. a model over 2 GB; boundary types must then all be in value_info already
+        return model
+
+
+def _value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+    types = {t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
+    for vi in [*graph.value_info, *graph.input, *graph.output]:
+        if vi.type.WhichOneof("value") is not None:
+            types[vi.name] = vi.type
+    return types
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _consumed(node: onnx.NodeProto) -> list[str]:
+    """Values the node reads, including outer-scope values its subgraphs (If/Loop/Scan bodies) capture."""
+    names = [name for name in node.input if name]
+    for sub in _subgraphs(node):
+        defined = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+        captured: list[str] = []
+        for inner in sub.node:
+            captured += [name for name in _consumed(inner) if name not in defined]
+            defined.update(inner.output)
+        captured += [o.name for o in sub.output if o.name not in defined]
+        names += captured
+    return names
+
+
+def _static_spec(name: str, types: dict[str, onnx.TypeProto], where: str) -> TensorSpec:
+    t = types.get(name)
+    if t is None or t.WhichOneof("value") != "tensor_type" or not t.tensor_type.HasField("shape"):
+        raise RunError(f"{where}: collective output '{name}' has no tensor type with a shape (contract: every "
+                       "collective output has a complete static type)")
+    dims = t.tensor_type.shape.dim
+    if any(not d.HasField("dim_value") for d in dims):
+        raise RunError(f"{where}: collective output '{name}' has a symbolic shape; receivers need a static one")
+    return TensorSpec(tuple(d.dim_value for d in dims), np.dtype(helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type)))
+
+
+def _collectives(nodes: list[onnx.NodeProto], types, rank: int, where: str) -> dict[int, CollectiveOp]:
+    """Executors of the collective nodes, keyed by node index; their orders must be 0..K-1."""
+    ops = {i: make_collective(n, [_static_spec(o, types, where) for o in n.output], rank, where)
+           for i, n in enumerate(nodes) if n.domain == COLLECTIVE_DOMAIN}
+    orders = sorted(op.order for op in ops.values())
+    if orders != list(range(len(ops))):
+        raise RunError(f"{where}: collective 'order' attributes are {orders}, expected 0..{len(ops) - 1} each once")
+    return ops
+
+
+def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp], where: str) -> dict[int, int]:
+    """Segment index of every compute node (see the module docstring for the rule)."""
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(nodes)))
+    dag.add_edges_from((producer[name], i) for i, node in enumerate(nodes) for name in _consumed(node) if name in producer)
+    if not nx.is_directed_acyclic_graph(dag):
+        raise RunError(f"{where}: the graph has a cycle")
+
+    k_count = len(collectives)
+    latest = {i: k_count for i in range(len(nodes)) if i not in collectives}
+    earliest = dict.fromkeys(latest, 0)
+    for c, op in collectives.items():
+        for a in nx.ancestors(dag, c):
+            if a in collectives:
+                if collectives[a].order >= op.order:
+                    raise RunError(f"{where}: collective '{op.name}' (order {op.order}) reads the output of "
+                                   f"collective '{collectives[a].name}' (order {collectives[a].order}); orders contradict the data flow")
+            else:
+                latest[a] = min(latest[a], op.order)
+        for d in nx.descendants(dag, c):
+            if d not in collectives:
+                earliest[d] = max(earliest[d], op.order + 1)
+    for i, k in latest.items():
+        if earliest[i] > k:
+            raise RunError(f"{where}: node '{nodes[i].name or nodes[i].op_type}' reads collective order "
+                           f"{earliest[i] - 1} but feeds collective order {k}; orders contradict the data flow")
+    return latest
+
+
+def _build_segment(model: onnx.ModelProto, k: int, members: list[onnx.NodeProto], readers: dict[str, list[int]],
+                   initializers: dict[str, onnx.TensorProto], types: dict[str, onnx.TypeProto], where: str) -> Segment | None:
+    produced = {name for node in members for name in node.output if name}
+    consumed = list(dict.fromkeys(name for node in members for name in _consumed(node)))
+    embedded = [name for name in consumed if name in initializers and name not in produced]
+    inputs = [name for name in consumed if name not in produced and name not in initializers]
+    # Only values someone after this segment reads leave it; the rest die inside the session.
+    outputs = [name for node in members for name in node.output if name and any(p > 2 * k for p in readers.get(name, ()))]
+    if not outputs:
+        return None  # no nodes, or only nodes whose results nobody reads
+
+    def value_info(name: str, required: bool) -> onnx.ValueInfoProto:
+        if name in types:
+            return helper.make_value_info(name, types[name])
+        if required:
+            raise RunError(f"{where}: value '{name}' enters segment {k} but has no type in the graph (add it to value_info)")
+        return helper.make_empty_tensor_value_info(name)
+
+    graph = helper.make_graph(
+        members,
+        f"{model.graph.name or 'graph'}_segment{k}",
+        inputs=[value_info(name, True) for name in inputs],
+        outputs=[value_info(name, False) for name in outputs],
+        initializer=[initializers[name] for name in embedded],
+    )
+    opsets = [op for op in model.opset_import if op.domain != COLLECTIVE_DOMAIN]
+    # onnx's helpers stamp the newest IR version (14 with onnx 1.23), which onnxruntime 1.31 refuses;
+    # a segment needs only the IR version its opsets require, so it never asks for more than that.
+    ir_version = min(model.ir_version, helper.find_min_ir_version_for(opsets, ignore_unknown=True))
+    segment_model = helper.make_model(graph, opset_imports=opsets, ir_version=ir_version, functions=model.functions)
+    return Segment(k, tuple(node.name for node in members), tuple(inputs), tuple(outputs), segment_model)

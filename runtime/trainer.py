@@ -1,0 +1,187 @@
+"""The training loop of one rank, the in-process simulator of all ranks, and --export.
+
+A Trainer owns one rank's state (parameters, optimizer state, step counter) between steps: the init
+graph produces it (its Broadcasts make every replica start equal), each step feeds it back in and
+replaces every state input by its matching output. Sessions are built once, in the constructor.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from runtime.collectives import Communicator, LocalGroup
+from runtime.data import Dataset, shard_size
+from runtime.errors import RunError
+from runtime.executor import Backend, CpuBackend
+from runtime.plan import Plan, load_plan
+from runtime.segments import cut_graph, load_graph
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    batch: int  # global batch, over all ranks
+    steps: int
+    lr: float
+    shuffle: bool = False
+    seed: int = 0
+    log_every: int = 0  # 0: silent
+    export: Path | None = None
+
+
+class Trainer:
+    """One rank (``rank=None``: the single-device graphs) of a plan, on a backend and a communicator."""
+
+    def __init__(self, plan: Plan, comm: Communicator, *, rank: int | None, backend: Backend | None = None):
+        self.plan = plan
+        self.comm = comm
+        self.backend = backend or CpuBackend()
+        files = plan.graphs(rank)
+        self.state_entries = files.state
+        role = 0 if rank is None else rank
+        step_cut = cut_graph(load_graph(files.step), role, files.step.name)
+        init_cut = cut_graph(load_graph(files.init), role, files.init.name)
+        self._check_signature(step_cut.inputs, step_cut.outputs, init_cut.outputs, files.step.name, files.init.name)
+        self.step_program = self.backend.make_program(step_cut, comm)
+        self.init_program = self.backend.make_program(init_cut, comm)
+        self.state: dict[str, object] = {}
+
+    def _check_signature(self, step_inputs, step_outputs, init_outputs, step_file: str, init_file: str) -> None:
+        plan = self.plan
+        expected = [d.name for d in plan.data_inputs] + [plan.lr_input] + [s.input for s in self.state_entries]
+        if sorted(step_inputs) != sorted(expected):
+            extra = sorted(set(step_inputs) - set(expected))
+            lacking = sorted(set(expected) - set(step_inputs))
+            raise RunError(f"{step_file}: graph inputs do not match plan.json (not in the plan: {extra or 'none'}; "
+                           f"missing from the graph: {lacking or 'none'})")
+        needed = [plan.loss] + [s.output for s in self.state_entries]
+        lacking = [name for name in needed if name not in step_outputs]
+        if lacking:
+            raise RunError(f"{step_file}: graph outputs lack {', '.join(lacking)} (named in plan.json)")
+        lacking = [s.input for s in self.state_entries if s.input not in init_outputs]
+        if lacking:
+            raise RunError(f"{init_file}: graph outputs lack state value(s) {', '.join(lacking)}")
+
+    def initialize(self) -> None:
+        outputs = self.init_program.run({})
+        self.state = {s.input: outputs[s.input] for s in self.state_entries}
+
+    def step(self, data: dict[str, np.ndarray], lr: float) -> float:
+        """Run one training step on this rank's shard; returns the loss averaged over all ranks."""
+        feeds = {name: self.backend.from_host(array) for name, array in data.items()}
+        feeds[self.plan.lr_input] = self.backend.from_host(np.array(lr, dtype=np.float32))
+        feeds.update(self.state)
+        outputs = self.step_program.run(feeds)
+        self.state = {s.input: outputs[s.output] for s in self.state_entries}
+        # The step graph's loss is the mean over this rank's shard; equal shards make the mean of
+        # the ranks' means the mean over the global batch, i.e. what one device reports.
+        return self.comm.allreduce_scalar(float(self.backend.to_host(outputs[self.plan.loss])), "mean")
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Host copies of the state, keyed by state input name."""
+        return {name: np.array(self.backend.to_host(value), copy=True) for name, value in self.state.items()}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Trained parameter values keyed by the user's initializer name (the name --export writes)."""
+        return {s.param or s.input: np.array(self.backend.to_host(self.state[s.input]), copy=True)
+                for s in self.state_entries if s.kind == "param"}
+
+
+def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, world_size: int,
+          log: Callable[[str], None] = print) -> list[float]:
+    """Initialize and run ``config.steps`` steps; rank 0 logs and exports. Returns the global losses."""
+    trainer.initialize()
+    losses = []
+    for step in range(config.steps):
+        started = time.perf_counter()
+        data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
+                             shuffle=config.shuffle, seed=config.seed)
+        loss = trainer.step(data, config.lr)
+        losses.append(loss)
+        done = step + 1
+        if rank == 0 and config.log_every and (done == 1 or done % config.log_every == 0 or done == config.steps):
+            ms = (time.perf_counter() - started) * 1e3
+            log(f"step {done}/{config.steps}  loss {loss:.6f}  lr {config.lr:g}  {ms:.1f} ms")
+    if rank == 0 and config.export is not None:
+        export_model(trainer.plan, trainer.parameters(), config.export)
+    return losses
+
+
+def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path) -> None:
+    """Write the user's model with trained values in its initializers, atomically (temp file + rename)."""
+    path = Path(path)
+    model = load_graph(plan.model)
+    by_name = {t.name: t for t in model.graph.initializer}
+    missing = [name for name in parameters if name not in by_name]
+    if missing:
+        raise RunError(f"{plan.model}: has no initializer(s) {', '.join(missing)} to export trained values into")
+    for name, value in parameters.items():
+        old = by_name[name]
+        if tuple(old.dims) != value.shape or onnx.helper.tensor_dtype_to_np_dtype(old.data_type) != value.dtype:
+            raise RunError(f"{plan.model}: initializer '{name}' is {list(old.dims)} "
+                           f"{onnx.helper.tensor_dtype_to_np_dtype(old.data_type)}, trained value is {list(value.shape)} {value.dtype}")
+        old.CopyFrom(numpy_helper.from_array(value, name))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@dataclass
+class SimResult:
+    losses: list[float]  # global mean loss per step (identical on every rank)
+    states: list[dict[str, np.ndarray]]  # per rank: final state keyed by state input name
+    parameters: list[dict[str, np.ndarray]]  # per rank: final parameters keyed by parameter name
+
+
+def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, steps: int, lr: float | None = None,
+             shuffle: bool = False, seed: int = 0, single_device: bool = False) -> SimResult:
+    """Train all ranks of OUT as threads of this process (or the single-device graph on the full batch).
+
+    Collectives go through a LocalGroup, so this checks "N ranks == 1 device" with no MPI. Each
+    session gets one intra-op thread: the ranks already run in parallel.
+    """
+    plan = load_plan(out_dir)
+    world_size = 1 if single_device else plan.world_size
+    dataset = Dataset(data, plan.data_inputs, "<data>")
+    shard_size(batch, world_size)
+    config = RunConfig(batch=batch, steps=steps, lr=plan.lr if lr is None else lr, shuffle=shuffle, seed=seed)
+    group = LocalGroup(world_size)
+    losses: list[list[float] | None] = [None] * world_size
+    trainers: list[Trainer | None] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def run_rank(r: int) -> None:
+        try:
+            trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1))
+            losses[r] = train(trainers[r], dataset, config, rank=r, world_size=world_size)
+        except BaseException as exc:  # re-raised below in the caller's thread
+            errors[r] = exc
+            group.abort()  # peers blocked in a collective raise BrokenBarrierError instead of hanging
+
+    threads = [threading.Thread(target=run_rank, args=(r,), name=f"rank{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Report the failure that caused the abort, not the BrokenBarrierErrors it caused in the peers.
+    failures = [(r, e) for r, e in enumerate(errors) if e is not None]
+    for r, exc in sorted(failures, key=lambda f: isinstance(f[1], threading.BrokenBarrierError)):
+        if isinstance(exc, RunError):
+            raise RunError(f"rank {r}: {exc}") from exc
+        raise exc
+    return SimResult(losses=losses[0], states=[t.state_dict() for t in trainers],
+                     parameters=[t.parameters() for t in trainers])

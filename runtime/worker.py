@@ -1,0 +1,87 @@
+"""One rank process under MPI: ``python -m runtime.worker <transpile run arguments>``.
+
+Failure handling keeps the "one line per error, no hang" promise in two phases:
+1. setup (plan, data, world size, building sessions) issues no collective, so every rank finishes
+   it, even after an error; then the ranks agree (one allgather) whether anyone failed. On failure
+   rank 0 prints each distinct error once and every rank exits with status 2: nobody hangs.
+2. training: a rank that fails prints one line naming itself and tears the job down (exit non-zero
+   when we spawned mpiexec, which then kills the others; MPI_Abort under a foreign launcher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from runtime.cli import add_run_arguments, prepare
+from runtime.collectives.mpi import MpiCommunicator
+from runtime.errors import RunError
+from runtime.executor import CpuBackend
+from runtime.launcher import SPAWNED_ENV, check_world_size, detect_launcher
+from runtime.trainer import Trainer, train
+
+
+def _threads_per_rank(comm: MpiCommunicator) -> int:
+    # Ranks on one host share its cores; onnxruntime's default (all cores each) oversubscribes them.
+    from mpi4py import MPI
+
+    local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return max(1, (os.cpu_count() or 1) // local.Get_size())
+    finally:
+        local.Free()
+
+
+def _tear_down(comm: MpiCommunicator, code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.environ.get(SPAWNED_ENV) == "1":
+        os._exit(code)  # our mpiexec kills the other ranks when one exits non-zero
+    comm.abort(code)
+
+
+def run_as_rank(args: argparse.Namespace) -> int:
+    """Run this process as the rank its launcher gave it; returns the exit status."""
+    comm = MpiCommunicator()
+    trainer = error = None
+    try:
+        plan, dataset, config = prepare(args)
+        launcher = detect_launcher()
+        check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
+        trainer = Trainer(plan, comm, rank=comm.rank, backend=CpuBackend(threads=_threads_per_rank(comm)))
+    except RunError as exc:
+        error = str(exc)
+    except Exception as exc:  # a bug: keep its traceback, but still reach the agreement below
+        traceback.print_exc()
+        error = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0]
+    errors = comm.comm.allgather(error)
+    if any(errors):
+        if comm.rank == 0:
+            distinct = list(dict.fromkeys(e for e in errors if e))
+            for message in distinct:
+                ranks = [r for r, e in enumerate(errors) if e == message]
+                where = "" if len(ranks) == comm.size else f"rank {', '.join(map(str, ranks))}: "
+                print(f"transpile: error: {where}{message}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        train(trainer, dataset, config, rank=comm.rank, world_size=comm.size, log=lambda line: print(line, flush=True))
+    except RunError as exc:
+        print(f"transpile: error: rank {comm.rank}: {exc}", file=sys.stderr)
+        _tear_down(comm, 2)
+    except Exception as exc:  # a bug, not a user error: keep the traceback
+        traceback.print_exc()
+        print(f"transpile: error: rank {comm.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
+        _tear_down(comm, 1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.worker", description="One rank of `transpile run`.")
+    add_run_arguments(parser)
+    return run_as_rank(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
