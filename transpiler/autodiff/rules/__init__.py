@@ -1,0 +1,9 @@
+"""Gradient rules, one table keyed by ONNX op type; importing this package registers them all.
+
+Modules group rules by kind of op; each rule is a small function registered with a decorator from
+``transpiler.autodiff._registry`` (see docs/ops.md for how to add one).
+"""
+
+from . import elementwise, linalg, non_differentiable, reduce, shape_ops
+
+__all__ = ["elementwise", "linalg", "non_differentiable", "reduce", "shape_ops"]

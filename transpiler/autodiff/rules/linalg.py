@@ -1,0 +1,89 @@
+"""Matrix products."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+
+from transpiler.autodiff._context import RuleContext, unbroadcast
+from transpiler.autodiff._registry import register
+
+
+def _dims(value: ir.Value) -> list[Any] | None:
+    return None if value.shape is None else list(value.shape)
+
+
+def _swap_last_two(ctx: RuleContext, value: ir.Value, rank: int) -> ir.Value:
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    return ctx.op("Transpose", [value], {"perm": perm})
+
+
+@register("MatMul")
+def _matmul(ctx: RuleContext) -> list[ir.Value | None]:
+    # numpy matmul semantics: a 1-D operand is promoted to a matrix (a row for the left, a column
+    # for the right) and the inserted axis is removed from the result; batch dims broadcast.
+    # Differentiate the promoted product, then unbroadcast and drop the promoted axes again.
+    a, b = ctx.inputs
+    rank_a, rank_b = ctx.rank(a), ctx.rank(b)
+    a2 = a if rank_a >= 2 else ctx.op("Unsqueeze", [a, ctx.const([0])], shape=[1, *a.shape])
+    b2 = b if rank_b >= 2 else ctx.op("Unsqueeze", [b, ctx.const([-1])], shape=[*b.shape, 1])
+
+    dy_dims = _dims(ctx.output)
+    restore = []
+    if rank_a == 1:
+        restore.append(-2)
+        if dy_dims is not None:
+            dy_dims.insert(len(dy_dims) - 1, 1)
+    if rank_b == 1:
+        restore.append(-1)
+        if dy_dims is not None:
+            dy_dims.append(1)
+    dy = ctx.op("Unsqueeze", [ctx.dy, ctx.const(restore)], shape=dy_dims) if restore else ctx.dy
+    a2_dims, b2_dims = _dims(a2), _dims(b2)
+
+    def grad_a() -> ir.Value:
+        shape = None if dy_dims is None or b2_dims is None else [*dy_dims[:-1], b2_dims[-2]]
+        da = ctx.op("MatMul", [dy, _swap_last_two(ctx, b2, max(rank_b, 2))], shape=shape)
+        da = unbroadcast(ctx, da, a2)
+        return da if rank_a >= 2 else ctx.op("Squeeze", [da, ctx.const([0])], like=a)
+
+    def grad_b() -> ir.Value:
+        shape = None if dy_dims is None or a2_dims is None else [*dy_dims[:-2], a2_dims[-1], dy_dims[-1]]
+        db = ctx.op("MatMul", [_swap_last_two(ctx, a2, max(rank_a, 2)), dy], shape=shape)
+        db = unbroadcast(ctx, db, b2)
+        return db if rank_b >= 2 else ctx.op("Squeeze", [db, ctx.const([-1])], like=b)
+
+    return ctx.wanted_grads(grad_a, grad_b)
+
+
+@register("Gemm")
+def _gemm(ctx: RuleContext) -> list[ir.Value | None]:
+    # Y = alpha * A' B' + beta * C, with A' = A^T if transA (B likewise). Each input gradient is one
+    # Gemm whose trans flags absorb both the forward transposes and the transpose of the rule.
+    a, b = ctx.inputs[0], ctx.inputs[1]
+    attributes = ctx.node.attributes
+    alpha = attributes.get_float("alpha", 1.0)
+    beta = attributes.get_float("beta", 1.0)
+    trans_a = attributes.get_int("transA", 0)
+    trans_b = attributes.get_int("transB", 0)
+    dy = ctx.dy
+
+    def gemm(x: ir.Value, y: ir.Value, t_x: int, t_y: int, like: ir.Value) -> ir.Value:
+        return ctx.op("Gemm", [x, y], {"alpha": alpha, "transA": t_x, "transB": t_y}, like=like)
+
+    def grad_a() -> ir.Value:
+        # dA' = alpha dY B'^T; with transA, dA = dA'^T = alpha B' dY^T.
+        return gemm(b, dy, trans_b, 1, a) if trans_a else gemm(dy, b, 0, 1 - trans_b, a)
+
+    def grad_b() -> ir.Value:
+        # dB' = alpha A'^T dY; with transB, dB = dB'^T = alpha dY^T A'.
+        return gemm(dy, a, 1, trans_a, b) if trans_b else gemm(a, dy, 1 - trans_a, 0, b)
+
+    def grad_c() -> ir.Value:
+        scaled = (
+            dy if beta == 1.0 else ctx.op("Mul", [dy, ctx.scalar(beta, like=ctx.output)], like=ctx.output)
+        )
+        return unbroadcast(ctx, scaled, ctx.inputs[2])
+
+    return ctx.wanted_grads(grad_a, grad_b, grad_c)

@@ -1,0 +1,53 @@
+"""Ops that move elements without changing them: their gradients move the gradient back."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from transpiler.autodiff._context import RuleContext, annotate, unbroadcast
+from transpiler.autodiff._registry import linear, register
+
+
+@linear("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def _restore_shape(ctx: RuleContext, dy: ir.Value) -> ir.Value:
+    x = ctx.inputs[0]
+    # allowzero=1: the target is a literal shape, so a 0 dim (empty tensor) must stay 0 rather than
+    # mean "copy the input dim".
+    return ctx.op("Reshape", [dy, ctx.shape_of(x)], {"allowzero": 1}, like=x)
+
+
+@linear("Transpose")
+def _transpose(ctx: RuleContext, dy: ir.Value) -> ir.Value:
+    x = ctx.inputs[0]
+    perm = ctx.node.attributes.get_ints("perm")
+    if perm is None:
+        # The default perm reverses the axes, and reversing is its own inverse.
+        return ctx.op("Transpose", [dy], like=x)
+    inverse = np.argsort(perm).tolist()
+    return ctx.op("Transpose", [dy], {"perm": inverse}, like=x)
+
+
+@linear("Expand")
+def _expand(ctx: RuleContext, dy: ir.Value) -> ir.Value:
+    # Expand broadcasts x against the shape input, so its transpose is summing back to x's shape.
+    return unbroadcast(ctx, dy, ctx.inputs[0])
+
+
+@register("Concat")
+def _concat(ctx: RuleContext) -> list[ir.Value | None]:
+    # Split dy along the axis into pieces as long as each input is along it.
+    inputs = ctx.inputs
+    axis = ctx.node.attributes.get_int("axis")
+    if axis is None:
+        raise ctx.error("Concat has no 'axis' attribute")
+    axis %= ctx.rank(inputs[0])
+    lengths = [None if x.shape is None else x.shape[axis] for x in inputs]
+    if all(isinstance(n, int) for n in lengths):
+        split = ctx.const(lengths)
+    else:
+        split = ctx.op("Concat", [ctx.shape_of(x, axis, axis + 1) for x in inputs], {"axis": 0})
+    pieces = ctx.op_multi("Split", [ctx.dy, split], {"axis": axis}, num_outputs=len(inputs))
+    for piece, x in zip(pieces, inputs):
+        annotate(piece, x)
+    return ctx.wanted_grads(*(lambda piece=piece: piece for piece in pieces))
