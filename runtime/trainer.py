@@ -100,17 +100,24 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, w
           log: Callable[[str], None] = print) -> list[float]:
     """Initialize and run ``config.steps`` steps; rank 0 logs and exports. Returns the global losses."""
     trainer.initialize()
-    losses = []
+    losses: list[float] = []
+    # The log line reports averages over the steps since the previous line: a single step's time
+    # and loss are too noisy to read (one batch; a rank descheduled for a moment).
+    since, window_start = 0, time.perf_counter()
     for step in range(config.steps):
-        started = time.perf_counter()
         data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
                              shuffle=config.shuffle, seed=config.seed)
         loss = trainer.step(data, config.lr)
         losses.append(loss)
         done = step + 1
         if rank == 0 and config.log_every and (done == 1 or done % config.log_every == 0 or done == config.steps):
-            ms = (time.perf_counter() - started) * 1e3
-            log(f"step {done}/{config.steps}  loss {loss:.6f}  lr {config.lr:g}  {ms:.1f} ms")
+            now = time.perf_counter()
+            window = losses[since:]
+            epoch = done * config.batch / dataset.rows
+            log(f"step {done}/{config.steps}  epoch {epoch:.2f}  loss {loss:.6f}  "
+                f"mean loss {sum(window) / len(window):.6f}  lr {config.lr:g}  "
+                f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
+            since, window_start = done, now
     if rank == 0 and config.export is not None:
         export_model(trainer.plan, trainer.parameters(), config.export)
     return losses

@@ -13,6 +13,8 @@ import onnx.shape_inference
 import onnx.version_converter
 import onnx_ir as ir
 
+from transpiler.autodiff import check_supported, differentiable_values
+from transpiler.autodiff._context import FLOAT_TYPES
 from transpiler.errors import TranspileError, UnsupportedOpsError
 
 # Graphs handed to autodiff and the optimizer are at least this opset, so every Reduce* op takes
@@ -20,7 +22,6 @@ from transpiler.errors import TranspileError, UnsupportedOpsError
 MIN_OPSET = 18
 BATCH_DIM = "batch"
 
-FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
 @dataclass
@@ -127,9 +128,6 @@ def _find_loss(graph: ir.Graph, loss: str | None, path: Path) -> ir.Value:
 
 def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | None = None) -> Problem:
     """Read, check and normalise the user's model; raise TranspileError with a one-line reason."""
-    # Imported here: autodiff imports this module's constants.
-    from transpiler.autodiff import check_supported, differentiable_values
-
     path = Path(path)
     source, raw = read_model(path)
     try:

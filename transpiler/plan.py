@@ -34,6 +34,10 @@ def _version() -> str:
 
 def _save(model: ir.Model, path: Path) -> None:
     proto = ir.serde.serialize_model(model)
+    # The lowest IR version the opset allows: onnx stamps its newest by default, which onnxruntime
+    # releases often do not load yet.
+    default_opset = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    proto.ir_version = min(proto.ir_version, onnx.helper.find_min_ir_version_for(default_opset, ignore_unknown=True))
     try:
         proto = onnx.shape_inference.infer_shapes(proto)
     except Exception:
