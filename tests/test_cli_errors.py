@@ -1,0 +1,198 @@
+"""Bad input: a one-line error naming what and where, exit status 2, no traceback, nothing in OUT."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def transpile_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "transpiler.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+def assert_clean_error(done: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("transpile: error: "), lines[0]
+    assert "Traceback" not in done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def save_model(path: Path, nodes, inputs, outputs, initializers) -> Path:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def float_input(name: str, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def weight(name: str, shape) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.full(shape, 0.5, np.float32), name)
+
+
+def mse_tail(pred: str) -> list:
+    return [
+        helper.make_node("Sub", [pred, "y"], ["d"]),
+        helper.make_node("Mul", ["d", "d"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0),
+    ]
+
+
+@pytest.fixture
+def perceptron(model_dir) -> Path:
+    return model_dir("perceptron")
+
+
+def test_not_onnx(tmp_path):
+    bad = tmp_path / "model.onnx"
+    bad.write_text("this is not a protobuf")
+    done = transpile_cli(bad, "--gpus", "2", "-o", tmp_path / "out", cwd=tmp_path)
+    assert_clean_error(done, str(bad), "not an ONNX model")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_file(tmp_path):
+    done = transpile_cli(tmp_path / "nope.onnx", "-o", tmp_path / "out", cwd=tmp_path)
+    assert_clean_error(done, "nope.onnx", "no such file")
+
+
+def test_no_scalar_loss(tmp_path):
+    model = save_model(
+        tmp_path / "m.onnx",
+        [helper.make_node("MatMul", ["x", "w"], ["pred"])],
+        [float_input("x", ["batch", 3])],
+        [float_input("pred", ["batch", 1])],
+        [weight("w", [3, 1])],
+    )
+    done = transpile_cli(model, "-o", tmp_path / "out", cwd=tmp_path)
+    assert_clean_error(done, "m.onnx", "no scalar float output", "pred")
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_loss_name(perceptron, tmp_path):
+    done = transpile_cli(perceptron / "model.onnx", "--loss", "lossy", "-o", tmp_path / "out", cwd=tmp_path)
+    assert_clean_error(done, "--loss 'lossy'", "outputs: loss")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_ops_listed_all_at_once(tmp_path):
+    # Two unsupported op types on three nodes; every one is named in the single line.
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Atan", ["h"], ["a1"], name="atan_1"),
+        helper.make_node("Sinh", ["a1"], ["s"], name="sinh_1"),
+        helper.make_node("Atan", ["s"], ["pred"], name="atan_2"),
+        *mse_tail("pred"),
+    ]
+    model = save_model(
+        tmp_path / "m.onnx", nodes, [float_input("x", ["batch", 3]), float_input("y", ["batch", 1])],
+        [float_input("loss", [])], [weight("w", [3, 1])],
+    )
+    done = transpile_cli(model, "--gpus", "2", "-o", tmp_path / "out", cwd=tmp_path)
+    line = assert_clean_error(done, "m.onnx", "'Atan'", "'atan_1'", "'atan_2'", "'Sinh'", "'sinh_1'", "docs/ops.md")
+    assert "'mm'" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_loss_not_reachable_from_a_parameter(tmp_path):
+    # The weight only feeds Shape: no gradient can reach it.
+    nodes = [
+        helper.make_node("Shape", ["w"], ["ws"]),
+        helper.make_node("Reshape", ["x", "ws"], ["pred"]),
+        *mse_tail("pred"),
+    ]
+    model = save_model(
+        tmp_path / "m.onnx", nodes, [float_input("x", [3, 1]), float_input("y", [3, 1])],
+        [float_input("loss", [])], [weight("w", [3, 1])],
+    )
+    done = transpile_cli(model, "-o", tmp_path / "out", cwd=tmp_path)
+    assert_clean_error(done, "m.onnx", "not reachable from any float parameter")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--gpus", "0"], ["--gpus", "at least 1"]),
+        (["--strategy", "ring"], ["--strategy 'ring'"]),
+        (["--placement", "random"], ["--placement 'random'"]),
+        (["--optimizer", "lion"], ["lion"]),
+        (["--freeze", "("], ["--freeze"]),
+    ],
+)
+def test_bad_options(perceptron, tmp_path, args, fragments):
+    done = transpile_cli(perceptron / "model.onnx", *args, "-o", tmp_path / "out", cwd=tmp_path)
+    assert_clean_error(done, *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_transpile_keeps_an_existing_out(perceptron, tmp_path):
+    out = tmp_path / "out"
+    assert transpile_cli(perceptron / "model.onnx", "--gpus", "2", "-o", out, cwd=tmp_path).returncode == 0
+    before = sorted(p.name for p in out.iterdir())
+    done = transpile_cli(perceptron / "model.onnx", "--gpus", "0", "-o", out, cwd=tmp_path)
+    assert_clean_error(done, "--gpus")
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no temp dirs left
+
+
+@pytest.fixture
+def transpiled(perceptron, tmp_path) -> Path:
+    out = tmp_path / "out"
+    assert transpile_cli(perceptron / "model.onnx", "--gpus", "4", "-o", out, cwd=tmp_path).returncode == 0
+    return out
+
+
+def run_cli(out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    return transpile_cli("run", out, "--data", data, "--steps", "1", *extra, cwd=out.parent)
+
+
+def write_data(path: Path, **arrays) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+def test_data_missing_an_input(transpiled, tmp_path):
+    data = write_data(tmp_path / "d.npz", X=np.ones((8, 10), np.float32))
+    assert_clean_error(run_cli(transpiled, data, "--batch", "8"), "d.npz", "'Y'")
+
+
+def test_data_wrong_shape(transpiled, tmp_path):
+    data = write_data(tmp_path / "d.npz", X=np.ones((8, 9), np.float32), Y=np.ones((8, 1), np.float32))
+    assert_clean_error(run_cli(transpiled, data, "--batch", "8"), "d.npz", "'X'", "shape")
+
+
+def test_data_wrong_dtype(transpiled, tmp_path):
+    data = write_data(tmp_path / "d.npz", X=np.ones((8, 10), np.float64), Y=np.ones((8, 1), np.float32))
+    assert_clean_error(run_cli(transpiled, data, "--batch", "8"), "d.npz", "'X'", "float64", "float32")
+
+
+def test_batch_not_divisible_by_ranks(transpiled, tmp_path):
+    data = write_data(tmp_path / "d.npz", X=np.ones((8, 10), np.float32), Y=np.ones((8, 1), np.float32))
+    assert_clean_error(run_cli(transpiled, data, "--batch", "6"), "6", "4")
+
+
+def test_run_without_plan(tmp_path):
+    data = write_data(tmp_path / "d.npz", X=np.ones((8, 10), np.float32))
+    (tmp_path / "empty").mkdir()
+    assert_clean_error(run_cli(tmp_path / "empty", data, "--batch", "8"), "plan.json")
+
+
+def test_inspect_without_plan(tmp_path):
+    done = transpile_cli("inspect", tmp_path, cwd=tmp_path)
+    assert_clean_error(done, "plan.json")

@@ -1,0 +1,51 @@
+"""End to end as a user runs it: `transpile`, `transpile inspect`, `transpile run` on 4 MPI ranks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import onnx
+import pytest
+from conftest import initial_parameters, load_data, max_rel_error
+from onnx import numpy_helper
+
+from runtime import simulate
+
+
+def cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "transpiler.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["sharded", "allreduce"])
+def test_perceptron_trains_on_four_mpi_ranks(model_dir, tmp_path, strategy):
+    src = model_dir("perceptron")
+    out = tmp_path / "out"
+    done = cli(src / "model.onnx", "--gpus", 4, "--strategy", strategy, "--optimizer", "momentum",
+               "--lr", "0.0001", "-o", out, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "4 rank(s)" in done.stdout
+
+    inspected = cli("inspect", out, cwd=tmp_path)
+    assert inspected.returncode == 0, inspected.stderr
+    assert "Reduce" in inspected.stdout if strategy == "sharded" else "AllReduce" in inspected.stdout
+
+    trained = tmp_path / "trained.onnx"
+    done = cli("run", out, "--data", src / "data.npz", "--batch", 32, "--steps", 40, "--log-every", 10,
+               "--export", trained, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/40", "10/40", "20/40", "30/40", "40/40"]
+    losses = [float(line.split("  loss ")[1].split()[0]) for line in lines]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+    # The exported model is the user's model with the parameters of the 4 MPI ranks, which equal
+    # the in-process simulation (MPI may sum in another order: not bitwise, within float32 noise).
+    model = onnx.load(trained)
+    exported = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    expected = simulate(out, load_data(src / "data.npz"), batch=32, steps=40)
+    assert max_rel_error({k: exported[k] for k in expected.parameters[0]}, expected.parameters[0]) <= 1e-5
+    assert max_rel_error(expected.parameters[0], initial_parameters(src / "model.onnx")) > 1e-3
+    assert [n.op_type for n in model.graph.node] == [n.op_type for n in onnx.load(src / "model.onnx").graph.node]
