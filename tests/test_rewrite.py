@@ -90,6 +90,8 @@ def test_every_rank_issues_the_same_collectives(model_dir, tmp_path, strategy):
         described = [(c["op"], c["order"], c["bucket"], c["root"], c["reduction"], len(c["params"]))
                      for c in plan["collectives"][phase]]
         assert described == sequences[0]
+    byte_counts = [p["bytes"] for p in plan["parameters"]] + [c["bytes"] for c in plan["collectives"]["step"]]
+    assert all(isinstance(b, int) and b > 0 for b in byte_counts)
     if strategy == "allreduce":
         assert [c["op"] for c in plan["collectives"]["step"]] == ["AllReduce"] * len(plan["buckets"])
         assert sum(c["bytes"] for c in plan["collectives"]["step"]) == sum(p["bytes"] for p in plan["parameters"])

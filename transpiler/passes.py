@@ -91,7 +91,7 @@ class Job:
 
 
 def _nbytes(value: ir.Value) -> int:
-    return int(np.prod(value.shape.numpy(), dtype=np.int64)) * value.dtype.itemsize
+    return int(np.prod(value.shape.numpy(), dtype=np.int64)) * value.dtype.bitwidth // 8
 
 
 class AutodiffPass(InPlacePass):

@@ -74,7 +74,7 @@ def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
                 "bucket": attrs["bucket"],
                 "reduction": attrs.get("reduction"),
                 "params": [by_param[v.name] for v in tensors],
-                "bytes": sum(v.dtype.itemsize * _numel(v) for v in tensors),
+                "bytes": sum(v.dtype.bitwidth // 8 * _numel(v) for v in tensors),
             }
         )
     return out
