@@ -226,8 +226,8 @@ def _graph_files(g: dict, r: _Reader, where: str) -> GraphFiles:
         sw = f"{where}.state[{i}]"
         if not isinstance(s, dict):
             raise r.fail(sw, "must be an object")
-        # Only kind "param" means something to the runtime (it is what --export writes back); other
-        # kinds (optimizer, step, running statistics) are carried opaquely, so new kinds need no change here.
+        # Kinds "param" and "buffer" mean something to the runtime (--export writes them back); the
+        # others (optimizer, step) are carried opaquely, so new kinds need no change here.
         kind = r.get(s, "kind", str, sw)
         state.append(StateEntry(r.get(s, "input", str, sw), r.get(s, "output", str, sw), kind,
                                 r.get(s, "param", str, sw, optional=True)))

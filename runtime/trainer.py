@@ -27,6 +27,10 @@ from runtime.plan import Plan, load_plan
 from runtime.segments import cut_graph, load_graph
 
 
+# State kinds whose values --export writes into the user's model, by initializer name.
+EXPORTED_KINDS = ("param", "buffer")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     batch: int  # global batch, over all ranks
@@ -91,9 +95,11 @@ class Trainer:
         return {name: np.array(self.backend.to_host(value), copy=True) for name, value in self.state.items()}
 
     def parameters(self) -> dict[str, np.ndarray]:
-        """Trained parameter values keyed by the user's initializer name (the name --export writes)."""
+        """Trained values keyed by the user's initializer name (what --export writes back): the
+        parameters and the buffers (state that is updated but not trained, e.g. BatchNorm's
+        running statistics)."""
         return {s.param or s.input: np.array(self.backend.to_host(self.state[s.input]), copy=True)
-                for s in self.state_entries if s.kind == "param"}
+                for s in self.state_entries if s.kind in EXPORTED_KINDS}
 
 
 def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, world_size: int,

@@ -45,6 +45,7 @@ class Options:
     placement: str = "hash"
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd"))
     bucket_mb: float = 25.0
+    sync_bn: bool = False  # BatchNormalization statistics all-reduced across ranks
 
     def validate(self) -> None:
         if self.world_size < 1:
