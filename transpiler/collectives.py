@@ -11,7 +11,15 @@ from transpiler.errors import TranspileError
 
 DOMAIN = "graph_transpiler"
 VERSION = 1
-OPS = ("AllReduce", "Reduce", "Broadcast")
+OPS = ("AllReduce", "Reduce", "Broadcast", "ReduceScatter", "AllGather")
+# Ops whose inputs are the bucket's full tensors (the others hold them as outputs).
+_SENDS_BUCKET = frozenset({"AllReduce", "Reduce", "ReduceScatter"})
+
+
+def bucket_tensors(node: ir.Node) -> list[ir.Value]:
+    """The bucket's full tensors as this rank sees them: what a Reduce-like op sends, what a
+    Broadcast-like op receives (a non-root Reduce has no outputs, a non-root Broadcast no inputs)."""
+    return list(node.inputs if node.op_type in _SENDS_BUCKET else node.outputs)
 
 
 def _attrs(order: int, bucket: int, phase: str, root: int | None, reduction: str | None) -> dict:
@@ -71,9 +79,7 @@ def signature(graph: ir.Graph) -> list[tuple]:
     sig = []
     for node in sorted(collective_nodes(graph), key=lambda n: n.attributes["order"].as_int()):
         attrs = {k: a.value for k, a in node.attributes.items()}
-        # Non-root ranks of Reduce send but do not receive, and of Broadcast receive but do not
-        # send; the tensors on the wire are whichever side is present.
-        tensors = node.outputs if node.outputs else node.inputs
+        tensors = bucket_tensors(node)
         sig.append(
             (
                 node.op_type,

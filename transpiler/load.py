@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from transpiler.autodiff import check_supported, differentiable_values
 from transpiler.autodiff._context import FLOAT_TYPES
+from transpiler.batchnorm import decompose_batchnorm
 from transpiler.errors import TranspileError, UnsupportedOpsError
 
 # Graphs handed to autodiff and the optimizer are at least this opset, so every Reduce* op takes
@@ -44,6 +45,7 @@ class Problem:
     data_inputs: list[DataInput]
     params: list[str]  # trainable initializers, in graph order
     frozen: list[str] = field(default_factory=list)  # float initializers not trained
+    buffers: list[str] = field(default_factory=list)  # updated every step, not trained (BN running stats)
 
     @property
     def opset(self) -> int:
@@ -147,8 +149,14 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         raise TranspileError(f"{path}: shape inference failed ({_one_line(exc)})") from None
 
     model = ir.serde.deserialize_model(proto)
-    graph = model.graph
-    loss_value = _find_loss(graph, loss, path)
+    loss_value = _find_loss(model.graph, loss, path)
+    # Parameters are found on the graph as it will be differentiated: BatchNormalization decomposed
+    # (its running statistics become buffers). `model` keeps the original nodes; AutodiffPass
+    # decomposes its own copies, with or without synchronized statistics.
+    probe, found = decompose_batchnorm(ir.serde.deserialize_model(proto))
+    buffers = [b.name for b in found]
+    graph = probe.graph
+    loss_value = next(v for v in graph.outputs if v.name == loss_value.name)
 
     data_inputs = []
     for value in graph.inputs:
@@ -161,7 +169,7 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
     pattern = re.compile(freeze) if freeze else None
     params, frozen = [], []
     for name, value in graph.initializers.items():
-        if value.dtype not in FLOAT_TYPES:
+        if value.dtype not in FLOAT_TYPES or name in buffers:
             continue
         if value in reachable and not (pattern and pattern.search(name)):
             params.append(name)
@@ -186,6 +194,7 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         data_inputs=data_inputs,
         params=params,
         frozen=frozen,
+        buffers=buffers,
     )
 
 

@@ -23,8 +23,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
+from onnx_ir.tape import Tape
 
 from transpiler.autodiff import build_gradients
+from transpiler.batchnorm import decompose_batchnorm
 from transpiler.bucketing import Bucket, make_buckets
 from transpiler.collectives import DOMAIN, VERSION, append_collective, check_same_sequence, collective_nodes
 from transpiler.errors import TranspileError
@@ -32,7 +34,7 @@ from transpiler.load import Problem
 from transpiler.optimizer import OptimizerConfig, emit_step_increment, emit_update
 from transpiler.placement import Placement, place
 
-STRATEGIES = ("sharded", "allreduce")
+STRATEGIES = ("sharded", "allreduce", "zero")
 LR_INPUT = "lr"
 STEP_STATE = "optimizer.step"
 NEXT = ".next"  # suffix of a state input's updated output
@@ -61,8 +63,14 @@ class Options:
 class StateEntry:
     input: str
     output: str
-    kind: str  # "param" | "optimizer" | "step"
-    param: str | None
+    kind: str  # "param" | "buffer" | "optimizer" | "step"
+    param: str | None  # the parameter or buffer it belongs to (None: the step counter, zero's slices)
+    shape: tuple[int, ...] = ()
+    dtype: ir.DataType = ir.DataType.FLOAT
+
+    @property
+    def bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.bitwidth // 8
 
     def to_json(self) -> dict:
         return {"input": self.input, "output": self.output, "kind": self.kind, "param": self.param}
@@ -88,7 +96,9 @@ class Job:
     buckets: list[Bucket] = field(default_factory=list)
     single: RankGraphs | None = None
     ranks: list[RankGraphs] = field(default_factory=list)
-    fwd_bwd: onnx.ModelProto | None = None
+    # Forward + backward with gradient (and buffer-update) outputs: "single" for the single-device
+    # graphs, "ranks" for the rank graphs (they differ when --sync-bn puts collectives in the forward).
+    fwd_bwd: dict[str, onnx.ModelProto] = field(default_factory=dict)
 
 
 def _nbytes(value: ir.Value) -> int:
@@ -103,6 +113,20 @@ class AutodiffPass(InPlacePass):
         self.job = job
 
     def call(self, model: ir.Model) -> PassResult:
+        job = self.job
+        world = job.options.world_size
+        variants = [("single", 1)]
+        if job.options.sync_bn and world > 1:
+            variants.append(("ranks", world))
+        source = ir.serde.serialize_model(model)
+        for key, variant_world in variants:
+            variant, buffers = decompose_batchnorm(ir.serde.deserialize_model(source), world_size=variant_world)
+            self._differentiate(variant, buffers)
+            job.fwd_bwd[key] = ir.serde.serialize_model(variant)
+        job.fwd_bwd.setdefault("ranks", job.fwd_bwd["single"])
+        return PassResult(model, modified=True)
+
+    def _differentiate(self, model: ir.Model, buffers: list) -> None:
         graph = model.graph
         problem = self.job.problem
         loss = next(v for v in graph.outputs if v.name == problem.loss)
@@ -114,8 +138,9 @@ class AutodiffPass(InPlacePass):
             grad = grads.grads[value]
             self.job.grad_names[value.name] = grad.name
             graph.outputs.append(grad)
-        self.job.fwd_bwd = ir.serde.serialize_model(model)
-        return PassResult(model, modified=True)
+        for buffer in buffers:
+            buffer.update.name = buffer.name + NEXT
+            graph.outputs.append(buffer.update)
 
     def ensures(self, model: ir.Model) -> None:
         if sorted(self.job.grad_order) != sorted(self.job.problem.params):
@@ -174,13 +199,18 @@ class SplitRanksPass(InPlacePass):
         if job.options.world_size == 1:
             return
         updates = Counter(p for r in job.ranks for p in r.updates)
-        expected = 1 if job.options.strategy == "sharded" else job.options.world_size
-        wrong = [p for p in job.problem.params if updates[p] != expected]
+        if job.options.strategy == "zero":
+            # Each parameter's elements are updated by the ranks whose slices cover them.
+            wrong = [p for p in job.problem.params if not 1 <= updates[p] <= job.options.world_size]
+        else:
+            expected = 1 if job.options.strategy == "sharded" else job.options.world_size
+            wrong = [p for p in job.problem.params if updates[p] != expected]
         if wrong:
             raise PostconditionError(f"parameters updated on the wrong number of ranks: {wrong}")
         for r in job.ranks:
             grads_sent = Counter(
-                v.name for n in collective_nodes(r.step.graph) if n.op_type != "Broadcast" for v in n.inputs
+                v.name for n in collective_nodes(r.step.graph) if n.op_type in ("AllReduce", "Reduce", "ReduceScatter")
+                for v in n.inputs
             )
             bcast = Counter(
                 v.name for n in collective_nodes(r.step.graph) if n.op_type == "Broadcast" for v in n.outputs
@@ -216,7 +246,7 @@ class _RankBuilder:
 
     def _step_graph(self) -> tuple[ir.Model, list[StateEntry], list[str]]:
         job, problem = self.job, self.job.problem
-        model = ir.serde.deserialize_model(job.fwd_bwd)
+        model = ir.serde.deserialize_model(job.fwd_bwd["single" if self.rank is None else "ranks"])
         graph = model.graph
         graph.opset_imports[DOMAIN] = VERSION
         graph.name = "train_step" if self.rank is None else f"rank{self.rank}_step"
@@ -241,8 +271,17 @@ class _RankBuilder:
 
         def add_state(value_in: ir.Value, value_out: ir.Value, kind: str, param: str | None) -> None:
             value_out.name = value_in.name + NEXT
-            state.append(StateEntry(value_in.name, value_out.name, kind, param))
+            shape = tuple(int(d) for d in value_in.shape.numpy())
+            state.append(StateEntry(value_in.name, value_out.name, kind, param, shape, value_in.dtype))
             outputs.append(value_out)
+
+        # Running statistics: every rank updates its own (from its shard, or from the synchronized
+        # statistics with --sync-bn).
+        for name in problem.buffers:
+            value = graph.initializers.pop(name)
+            value.const_value = None
+            graph.inputs.append(value)
+            add_state(value, values[name + NEXT], "buffer", name)
 
         step = None
         if self.config.uses_step():
@@ -253,8 +292,11 @@ class _RankBuilder:
 
         updates: list[str] = []
 
-        def update(name: str, grad: ir.Value) -> ir.Value:
-            param = params[name]
+        def update(name: str, grad: ir.Value, param: ir.Value | None = None) -> ir.Value:
+            """Emit the optimizer update of the parameter ``name``, or of ``param`` (a zero slice
+            named ``name``, whose state belongs to no single parameter)."""
+            owner = name if param is None else None
+            param = params[name] if param is None else param
             slots = {}
             for slot in self.config.slots():
                 slots[slot] = ir.val(f"{name}.{slot}", param.dtype, ir.Shape(param.shape))
@@ -263,8 +305,7 @@ class _RankBuilder:
                 graph, self.config, param=param, grad=grad, lr=lr, step=step, state=slots, name=name
             )
             for slot, value in slots.items():
-                add_state(value, new_slots[slot], "optimizer", name)
-            updates.append(name)
+                add_state(value, new_slots[slot], "optimizer", owner)
             return new_param
 
         order = 0
@@ -273,6 +314,10 @@ class _RankBuilder:
             for bucket in buckets:
                 for name in bucket.params:
                     add_state(params[name], update(name, grads[name]), "param", name)
+                    updates.append(name)
+        elif self.strategy == "zero":
+            for bucket in buckets:
+                self._zero_bucket(graph, bucket, params, grads, update, add_state, updates)
         elif self.strategy == "allreduce":
             for bucket in buckets:
                 reduced = append_collective(
@@ -284,6 +329,7 @@ class _RankBuilder:
                 order += 1
                 for name, grad in zip(bucket.params, reduced):
                     add_state(params[name], update(name, grad), "param", name)
+                    updates.append(name)
         else:
             # Sharded: all Reduces in backward order first (each can start as soon as its bucket's
             # gradients exist), then the Broadcasts of the updated values, in the same bucket order.
@@ -300,6 +346,7 @@ class _RankBuilder:
                 for name, grad in zip(bucket.params, reduced):
                     updated[name] = update(name, grad)
                     updated[name].name = f"{name}.updated"
+                    updates.append(name)
             for bucket in buckets:
                 root = bucket.root == self.rank
                 new_values = append_collective(
@@ -310,12 +357,59 @@ class _RankBuilder:
                 )
                 order += 1
                 for name, value in zip(bucket.params, new_values):
-                    state.append(StateEntry(name, value.name, "param", name))
+                    state.append(StateEntry(name, value.name, "param", name, tuple(value.shape.numpy()), value.dtype))
                     outputs.append(value)
 
         graph.outputs.extend(outputs)
         _remove_unused(graph)
+        _number_collectives(graph)
         return model, state, updates
+
+    def _zero_bucket(self, graph, bucket, params, grads, update, add_state, updates) -> None:
+        """ReduceScatter the bucket's gradients, update this rank's 1/N slice, AllGather the values.
+
+        The flat layout (contracts.md): parameters flattened and concatenated in bucket order,
+        zero-padded to N*S elements; rank r owns [r*S, (r+1)*S). The optimizer state of a bucket is
+        one [S] vector per slot, on this rank only. Padding stays zero: its gradient is zero, so is
+        its update.
+        """
+        names = bucket.params
+        dtypes = {params[p].dtype for p in names}
+        if len(dtypes) != 1:
+            raise TranspileError(f"--strategy zero: bucket {bucket.id} mixes dtypes {sorted(map(str, dtypes))}")
+        sizes = [int(np.prod(params[p].shape.numpy(), dtype=np.int64)) for p in names]
+        total = sum(sizes)
+        per_rank = -(-total // self.world)
+        start = self.rank * per_rank
+        dtype = params[names[0]].dtype
+        tape = Tape(graph)
+
+        def const(array: np.ndarray) -> ir.Value:
+            return tape.op("Constant", [], {"value": ir.tensor(array)})
+
+        grad_slice = append_collective(
+            graph, "ReduceScatter", [grads[p] for p in names],
+            like=[ir.val("", dtype, [per_rank])], output_names=[f"bucket{bucket.id}.grad.slice"],
+            order=0, bucket=bucket.id, phase="step", reduction="mean",
+        )[0]
+        flat = tape.op("Concat", [tape.op("Reshape", [params[p], const(np.array([-1], np.int64))]) for p in names],
+                       {"axis": 0})
+        if per_rank * self.world > total:
+            flat = tape.op("Pad", [flat, const(np.array([0, per_rank * self.world - total], np.int64))])
+        param_slice = tape.op("Slice", [flat, const(np.array([start], np.int64)),
+                                        const(np.array([start + per_rank], np.int64))])
+        param_slice.dtype, param_slice.shape = dtype, ir.Shape([per_rank])
+        new_slice = update(f"bucket{bucket.id}.slice", grad_slice, param=param_slice)
+        gathered = append_collective(
+            graph, "AllGather", [new_slice], like=[params[p] for p in names],
+            output_names=[p + NEXT for p in names], order=0, bucket=bucket.id, phase="step",
+        )
+        offset = 0
+        for name, size, value in zip(names, sizes, gathered):
+            add_state(params[name], value, "param", name)
+            if offset < start + per_rank and offset + size > start:
+                updates.append(name)  # part of this parameter's elements are updated here
+            offset += size
 
     # -- the init graph ------------------------------------------------------------------------
 
@@ -333,21 +427,15 @@ class _RankBuilder:
             name="train_init" if self.rank is None else f"rank{self.rank}_init",
         )
         source = problem.model.graph.initializers
-        slot_entries: dict[str, list[StateEntry]] = {}
-        for entry in state:
-            if entry.kind == "optimizer":
-                slot_entries.setdefault(entry.param, []).append(entry)
 
         def initial(entry: StateEntry) -> ir.Value:
-            if entry.kind == "param":
+            if entry.kind in ("param", "buffer"):
                 array = source[entry.param].const_value.numpy()
                 value = ir.val(f"{entry.input}.init", ir.DataType.from_numpy(array.dtype), array.shape,
                                const_value=ir.tensor(array, name=f"{entry.input}.init"))
                 graph.register_initializer(value)
                 return value
-            like = source[entry.param] if entry.param else None
-            shape = list(like.shape.numpy()) if like is not None else []
-            dtype = like.dtype if like is not None else ir.DataType.FLOAT
+            shape, dtype = list(entry.shape), entry.dtype
             zero = ir.tensor(np.zeros((1,), dtype=dtype.numpy()))
             dims = ir.tensor(np.array(shape, dtype=np.int64), name=f"{entry.input}.shape")
             node = ir.node("ConstantOfShape", [_const(graph, dims)], {"value": zero}, name=f"init/zeros/{entry.input}")
@@ -389,6 +477,36 @@ class _RankBuilder:
         for entry in local:
             named_output(initial(entry), entry.input)
         return ir.Model(graph, ir_version=problem.model.ir_version)
+
+
+def _number_collectives(graph: ir.Graph) -> None:
+    """Give every collective its ``order``: the sequence every rank issues them in.
+
+    The key must be the same on every rank although the graphs differ (a non-root Broadcast has no
+    inputs, only roots run updates). It is built from the forward/backward, which every rank shares
+    node for node:
+    - a collective inside the forward/backward (--sync-bn statistics; created with order -1) is
+      keyed by its own position;
+    - a gradient collective (appended afterwards, in the strategy's sequence) by the position of
+      the last of its input gradients, so a bucket's collective comes as early as its gradients
+      allow and never waits behind a later part of the backward;
+    - collectives that follow optimizer updates (Broadcast, AllGather) come last, in their appended
+      sequence.
+    The result is a topological order of the collectives, so issuing them in it cannot deadlock.
+    """
+    nodes = list(graph)
+    position = {out: i for i, node in enumerate(nodes) for out in node.outputs}
+    ranked = []
+    for sequence, node in enumerate(n for n in nodes if n.domain == DOMAIN):
+        if node.attributes["order"].as_int() < 0:
+            key = (nodes.index(node), sequence)
+        elif node.op_type in ("Broadcast", "AllGather"):
+            key = (len(nodes), sequence)
+        else:
+            key = (max((position.get(v, -1) for v in node.inputs if v is not None), default=-1), sequence)
+        ranked.append((key, node))
+    for order, (_, node) in enumerate(sorted(ranked, key=lambda item: item[0])):
+        node.attributes["order"] = ir.AttrInt64("order", order)
 
 
 def _const(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:

@@ -12,7 +12,7 @@ import onnx
 import onnx.checker
 import onnx_ir as ir
 
-from transpiler.collectives import collective_nodes
+from transpiler.collectives import bucket_tensors, collective_nodes
 from transpiler.errors import TranspileError
 from transpiler.passes import LR_INPUT, Job, RankGraphs
 from transpiler.placement import METHODS, place
@@ -63,9 +63,7 @@ def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
     out = []
     for node in sorted(collective_nodes(model.graph), key=lambda n: n.attributes["order"].as_int()):
         attrs = {k: a.value for k, a in node.attributes.items()}
-        # Whichever side of the wire this rank has: a non-root Reduce only sends, a non-root
-        # Broadcast only receives; the tensors are the same on every rank.
-        tensors = node.outputs if node.outputs else node.inputs
+        tensors = bucket_tensors(node)
         out.append(
             {
                 "order": attrs["order"],
@@ -73,7 +71,8 @@ def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
                 "root": attrs.get("root"),
                 "bucket": attrs["bucket"],
                 "reduction": attrs.get("reduction"),
-                "params": [by_param[v.name] for v in tensors],
+                # Collectives inside the forward (--sync-bn statistics) move no parameter: named by tensor.
+                "params": [by_param.get(v.name, v.name) for v in tensors],
                 "bytes": sum(v.dtype.bitwidth // 8 * _numel(v) for v in tensors),
             }
         )
@@ -112,7 +111,7 @@ def plan_json(job: Job) -> dict:
 
     def graphs_json(g: RankGraphs, stem: str) -> dict:
         entry = {"step": f"{stem}.onnx", "init": f"{stem}_init.onnx", "state": [s.to_json() for s in g.state]}
-        entry["optimizer_state_bytes"] = sum(job.sizes[s.param] for s in g.state if s.kind == "optimizer")
+        entry["optimizer_state_bytes"] = sum(s.bytes for s in g.state if s.kind == "optimizer")
         entry["updates"] = list(g.updates)
         return entry
 

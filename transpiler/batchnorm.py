@@ -1,0 +1,149 @@
+"""BatchNormalization for training: decomposed into primitive ops with batch statistics.
+
+Why decompose rather than differentiate the BatchNormalization op:
+- onnxruntime's CUDA EP rejects BatchNormalization in training mode for opset >= 14, so the GPU
+  needs primitives anyway;
+- with ``--sync-bn`` the statistics are all-reduced across ranks *inside* the forward, which is a
+  collective node between primitives; autodiff then differentiates through it (the transpose of an
+  all-reduce-mean is an all-reduce-mean of the cotangents);
+- the gradient comes from the primitive rules, each finite-difference checked.
+
+Semantics are PyTorch's ``model.train()`` whatever mode the exporter used: normalize with the batch
+mean and biased variance; update the running statistics as
+``running = momentum_onnx * running + (1 - momentum_onnx) * batch_stat`` where the running variance
+takes the *unbiased* batch variance (PyTorch; onnxruntime's kernel would use the biased one).
+The running statistics are state of kind ``buffer``: updated every step, never trained, exported.
+
+Without ``--sync-bn`` each rank normalizes with its own shard's statistics, as PyTorch DDP does, so N
+ranks differ slightly from one device on BN models and each rank's running statistics differ (rank
+0's are exported, as DDP's broadcast_buffers would make every rank use). With ``--sync-bn`` the
+mean and the variance are all-reduced (two collectives per BN layer, each [C] floats), so N ranks
+equal one device (SyncBatchNorm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx.shape_inference
+import onnx_ir as ir
+
+from transpiler.collectives import DOMAIN, VERSION
+from transpiler.errors import TranspileError
+
+
+@dataclass
+class Buffer:
+    """Running statistic: the initializer ``name`` is replaced each step by the value ``update``."""
+
+    name: str
+    update: ir.Value
+
+
+class _Emitter:
+    def __init__(self, node: ir.Node):
+        self.node = node
+        self.nodes: list[ir.Node] = []
+        self.prefix = f"{node.name or 'BatchNormalization'}/decomposed"
+
+    def op(self, op_type: str, inputs, attributes=None, *, domain: str = "", num_outputs: int = 1) -> ir.Value:
+        node = ir.node(op_type, inputs, attributes, domain=domain, num_outputs=num_outputs,
+                       name=f"{self.prefix}/{op_type}_{len(self.nodes)}")
+        self.nodes.append(node)
+        return node.outputs[0]
+
+    def const(self, array: np.ndarray) -> ir.Value:
+        # A Constant node, never an initializer: a float initializer on the path to the loss would be
+        # taken for a trainable parameter.
+        return self.op("Constant", [], {"value": ir.tensor(array)})
+
+
+def _attr(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def decompose_batchnorm(model: ir.Model, *, world_size: int = 1) -> tuple[ir.Model, list[Buffer]]:
+    """Replace every BatchNormalization node by primitives; ``world_size > 1`` all-reduces the statistics.
+
+    Returns the model (re-typed by shape inference when anything changed: autodiff needs the types
+    of the new values) and the running-statistics updates, for the caller to wire as state.
+    """
+    graph = model.graph
+    nodes = [n for n in graph if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
+    if not nodes:
+        return model, []
+    names = []
+    if world_size > 1:
+        graph.opset_imports[DOMAIN] = VERSION
+    for node in nodes:
+        names.extend((b.name, b.update.name) for b in _decompose(graph, node, world_size))
+    # Shape inference through a proto round trip; the collectives' outputs carry explicit types.
+    proto = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(model), data_prop=True)
+    model = ir.serde.deserialize_model(proto)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    return model, [Buffer(name, values[update]) for name, update in names]
+
+
+def _decompose(graph: ir.Graph, node: ir.Node, world_size: int) -> list[Buffer]:
+    x, scale, bias, running_mean, running_var = node.inputs[:5]
+    if node.outputs[0].is_graph_output():
+        raise TranspileError(f"node '{node.name}' (BatchNormalization): its output is a graph output; not supported")
+    if x.shape is None or x.dtype is None:
+        raise TranspileError(f"node '{node.name}' (BatchNormalization): the input's shape is unknown after shape inference")
+    rank = x.shape.rank()
+    if rank < 2 or not isinstance(x.shape[1], int):
+        raise TranspileError(f"node '{node.name}' (BatchNormalization): needs a static channel axis 1, input shape is {x.shape}")
+    channels = x.shape[1]
+    dtype = x.dtype.numpy()
+    eps = float(_attr(node, "epsilon", 1e-5))
+    momentum = float(_attr(node, "momentum", 0.9))
+    e = _Emitter(node)
+
+    axes = e.const(np.array([0, *range(2, rank)], dtype=np.int64))
+    stat_shape = [1, channels] + [1] * (rank - 2)
+
+    def synced(value: ir.Value) -> ir.Value:
+        if world_size == 1:
+            return value
+        # order and bucket are assigned by SplitRanksPass, once the whole rank graph exists.
+        out = e.op("AllReduce", [value], {"reduction": "mean", "bucket": -1, "order": -1, "phase": "step"}, domain=DOMAIN)
+        out.dtype, out.shape = x.dtype, ir.Shape(stat_shape)
+        return out
+
+    # Equal shards: the mean of the ranks' means is the global mean, and so for the variance
+    # around the (already global) mean: two passes, as one device computes it.
+    mean = synced(e.op("ReduceMean", [x, axes], {"keepdims": 1}))
+    centered = e.op("Sub", [x, mean])
+    var = synced(e.op("ReduceMean", [e.op("Mul", [centered, centered]), axes], {"keepdims": 1}))
+    inv_std = e.op("Div", [e.const(np.array(1, dtype)), e.op("Sqrt", [e.op("Add", [var, e.const(np.array(eps, dtype))])])])
+    shape = e.const(np.array(stat_shape, dtype=np.int64))
+    y = e.op("Add", [e.op("Mul", [e.op("Mul", [centered, inv_std]), e.op("Reshape", [scale, shape])]),
+                     e.op("Reshape", [bias, shape])])
+
+    buffers = []
+    if running_mean is not None and running_var is not None:
+        flat = e.const(np.array([channels], dtype=np.int64))
+        # Elements per channel over the batch the statistics were taken on (global with --sync-bn).
+        count = e.op("Div", [e.op("Cast", [e.op("Size", [x])], {"to": x.dtype}), e.const(np.array(channels / world_size, dtype))])
+        unbiased = e.op("Div", [count, e.op("Sub", [count, e.const(np.array(1, dtype))])])
+        keep, take = e.const(np.array(momentum, dtype)), e.const(np.array(1 - momentum, dtype))
+        new_mean = e.op("Add", [e.op("Mul", [running_mean, keep]), e.op("Mul", [e.op("Reshape", [mean, flat]), take])])
+        batch_var = e.op("Mul", [e.op("Reshape", [var, flat]), unbiased])
+        new_var = e.op("Add", [e.op("Mul", [running_var, keep]), e.op("Mul", [batch_var, take])])
+        for value, stat, suffix in ((new_mean, running_mean, "mean"), (new_var, running_var, "var")):
+            value.dtype, value.shape = stat.dtype, ir.Shape(stat.shape)
+            value.name = f"{e.prefix}/running_{suffix}"
+        if running_mean.is_initializer() and running_var.is_initializer():
+            buffers = [Buffer(running_mean.name, new_mean), Buffer(running_var.name, new_var)]
+        # Consumers of the node's own running-statistics outputs (rare) read the updates.
+        for old, new in zip(node.outputs[1:3], (new_mean, new_var)):
+            old.replace_all_uses_with(new)
+
+    graph.insert_before(node, e.nodes)
+    y.dtype, y.shape = x.dtype, ir.Shape(x.shape)
+    node.outputs[0].replace_all_uses_with(y)
+    graph.remove(node, safe=True)
+    return buffers
