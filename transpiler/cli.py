@@ -3,6 +3,7 @@
     transpile MODEL.onnx --gpus N -o OUT [options]     rewrite for N ranks
     transpile run OUT --data DATA.npz --batch B ...    train (runtime/)
     transpile inspect OUT                              what the rewrite produced
+    transpile view OUT/rank0.onnx                      a graph in Netron, on localhost
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 from transpiler.errors import TranspileError
 
-SUBCOMMANDS = ("run", "inspect")
+SUBCOMMANDS = ("run", "inspect", "view")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -31,7 +32,8 @@ def transpile_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="the ONNX model; its loss is computed inside the graph")
     p.add_argument("-o", "--out", required=True, help="output directory (written atomically)")
     p.add_argument("--gpus", type=int, default=1, help="number of ranks (default 1)")
-    p.add_argument("--strategy", default="sharded", help="sharded (default: reduce to a root, update there, broadcast) or allreduce")
+    p.add_argument("--strategy", default="sharded", help="sharded (default: reduce to a root, update there, broadcast), allreduce (DDP/Horovod) or zero "
+                   "(reduce-scatter, each rank updates 1/N of every bucket, all-gather)")
     p.add_argument("--placement", default="hash", help="root of each parameter: hash (crc32 of the name, default) or balanced (greedy by bytes)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (default 25)")
     p.add_argument("--loss", help="the graph output to minimize (default: the only scalar float output)")
@@ -98,6 +100,12 @@ def cmd_inspect(argv: list[str]) -> int:
     return inspect_main(argv)
 
 
+def cmd_view(argv: list[str]) -> int:
+    from transpiler.inspect_view import view_main
+
+    return view_main(argv)
+
+
 def cmd_run(argv: list[str]) -> int:
     # The runtime is a separate package; it is imported only for this subcommand.
     from runtime.cli import add_run_arguments, run_command
@@ -114,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(argv[1:])
         if argv and argv[0] == "inspect":
             return cmd_inspect(argv[1:])
+        if argv and argv[0] == "view":
+            return cmd_view(argv[1:])
         return cmd_transpile(argv)
     except TranspileError as exc:
         print(f"transpile: error: {exc}", file=sys.stderr)
