@@ -310,3 +310,224 @@ def test_non_scalar_loss_is_rejected():
     graph = ir.serde.deserialize_model(model).graph
     with pytest.raises(TranspileError, match="float scalar"):
         build_gradients(graph, graph.outputs[0], [graph.inputs[0]])
+
+
+def _run_with_grads(
+    model: onnx.ModelProto, wrt: list[str], feeds: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    session, _, _ = _differentiate(model, wrt)
+    _, *grads = session.run(None, feeds)
+    return dict(zip(wrt, grads))
+
+
+def test_dropout_training_gradient_uses_the_mask_it_adds():
+    # The exporter drops Dropout's mask: the rule adds it as a second output of the forward node.
+    model = _model(
+        [
+            helper.make_node("Dropout", ["x", "ratio", "training"], ["y"], name="/drop/Dropout", seed=3),
+            helper.make_node("Mul", ["y", "c"], ["yc"]),
+            helper.make_node("ReduceSum", ["yc"], ["loss"], keepdims=0),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 50])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [
+            numpy_helper.from_array(np.array(0.25, np.float32), "ratio"),
+            numpy_helper.from_array(np.array(True), "training"),
+            numpy_helper.from_array(np.linspace(-1, 1, 50).astype(np.float32), "c"),
+        ],
+    )
+    ir_model = ir.serde.deserialize_model(model)
+    graph = ir_model.graph
+    result = build_gradients(graph, graph.outputs[0], [graph.inputs[0]])
+    dropout = next(node for node in graph if node.op_type == "Dropout")
+    assert len(dropout.outputs) == 2 and dropout.outputs[1].name
+    graph.outputs.extend([result.grads[graph.inputs[0]], dropout.outputs[0], dropout.outputs[1]])
+    proto = ir.serde.serialize_model(ir_model)
+    onnx.checker.check_model(proto, full_check=True)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(4).uniform(1, 2, (4, 50)).astype(np.float32)
+    _, grad, y, mask = session.run(None, {"x": x})
+    assert 0 < mask.mean() < 1
+    c = np.linspace(-1, 1, 50).astype(np.float32)
+    np.testing.assert_allclose(grad, c * mask / 0.75, rtol=1e-6)
+    np.testing.assert_allclose(y, x * mask / 0.75, rtol=1e-6)
+
+
+def test_ties_share_the_gradient_like_torch():
+    # Max/Min of tied inputs and ReduceMax over tied elements split the gradient equally, as
+    # torch.maximum and torch.amax do.
+    model = _model(
+        [
+            helper.make_node("Max", ["a", "b"], ["m"]),
+            helper.make_node("ReduceMax", ["a", "axes"], ["r"], keepdims=0),
+            helper.make_node("ReduceSum", ["m"], ["sm"], keepdims=0),
+            helper.make_node("ReduceSum", ["r"], ["sr"], keepdims=0),
+            helper.make_node("Add", ["sm", "sr"], ["loss"]),
+        ],
+        [helper.make_tensor_value_info(n, TensorProto.DOUBLE, [2, 3]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        [numpy_helper.from_array(np.array([1]), "axes")],
+    )
+    a = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]])
+    b = np.array([[1.0, 0.0, 4.0], [2.0, 5.0, 0.0]])
+    grads = _run_with_grads(model, ["a", "b"], {"a": a, "b": b})
+    ta, tb = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    (torch.maximum(ta, tb).sum() + torch.amax(ta, dim=1).sum()).backward()
+    np.testing.assert_allclose(grads["a"], ta.grad.numpy())
+    np.testing.assert_allclose(grads["b"], tb.grad.numpy())
+
+
+def test_einsum_with_a_repeated_index_is_rejected_naming_the_node():
+    model = _model(
+        [
+            helper.make_node("Einsum", ["x"], ["d"], name="/diag/Einsum", equation="ii->i"),
+            helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+    )
+    graph = ir.serde.deserialize_model(model).graph
+    with pytest.raises(GradientError, match="Einsum node '/diag/Einsum'.*repeats an index"):
+        build_gradients(graph, graph.outputs[0], [graph.inputs[0]])
+
+
+def _params(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    return {k: (rng.standard_normal(s) * 0.3).astype(np.float32) for k, s in shapes.items()}
+
+
+def test_attention_block_with_dynamic_reshapes_matches_torch():
+    # What transformer exports look like: a symbolic batch, head splits through
+    # Shape -> Gather -> Concat -> Reshape, 4-D batched MatMul, Softmax, LayerNormalization, GELU.
+    heads, dim, seq = 2, 8, 5
+    rng = np.random.default_rng(5)
+    params = _params(
+        rng,
+        {
+            "wq": (dim, dim),
+            "wk": (dim, dim),
+            "wv": (dim, dim),
+            "ln.weight": (dim,),
+            "ln.bias": (dim,),
+            "fc": (dim, dim),
+        },
+    )
+    consts = {
+        "idx0": np.array(0, np.int64),
+        "idx1": np.array(1, np.int64),
+        "split": np.array([heads, dim // heads], np.int64),
+        "flat": np.array([dim], np.int64),
+        "scale": np.array(1 / np.sqrt(dim // heads), np.float32),
+    }
+    nodes = [
+        helper.make_node("Shape", ["x"], ["xs"]),
+        helper.make_node("Gather", ["xs", "idx0"], ["b"], axis=0),
+        helper.make_node("Gather", ["xs", "idx1"], ["t"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "axes0"], ["b1"]),
+        helper.make_node("Unsqueeze", ["t", "axes0"], ["t1"]),
+        helper.make_node("Concat", ["b1", "t1", "split"], ["heads_shape"], axis=0),
+        helper.make_node("Concat", ["b1", "t1", "flat"], ["merged_shape"], axis=0),
+    ]
+    for name in ("q", "k", "v"):
+        nodes += [
+            helper.make_node("MatMul", ["x", f"w{name}"], [f"{name}_lin"]),
+            helper.make_node("Reshape", [f"{name}_lin", "heads_shape"], [f"{name}_split"]),
+            helper.make_node("Transpose", [f"{name}_split"], [f"{name}_h"], perm=[0, 2, 1, 3]),
+        ]
+    nodes += [
+        helper.make_node("Transpose", ["k_h"], ["k_t"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q_h", "k_t"], ["att_raw"]),
+        helper.make_node("Mul", ["att_raw", "scale"], ["att_scaled"]),
+        helper.make_node("Softmax", ["att_scaled"], ["att"], axis=-1),
+        helper.make_node("MatMul", ["att", "v_h"], ["ctx_h"]),
+        helper.make_node("Transpose", ["ctx_h"], ["ctx_t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["ctx_t", "merged_shape"], ["ctx"]),
+        helper.make_node("Add", ["ctx", "x"], ["res"]),
+        helper.make_node("LayerNormalization", ["res", "ln.weight", "ln.bias"], ["normed"], axis=-1),
+        helper.make_node("MatMul", ["normed", "fc"], ["h"]),
+        helper.make_node("Gelu", ["h"], ["g"]),
+        helper.make_node("Mul", ["g", "g"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0),
+    ]
+    inits = {**params, **consts, "axes0": np.array([0], np.int64)}
+    graph = helper.make_graph(
+        nodes,
+        "attn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", dim])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 20)]), strict_mode=True
+    )
+    session, _, _ = _differentiate(model, list(params))
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, seq, dim)).astype(np.float32)
+        _, *grads = session.run(None, {"x": x})
+        tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+        tx = torch.tensor(x)
+
+        def heads_of(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(t.shape[0], seq, heads, dim // heads).transpose(1, 2)
+
+        q, k, v = (heads_of(tx @ tp[w]) for w in ("wq", "wk", "wv"))
+        att = torch.softmax(q @ k.transpose(-1, -2) * consts["scale"].item(), dim=-1)
+        ctx = (att @ v).transpose(1, 2).reshape(batch, seq, dim)
+        normed = torch.nn.functional.layer_norm(ctx + tx, (dim,), tp["ln.weight"], tp["ln.bias"])
+        out = torch.nn.functional.gelu(normed @ tp["fc"])
+        (out * out).mean().backward()
+        for name, grad in zip(params, grads):
+            np.testing.assert_allclose(
+                grad, tp[name].grad.numpy(), rtol=2e-4, atol=2e-6, err_msg=f"{name} @ {batch}"
+            )
+
+
+def test_small_cnn_with_cross_entropy_matches_torch():
+    rng = np.random.default_rng(6)
+    params = _params(
+        rng,
+        {
+            "conv.weight": (4, 2, 3, 3),
+            "conv.bias": (4,),
+            "dw.weight": (4, 1, 3, 3),
+            "fc.weight": (3, 4),
+            "fc.bias": (3,),
+        },
+    )
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "conv.weight", "conv.bias"], ["c1"], strides=[2, 2], pads=[1, 1, 1, 1]
+        ),
+        helper.make_node("LeakyRelu", ["c1"], ["a1"], alpha=0.1),
+        helper.make_node("Conv", ["a1", "dw.weight"], ["c2"], group=4, pads=[1, 1, 1, 1]),
+        helper.make_node("MaxPool", ["c2"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("AveragePool", ["p"], ["ap"], kernel_shape=[2, 2], pads=[0, 0, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["ap"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], transB=1),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"], reduction="mean"),
+    ]
+    model = _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 11, 10]),
+            helper.make_tensor_value_info("labels", TensorProto.INT64, ["batch"]),
+        ],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(v, k) for k, v in params.items()],
+    )
+    x = rng.standard_normal((3, 2, 11, 10)).astype(np.float32)
+    labels = np.array([0, 2, 1])
+    grads = _run_with_grads(model, list(params), {"x": x, "labels": labels})
+    F = torch.nn.functional
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    h = F.leaky_relu(F.conv2d(torch.tensor(x), tp["conv.weight"], tp["conv.bias"], stride=2, padding=1), 0.1)
+    h = F.max_pool2d(F.conv2d(h, tp["dw.weight"], groups=4, padding=1), 2)
+    # ONNX AveragePool with end-only pads and count_include_pad=0 divides by the real elements;
+    # torch pads symmetrically, so build it as a window sum over zero padding / the element count.
+    summed = F.avg_pool2d(F.pad(h, (0, 1, 0, 1)), 2, stride=1, divisor_override=1)
+    counts = F.avg_pool2d(F.pad(torch.ones_like(h), (0, 1, 0, 1)), 2, stride=1, divisor_override=1)
+    pooled = summed / counts
+    logits = F.linear(pooled.mean(dim=(2, 3)), tp["fc.weight"], tp["fc.bias"])
+    F.cross_entropy(logits, torch.tensor(labels)).backward()
+    for name, grad in grads.items():
+        np.testing.assert_allclose(grad, tp[name].grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)

@@ -23,16 +23,15 @@ from transpiler.autodiff import build_gradients, check_supported
 from transpiler.autodiff._registry import non_differentiable_ops, registered_ops
 from transpiler.errors import UnsupportedOpsError
 
-OPSET = 18
-
 Shape = tuple[int, ...]
 
 
 @dataclass
 class Spec:
     op: str
-    # A shape makes a random float64 graph input; an array makes a constant (shapes, axes, masks).
-    inputs: list[Shape | np.ndarray]
+    # A shape makes a random float64 graph input; an array makes a constant (shapes, axes, masks,
+    # labels); None omits an optional input.
+    inputs: list[Shape | np.ndarray | None]
     attrs: dict[str, Any] = field(default_factory=dict)
     # Input indices to differentiate; default: every random input.
     wrt: tuple[int, ...] | None = None
@@ -42,11 +41,19 @@ class Spec:
     eps: float = 1e-6
     rtol: float = 1e-6
     name: str = ""
+    # Number of node outputs, and which of them enter the loss (default: every float output).
+    outputs: int = 1
+    loss_outputs: tuple[int, ...] | None = None
+    # Input dtype: float32 for ops onnxruntime's CPU provider has no float64 kernel for (Conv,
+    # ConvTranspose, AveragePool, GlobalAveragePool, Erf, Gelu); those specs set eps/rtol too.
+    dtype: type = np.float64
+    opset: int = 18
 
     @property
     def id(self) -> str:
         shapes = ",".join(
-            "x".join(map(str, s)) or "scalar" if isinstance(s, tuple) else "c" for s in self.inputs
+            "x".join(map(str, s)) or "scalar" if isinstance(s, tuple) else "c" if s is not None else "-"
+            for s in self.inputs
         )
         return f"{self.op}[{shapes}]{self.name}"
 
@@ -126,6 +133,237 @@ SPECS = [
     Spec("Expand", [(4,), np.array([3, 1])]),
     Spec("Concat", [(2, 3), (2, 5)], {"axis": 1}),
     Spec("Concat", [(1, 3), (2, 3), (3, 3)], {"axis": -2}),
+    # Convolutions and pools: onnxruntime's CPU provider has Conv, ConvTranspose, AveragePool and
+    # GlobalAveragePool in float32 only, so those run in float32. They are linear (bilinear for
+    # Conv), so central differences are exact and a large step keeps rounding small.
+    *(
+        Spec(op, inputs, attrs, dtype=np.float32, eps=0.5, rtol=2e-4, name=name)
+        for op, inputs, attrs, name in [
+            ("Conv", [(2, 3, 7, 6), (4, 3, 3, 3), (4,)], {}, ""),
+            (
+                "Conv",
+                [(2, 3, 7, 6), (4, 3, 3, 2)],
+                {"strides": [2, 2], "pads": [1, 0, 2, 1]},
+                "-strides-pads",
+            ),
+            (
+                "Conv",
+                [(2, 4, 9, 8), (6, 2, 3, 3), (6,)],
+                {"group": 2, "dilations": [2, 1]},
+                "-groups-dilation",
+            ),
+            (
+                "Conv",
+                [(1, 4, 8, 9), (4, 1, 3, 3)],
+                {"group": 4, "strides": [3, 2], "pads": [1, 1, 1, 1]},
+                "-depthwise",
+            ),
+            (
+                "Conv",
+                [(2, 3, 10), (2, 3, 4), (2,)],
+                {"strides": [3], "dilations": [2], "pads": [2, 1]},
+                "-1d",
+            ),
+            (
+                "Conv",
+                [(2, 2, 7, 8), (3, 2, 3, 2)],
+                {"auto_pad": "SAME_UPPER", "strides": [2, 3]},
+                "-same-upper",
+            ),
+            ("Conv", [(2, 2, 7, 8), (3, 2, 2, 3)], {"auto_pad": "SAME_LOWER"}, "-same-lower"),
+            ("Conv", [(2, 2, 7, 8), (3, 2, 3, 3)], {"auto_pad": "VALID", "strides": [2, 2]}, "-valid"),
+            (
+                "Conv",
+                [(1, 2, 4, 5, 6), (2, 2, 2, 3, 2)],
+                {"strides": [1, 2, 2], "pads": [1, 0, 1, 0, 1, 1]},
+                "-3d",
+            ),
+            ("ConvTranspose", [(2, 3, 4, 5), (3, 2, 3, 3), (2,)], {}, ""),
+            (
+                "ConvTranspose",
+                [(2, 4, 4, 3), (4, 3, 3, 2)],
+                {"strides": [2, 3], "pads": [1, 0, 0, 1], "output_padding": [1, 2], "group": 2},
+                "-strides-groups",
+            ),
+            (
+                "ConvTranspose",
+                [(1, 2, 5), (2, 3, 3)],
+                {"dilations": [2], "strides": [2], "pads": [1, 2]},
+                "-1d-dilation",
+            ),
+            ("AveragePool", [(2, 3, 7, 6)], {"kernel_shape": [3, 2]}, ""),
+            (
+                "AveragePool",
+                [(2, 3, 7, 6)],
+                {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+                "-pads",
+            ),
+            (
+                "AveragePool",
+                [(2, 3, 7, 6)],
+                {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1},
+                "-count-pad",
+            ),
+            (
+                "AveragePool",
+                [(2, 3, 8, 7)],
+                {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1},
+                "-ceil",
+            ),
+            (
+                "AveragePool",
+                [(2, 3, 8, 7)],
+                {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1, "count_include_pad": 1},
+                "-ceil-count-pad",
+            ),
+            (
+                "AveragePool",
+                [(2, 3, 9)],
+                {"kernel_shape": [4], "strides": [3], "auto_pad": "SAME_UPPER"},
+                "-same",
+            ),
+            ("GlobalAveragePool", [(2, 3, 4, 5)], {}, ""),
+        ]
+    ),
+    Spec("MaxPool", [(2, 3, 7, 6)], {"kernel_shape": [2, 2]}),
+    Spec(
+        "MaxPool",
+        [(2, 3, 7, 6)],
+        {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+        name="-pads",
+    ),
+    Spec(
+        "MaxPool",
+        [(2, 3, 7, 6)],
+        {"kernel_shape": [3, 2], "strides": [2, 1], "dilations": [2, 2]},
+        name="-dilation",
+    ),
+    Spec(
+        "MaxPool", [(2, 3, 8, 7)], {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}, name="-ceil"
+    ),
+    Spec("MaxPool", [(2, 3, 9)], {"kernel_shape": [3], "strides": [2]}, outputs=2, name="-1d-indices-given"),
+    # Normalization and dropout. float64 LayerNormalization stashes float32 statistics, so the rule
+    # recomputes them in float64 there; the float32 spec uses the (added) Mean/InvStdDev outputs.
+    Spec("LayerNormalization", [(3, 5), (5,), (5,)]),
+    Spec("LayerNormalization", [(2, 3, 4), (3, 4)], {"axis": 1, "epsilon": 0.1}, name="-axis1-no-bias"),
+    Spec("LayerNormalization", [(2, 3, 4), (4,), (1,)], outputs=3, loss_outputs=(0,), name="-stats-given"),
+    Spec("LayerNormalization", [(4, 6), (6,), (6,)], dtype=np.float32, eps=1e-2, rtol=2e-3, name="-float32"),
+    Spec("Dropout", [(3, 4)], name="-inference"),
+    Spec("Dropout", [(3, 4), np.array(0.0), np.array(True)], outputs=2, name="-ratio0-training"),
+    Spec("Dropout", [(3, 4), np.array(0.5), np.array(False)], name="-training-off"),
+    # Softmax family and activations.
+    Spec("Softmax", [(3, 5)]),
+    Spec("Softmax", [(2, 3, 4)], {"axis": 1}),
+    Spec("LogSoftmax", [(3, 5)]),
+    Spec("LogSoftmax", [(2, 3, 4)], {"axis": 0}),
+    Spec("Erf", [(3, 4)], dtype=np.float32, eps=1e-2, rtol=1e-3),
+    Spec("Gelu", [(3, 4)], opset=20, dtype=np.float32, eps=1e-2, rtol=1e-3),
+    Spec(
+        "Gelu",
+        [(3, 4)],
+        {"approximate": "tanh"},
+        opset=20,
+        dtype=np.float32,
+        eps=1e-2,
+        rtol=1e-3,
+        name="-tanh",
+    ),
+    Spec("Abs", [(3, 4)]),
+    Spec("Clip", [(3, 4), np.array(-0.5), np.array(1.0)]),
+    Spec("Clip", [(3, 4), np.array(-0.5)], name="-min-only"),
+    Spec("Clip", [(3, 4), None, np.array(0.5)], name="-max-only"),
+    Spec("Clip", [(3, 4)], name="-no-bounds"),
+    Spec("LeakyRelu", [(3, 4)]),
+    Spec("LeakyRelu", [(3, 4)], {"alpha": 0.2}),
+    Spec("Max", [(3, 4), (3, 4)]),
+    Spec("Max", [(3, 4), (4,)]),
+    Spec("Max", [(3, 1), (1, 4), ()]),
+    Spec("Max", [(2, 3)], name="-single"),
+    Spec("Min", [(3, 4), (4,)]),
+    Spec("Min", [(2, 3, 4), (3, 1), (4,)]),
+    Spec("Sum", [(3, 4), (4,), (3, 1)]),
+    Spec("Mean", [(3, 4), (4,)], dtype=np.float32, eps=0.5, rtol=1e-4),  # float32 kernel only
+    Spec("CastLike", [(3, 4), np.array(0.0, dtype=np.float32)], eps=1e-2, rtol=1e-4, name="-to-float32"),
+    # Losses: gradient w.r.t. the scores only; labels are fixed int64 arrays.
+    *(
+        Spec(op, [shape, labels, *weight], {"reduction": reduction, **extra}, outputs=outputs, name=name)
+        for op, outputs in [
+            ("SoftmaxCrossEntropyLoss", 1),
+            ("SoftmaxCrossEntropyLoss", 2),
+            ("NegativeLogLikelihoodLoss", 1),
+        ]
+        for reduction in ["mean", "sum", "none"]
+        for shape, labels, weight, extra, name in [
+            ((5, 4), np.array([0, 3, 1, 1, 2]), [], {}, f"-{reduction}"),
+            (
+                (5, 4),
+                np.array([0, 3, -1, 1, 2]),
+                [np.array([0.5, 1.0, 2.0, 1.5])],
+                {"ignore_index": -1},
+                f"-{reduction}-weight-ignore",
+            ),
+            (
+                (2, 3, 4),
+                np.array([[0, 2, 1, 2], [1, 1, 0, 7]]),
+                [],
+                {"ignore_index": 7},
+                f"-{reduction}-spatial-ignore",
+            ),
+            (
+                (2, 3, 2),
+                np.array([[0, 2], [1, 1]]),
+                [np.array([0.2, 1.0, 3.0])],
+                {},
+                f"-{reduction}-weight-spatial",
+            ),
+        ]
+        if not (op == "SoftmaxCrossEntropyLoss" and outputs == 2 and "weight" not in name)
+    ),
+    Spec(
+        "SoftmaxCrossEntropyLoss",
+        [(5, 4), np.array([0, 3, 1, 1, 2])],
+        outputs=2,
+        loss_outputs=(1,),
+        name="-log-prob-only",
+    ),
+    # Indexing.
+    Spec("Gather", [(5, 3), np.array([[0, 4], [4, -1]])], name="-embedding-repeats-negative"),
+    Spec("Gather", [(2, 5, 3), np.array([1, -2, 1])], {"axis": 1}),
+    Spec("Gather", [(2, 3, 5), np.array(2)], {"axis": -1}, name="-scalar-index"),
+    Spec("Gather", [(2, 3, 5), np.array([[0, 1], [2, 2]])], {"axis": 2}, name="-2d-index-last-axis"),
+    Spec("GatherElements", [(3, 4), np.array([[0, 1, 2, 0], [2, 2, -1, 0]])]),
+    Spec("GatherElements", [(3, 4), np.array([[0, 3], [3, -4], [1, 1]])], {"axis": 1}),
+    Spec("Slice", [(5, 6), np.array([1, 0]), np.array([4, 5])]),
+    Spec("Slice", [(5, 6), np.array([-4]), np.array([100]), np.array([1])], name="-clamped"),
+    Spec(
+        "Slice",
+        [(5, 6, 4), np.array([4, 0]), np.array([-10, 6]), np.array([0, 1]), np.array([-2, 2])],
+        name="-negative-step",
+    ),
+    Spec("Slice", [(5, 6), np.array([1]), np.array([6]), np.array([-1]), np.array([2])], name="-step2"),
+    Spec("Split", [(6, 3)], {"axis": 0, "num_outputs": 3}, outputs=3),
+    Spec("Split", [(2, 7), np.array([2, 5])], {"axis": 1}, outputs=2),
+    Spec("Split", [(6, 3)], {"num_outputs": 2}, outputs=2, loss_outputs=(1,), name="-one-output-used"),
+    Spec("Trilu", [(4, 5)]),
+    Spec("Trilu", [(2, 4, 5), np.array(1)], {"upper": 0}, name="-lower-k1"),
+    Spec("Trilu", [(4, 5), np.array(-1)], name="-k-1"),
+    Spec("Tile", [(2, 3), np.array([2, 3])]),
+    Spec("Tile", [(2, 1, 3), np.array([1, 4, 1])]),
+    Spec("Pad", [(3, 4), np.array([1, 0, 2, 3])]),
+    Spec("Pad", [(3, 4), np.array([1, -1, -1, 2]), np.array(0.5)], name="-negative-value"),
+    Spec("Pad", [(2, 3, 4), np.array([1, 2]), None, np.array([-1])], name="-axes"),
+    Spec("ReduceMax", [(3, 4), np.array([1])]),
+    Spec("ReduceMax", [(2, 3, 4), np.array([0, 2])], {"keepdims": 0}),
+    Spec("ReduceMax", [(3, 4)], {"keepdims": 0}, name="all-axes"),
+    Spec("ReduceMin", [(2, 3, 4), np.array([-1])]),
+    Spec("Einsum", [(3, 4), (4, 5)], {"equation": "ij,jk->ik"}),
+    Spec("Einsum", [(2, 3, 4, 5), (2, 3, 6, 5)], {"equation": "bhqd,bhkd->bhqk"}, name="-attention"),
+    Spec("Einsum", [(3, 4), (4,)], {"equation": "ij,j"}, name="-implicit"),
+    Spec("Einsum", [(3, 4, 2), (5,)], {"equation": "ijk,l->il"}, name="-summed-away"),
+    Spec(
+        "Einsum", [(2, 1, 3, 4), (1, 3, 4, 5)], {"equation": "...ij,...jk->...ik"}, name="-ellipsis-broadcast"
+    ),
+    Spec("Einsum", [(3, 4)], {"equation": "ij->ji"}, name="-transpose"),
 ]
 
 
@@ -138,32 +376,46 @@ def _graph_input(name: str, array: np.ndarray, symbolic: bool) -> onnx.ValueInfo
     return onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(array.dtype), dims)
 
 
-def _forward_model(spec: Spec, feeds: dict[str, np.ndarray], cotangent: np.ndarray | None, symbolic: bool):
-    """The one-node model; with a cotangent c, also loss = ReduceSum(y * c)."""
+def _output_names(spec: Spec) -> list[str]:
+    return ["y"] + [f"y{j}" for j in range(1, spec.outputs)]
+
+
+def _forward_model(
+    spec: Spec, feeds: dict[str, np.ndarray], cotangents: dict[int, np.ndarray] | None, symbolic: bool
+):
+    """The one-node model; with cotangents c_j, also loss = sum_j ReduceSum(y_j * c_j)."""
     inputs, initializers, names = [], [], []
     for i, entry in enumerate(spec.inputs):
         name = _input_name(i)
+        if entry is None:  # an omitted optional input
+            names.append("")
+            continue
         names.append(name)
         if isinstance(entry, np.ndarray):
             initializers.append(onnx.numpy_helper.from_array(entry, name))
         else:
             inputs.append(_graph_input(name, feeds[name], symbolic))
-    nodes = [onnx.helper.make_node(spec.op, names, ["y"], name="op", **spec.attrs)]
-    if cotangent is None:
-        outputs = [onnx.helper.make_value_info("y", onnx.TypeProto())]
+    out_names = _output_names(spec)
+    nodes = [onnx.helper.make_node(spec.op, names, out_names, name="op", **spec.attrs)]
+    if cotangents is None:
+        outputs = [onnx.helper.make_value_info(n, onnx.TypeProto()) for n in out_names]
     else:
-        initializers.append(onnx.numpy_helper.from_array(cotangent, "c"))
-        nodes += [
-            onnx.helper.make_node("Mul", ["y", "c"], ["yc"], name="weigh"),
-            onnx.helper.make_node("ReduceSum", ["yc"], ["loss"], name="loss", keepdims=0),
-        ]
+        terms = []
+        for j, cotangent in cotangents.items():
+            initializers.append(onnx.numpy_helper.from_array(cotangent, f"c{j}"))
+            nodes += [
+                onnx.helper.make_node("Mul", [out_names[j], f"c{j}"], [f"yc{j}"], name=f"weigh{j}"),
+                onnx.helper.make_node("ReduceSum", [f"yc{j}"], [f"term{j}"], name=f"sum{j}", keepdims=0),
+            ]
+            terms.append(f"term{j}")
+        nodes.append(onnx.helper.make_node("Sum", terms, ["loss"], name="loss"))
+        dtype = next(iter(cotangents.values())).dtype
         outputs = [
-            onnx.helper.make_tensor_value_info(
-                "loss", onnx.helper.np_dtype_to_tensor_dtype(cotangent.dtype), []
-            )
+            onnx.helper.make_tensor_value_info("loss", onnx.helper.np_dtype_to_tensor_dtype(dtype), [])
         ]
     graph = onnx.helper.make_graph(nodes, "spec", inputs, outputs, initializers)
-    return onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", OPSET)])
+    opsets = [onnx.helper.make_opsetid("", spec.opset)]
+    return onnx.helper.make_model(graph, ir_version=10, opset_imports=opsets)
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -175,16 +427,21 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
 def test_vjp_matches_finite_differences(spec: Spec, symbolic: bool):
     rng = np.random.default_rng(0)
     feeds = {
-        _input_name(i): np.asarray(rng.uniform(*spec.ranges.get(i, (-2.0, 2.0)), size=entry))
+        _input_name(i): np.asarray(rng.uniform(*spec.ranges.get(i, (-2.0, 2.0)), size=entry)).astype(
+            spec.dtype
+        )
         for i, entry in enumerate(spec.inputs)
-        if not isinstance(entry, np.ndarray)
+        if isinstance(entry, tuple)
     }
     wrt_names = [_input_name(i) for i in spec.wrt] if spec.wrt is not None else list(feeds)
-    y = _session(_forward_model(spec, feeds, None, symbolic)).run(None, feeds)[0]
-    cotangent = rng.standard_normal(y.shape).astype(y.dtype)
+    ys = _session(_forward_model(spec, feeds, None, symbolic)).run(None, feeds)
+    loss_outputs = spec.loss_outputs
+    if loss_outputs is None:
+        loss_outputs = tuple(j for j, y in enumerate(ys) if np.issubdtype(y.dtype, np.floating))
+    cotangents = {j: rng.standard_normal(ys[j].shape).astype(ys[j].dtype) for j in loss_outputs}
 
     model = onnx.shape_inference.infer_shapes(
-        _forward_model(spec, feeds, cotangent, symbolic), strict_mode=True
+        _forward_model(spec, feeds, cotangents, symbolic), strict_mode=True
     )
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
@@ -202,13 +459,25 @@ def test_vjp_matches_finite_differences(spec: Spec, symbolic: bool):
         assert grad.dtype == feeds[name].dtype
 
     direction = {n: rng.standard_normal(feeds[n].shape) for n in wrt_names}
-    vjp = sum(float(np.sum(direction[n] * g)) for n, g in zip(wrt_names, grads))
 
-    def loss_at(step: float) -> float:
-        moved = {n: np.asarray(v + step * direction[n]) if n in direction else v for n, v in feeds.items()}
-        return float(session.run([loss.name], moved)[0])
+    def moved(step: float) -> dict[str, np.ndarray]:
+        return {
+            n: np.asarray(v + step * direction[n]).astype(v.dtype) if n in direction else v
+            for n, v in feeds.items()
+        }
 
-    finite_difference = (loss_at(spec.eps) - loss_at(-spec.eps)) / (2 * spec.eps)
+    plus, minus = moved(spec.eps), moved(-spec.eps)
+    # The step actually taken (float32 inputs round it), so the comparison stays exact for
+    # linear and quadratic functions.
+    taken = {
+        n: (plus[n].astype(np.float64) - minus[n].astype(np.float64)) / (2 * spec.eps) for n in wrt_names
+    }
+    vjp = sum(float(np.sum(taken[n] * g.astype(np.float64))) for n, g in zip(wrt_names, grads))
+
+    def loss_at(feed: dict[str, np.ndarray]) -> float:
+        return float(session.run([loss.name], feed)[0])
+
+    finite_difference = (loss_at(plus) - loss_at(minus)) / (2 * spec.eps)
     np.testing.assert_allclose(vjp, finite_difference, rtol=spec.rtol, atol=spec.rtol * 1e-3)
 
 

@@ -77,6 +77,7 @@ class Emitter:
         scope: str,
         num_outputs: int = 1,
         output_names: Sequence[str] | None = None,
+        domain: str = "",
     ) -> list[ir.Value]:
         # Named like the PyTorch exporter names things ("/fc1/Gemm/grad/MatMul_output_0"), so a
         # backward node in Netron says which forward node it differentiates.
@@ -84,7 +85,7 @@ class Emitter:
         names = output_names or [f"{name}_output_{i}" for i in range(num_outputs)]
         outputs = [ir.Value(name=self.unique(n)) for n in names]
         attrs = ir.convenience.convert_attributes(attributes or {})
-        node = ir.Node("", op_type, inputs, attrs, outputs=outputs, graph=self.graph, name=name)
+        node = ir.Node(domain, op_type, inputs, attrs, outputs=outputs, graph=self.graph, name=name)
         self.created.add(node)
         return outputs
 
@@ -189,8 +190,11 @@ class RuleContext:
         attributes: Mapping[str, Any] | None = None,
         *,
         num_outputs: int,
+        domain: str = "",
     ) -> list[ir.Value]:
-        return self._emitter.op(op_type, inputs, attributes, scope=self._scope, num_outputs=num_outputs)
+        return self._emitter.op(
+            op_type, inputs, attributes, scope=self._scope, num_outputs=num_outputs, domain=domain
+        )
 
     def const(self, array: np.ndarray | Sequence[int]) -> ir.Value:
         """A constant; plain Python int sequences become int64 (axes, shapes, sizes)."""
@@ -215,6 +219,41 @@ class RuleContext:
     def shape_of(self, value: ir.Value, start: int = 0, end: int | None = None) -> ir.Value:
         """``Shape(value)[start:end]`` as an int64 tensor: a constant when those dims are static."""
         return self._emitter.shape_of(value, scope=self._scope, start=start, end=end)
+
+    def zeros_like(self, value: ir.Value) -> ir.Value:
+        """Zeros of ``value``'s shape and dtype (a ConstantOfShape)."""
+        zero = ir.tensor(np.zeros([1], dtype=self.dtype(value).numpy()))
+        return self.op("ConstantOfShape", [self.shape_of(value)], {"value": zero}, like=value)
+
+    def forward_output(self, index: int, suffix: str, dtype: ir.DataType, shape: ir.Shape | None) -> ir.Value:
+        """Output ``index`` of the forward node, added to the node when the exporter left it off.
+
+        Exporters drop optional outputs nobody reads (Dropout's mask, MaxPool's Indices,
+        LayerNormalization's Mean/InvStdDev, SoftmaxCrossEntropyLoss's log_prob); backward rules
+        that need them switch them on. The forward computes them anyway, so this costs no compute.
+        """
+        node = self.node
+        if index >= len(node.outputs):
+            node.resize_outputs(index + 1)
+        value = node.outputs[index]
+        if not value.name:
+            base = node.outputs[0].name or node.name or node.op_type
+            value.name = self._emitter.unique(f"{base}_{suffix}")
+            value.dtype = dtype
+            if shape is not None:
+                value.shape = ir.Shape(list(shape))
+        return value
+
+    def const_input(self, index: int) -> np.ndarray | None:
+        """Input ``index`` as a numpy array when it is a constant (initializer or Constant), else None."""
+        if index >= len(self.node.inputs) or self.node.inputs[index] is None:
+            return None
+        tensor = ir.convenience.get_const_tensor(self.node.inputs[index])
+        return None if tensor is None else tensor.numpy()
+
+    def has_input(self, index: int) -> bool:
+        """Whether optional input ``index`` is given (present and not the empty name)."""
+        return index < len(self.node.inputs) and self.node.inputs[index] is not None
 
 
 def same_dim(a: Any, b: Any) -> bool:

@@ -110,19 +110,28 @@ def non_differentiable(*op_types: str) -> None:
         _NON_DIFFERENTIABLE.add(op_type)
 
 
+def op_key(node: ir.Node) -> str:
+    """The table key: the op type for the default domain, ``domain::OpType`` for others."""
+    return node.op_type if node.domain in _DEFAULT_DOMAINS else f"{node.domain}::{node.op_type}"
+
+
 def rule_for(node: ir.Node) -> GradientRule | None:
-    if node.domain not in _DEFAULT_DOMAINS:
-        return None
-    return _RULES.get(node.op_type)
+    return _RULES.get(op_key(node))
 
 
 def is_non_differentiable(node: ir.Node) -> bool:
-    return node.domain in _DEFAULT_DOMAINS and node.op_type in _NON_DIFFERENTIABLE
+    return op_key(node) in _NON_DIFFERENTIABLE
 
 
 def registered_ops() -> frozenset[str]:
-    """Op types that have a gradient rule."""
-    return frozenset(_RULES)
+    """Default-domain op types that have a gradient rule (each has a finite-difference spec)."""
+    return frozenset(k for k in _RULES if "::" not in k)
+
+
+def registered_collective_ops() -> frozenset[str]:
+    """``domain::OpType`` of the collectives that have a rule. onnxruntime cannot run them alone, so
+    their check is end to end: N ranks == one device through them (tests/test_batchnorm.py)."""
+    return frozenset(k for k in _RULES if "::" in k)
 
 
 def non_differentiable_ops() -> frozenset[str]:

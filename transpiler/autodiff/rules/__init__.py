@@ -4,6 +4,30 @@ Modules group rules by kind of op; each rule is a small function registered with
 ``transpiler.autodiff._registry`` (see docs/ops.md for how to add one).
 """
 
-from . import elementwise, linalg, non_differentiable, reduce, shape_ops
+from . import (
+    activations,
+    collectives,
+    conv,
+    elementwise,
+    indexing,
+    linalg,
+    losses,
+    non_differentiable,
+    normalization,
+    reduce,
+    shape_ops,
+)
 
-__all__ = ["elementwise", "linalg", "non_differentiable", "reduce", "shape_ops"]
+__all__ = [
+    "activations",
+    "collectives",
+    "conv",
+    "elementwise",
+    "indexing",
+    "linalg",
+    "losses",
+    "non_differentiable",
+    "normalization",
+    "reduce",
+    "shape_ops",
+]

@@ -91,7 +91,7 @@ def _neg(ctx: RuleContext, dy: ir.Value) -> ir.Value:
     return ctx.op("Neg", [dy], like=ctx.output)
 
 
-@linear("Cast")
+@linear("Cast", "CastLike")
 def _cast(ctx: RuleContext, dy: ir.Value) -> ir.Value:
     # Only reached for float -> float casts: non-float values carry no gradient, so the backward
     # never asks for one through an int or bool cast.
@@ -129,3 +129,16 @@ def _tanh(ctx: RuleContext, y: ir.Value) -> ir.Value:
 @unary_from_output("Sigmoid")
 def _sigmoid(ctx: RuleContext, y: ir.Value) -> ir.Value:
     return ctx.op("Mul", [y, ctx.op("Sub", [ctx.scalar(1, like=y), y])])
+
+
+@register("Sum")
+def _sum(ctx: RuleContext) -> list[ir.Value | None]:
+    # Variadic and broadcasting: every input gets dy summed back to its shape.
+    return ctx.wanted_grads(*(lambda x=x: unbroadcast(ctx, ctx.dy, x) for x in ctx.inputs))
+
+
+@register("Mean")
+def _mean(ctx: RuleContext) -> list[ir.Value | None]:
+    y = ctx.output
+    share = ctx.op("Div", [ctx.dy, ctx.scalar(len(ctx.inputs), like=y)], like=y)
+    return ctx.wanted_grads(*(lambda x=x: unbroadcast(ctx, share, x) for x in ctx.inputs))

@@ -87,3 +87,74 @@ def _gemm(ctx: RuleContext) -> list[ir.Value | None]:
         return unbroadcast(ctx, scaled, ctx.inputs[2])
 
     return ctx.wanted_grads(grad_a, grad_b, grad_c)
+
+
+def _einsum_terms(ctx: RuleContext, equation: str, count: int) -> tuple[list[list[str]], list[str]]:
+    """Subscripts of each operand and of the output, as token lists ("..." is one token)."""
+
+    def tokens(term: str) -> list[str]:
+        term = term.strip()
+        out, i = [], 0
+        while i < len(term):
+            if term.startswith("...", i):
+                out.append("...")
+                i += 3
+            elif term[i].isalpha():
+                out.append(term[i])
+                i += 1
+            elif term[i].isspace():
+                i += 1
+            else:
+                raise ctx.error(f"cannot parse equation {equation!r}")
+        return out
+
+    lhs, arrow, rhs = equation.partition("->")
+    operands = [tokens(t) for t in lhs.split(",")]
+    if len(operands) != count:
+        raise ctx.error(f"equation {equation!r} names {len(operands)} operands, the node has {count}")
+    if arrow:
+        output = tokens(rhs)
+    else:  # implicit output: letters used once, sorted, after the ellipsis
+        letters = [t for term in operands for t in term if t != "..."]
+        output = (["..."] if any("..." in t for t in operands) else []) + sorted(
+            t for t in set(letters) if letters.count(t) == 1
+        )
+    for term in [*operands, output]:
+        if len(set(term)) != len(term):
+            raise ctx.error(
+                f"equation {equation!r} repeats an index within one term (a trace or diagonal); "
+                "only equations whose transpose is another Einsum are supported"
+            )
+    return operands, output
+
+
+@register("Einsum")
+def _einsum(ctx: RuleContext) -> list[ir.Value | None]:
+    # The gradient of operand i is the Einsum of dy with the other operands, producing operand i's
+    # subscripts ("swap the output and the operand"). Indices only operand i has were summed away
+    # in the forward: they come back by broadcasting (Unsqueeze + Expand); broadcast ellipsis dims
+    # are summed back by unbroadcast.
+    equation = ctx.node.attributes.get_string("equation")
+    xs = list(ctx.inputs)
+    operands, output = _einsum_terms(ctx, equation, len(xs))
+
+    def grad(i: int) -> ir.Value:
+        others = [t for j, term in enumerate(operands) if j != i for t in term]
+        mine = operands[i]
+        lonely = [t for t in mine if t not in output and t not in others]
+        if "..." in lonely:
+            raise ctx.error(f"equation {equation!r}: operand {i}'s ellipsis is summed away; not supported")
+        target = [t for t in mine if t not in lonely]
+        terms = ["".join(output)] + ["".join(term) for j, term in enumerate(operands) if j != i]
+        inputs = [ctx.dy] + [x for j, x in enumerate(xs) if j != i]
+        g = ctx.op("Einsum", inputs, {"equation": ",".join(terms) + "->" + "".join(target)})
+        if lonely:
+            cut = mine.index("...") if "..." in mine else len(mine)
+            axes = [p if p < cut else p - len(mine) for p, t in enumerate(mine) if t in lonely]
+            g = ctx.op("Unsqueeze", [g, ctx.const(axes)])
+            g = ctx.op("Expand", [g, ctx.shape_of(xs[i])])
+        if "..." in mine:
+            return unbroadcast(ctx, g, xs[i])
+        return ctx.op("Identity", [g], like=xs[i]) if not lonely else g
+
+    return ctx.wanted_grads(*(lambda i=i: grad(i) for i in range(len(xs))))

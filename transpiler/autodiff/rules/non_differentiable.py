@@ -12,3 +12,8 @@ non_differentiable(
 
 # Piecewise constant: the derivative is zero wherever it exists.
 non_differentiable("Floor", "Ceil", "Round", "Sign")
+
+# One-hot encodings and bitwise ops produce masks or integers.
+non_differentiable(
+    "OneHot", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "NonMaxSuppression",
+)  # fmt: skip

@@ -62,3 +62,23 @@ def _reduce_mean(ctx: RuleContext) -> list[ir.Value | None]:
         return _expand_back(ctx, ctx.op("Div", [ctx.dy, count], like=y))
 
     return ctx.wanted_grads(grad)
+
+
+@register("ReduceMax", "ReduceMin", inputs=(0,))
+def _reduce_extremum(ctx: RuleContext) -> list[ir.Value | None]:
+    # The gradient goes to the positions equal to the result; ties share it equally (as
+    # torch.amax/amin do; torch.max(dim) instead gives it all to one index).
+    x, y = ctx.inputs[0], ctx.output
+
+    def grad() -> ir.Value:
+        hit = ctx.op("Cast", [ctx.op("Equal", [x, _expand_back(ctx, y)])], {"to": ctx.dtype(x)}, like=x)
+        # The tie count per output: ReduceSum of the hits with this node's own axes and flags.
+        attrs = {
+            name: ctx.node.attributes.get_int(name, default)
+            for name, default in (("keepdims", 1), ("noop_with_empty_axes", 0))
+        }
+        axes = ctx.node.inputs[1] if len(ctx.node.inputs) > 1 else None
+        count = ctx.op("ReduceSum", [hit, axes] if axes is not None else [hit], attrs, like=y)
+        return ctx.op("Mul", [hit, _expand_back(ctx, ctx.op("Div", [ctx.dy, count], like=y))], like=x)
+
+    return ctx.wanted_grads(grad)
