@@ -8,9 +8,9 @@ import copy
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
 import torch
 from conftest import max_rel_error
+from onnx import numpy_helper
 
 from runtime import simulate
 from transpiler import OptimizerConfig, Options, transpile
