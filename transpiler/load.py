@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx.checker
 import onnx.shape_inference
@@ -96,6 +97,52 @@ def _make_batch_symbolic(proto: onnx.ModelProto, data_names: list[str]) -> None:
     del proto.graph.value_info[:]
 
 
+def _fold_integer_constants(proto: onnx.ModelProto) -> None:
+    """Replace nodes that compute integers from constants alone by Constant nodes.
+
+    Exporters without constant folding (TorchScript with do_constant_folding=False, as training
+    export wants) feed Slice/Reshape/ReduceSum their starts, axes and shapes through chains like
+    Unsqueeze(Constant); gradient rules need those as constants. Only integer and boolean results
+    are folded: float arithmetic stays in the graph, computed as the user's model computes it.
+    """
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    known: dict[str, np.ndarray] = {}
+    for tensor in proto.graph.initializer:
+        array = numpy_helper.to_array(tensor)
+        if array.dtype.kind in "iub":
+            known[tensor.name] = array
+    opset = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    nodes = []
+    for node in proto.graph.node:
+        foldable = (
+            node.domain in ("", "ai.onnx")
+            and (node.op_type == "Constant" or (node.input and all(i in known for i in node.input if i)))
+            and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+        )
+        if foldable:
+            try:
+                model = onnx.helper.make_model(
+                    onnx.helper.make_graph([node], "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in node.output],
+                                           [numpy_helper.from_array(known[i], i) for i in dict.fromkeys(node.input) if i]),
+                    opset_imports=opset)
+                results = ReferenceEvaluator(model).run(None, {})
+            except Exception:  # not evaluable here: leave it to the runtime
+                results = None
+            if results is not None and all(np.asarray(r).dtype.kind in "iub" for r in results):
+                for name, result in zip(node.output, results):
+                    known[name] = np.asarray(result)
+                    if node.op_type != "Constant":
+                        nodes.append(onnx.helper.make_node("Constant", [], [name], name=f"{node.name or name}/folded",
+                                                           value=numpy_helper.from_array(known[name])))
+                if node.op_type != "Constant":
+                    continue
+        nodes.append(node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+
+
 def _shape_of(value: ir.Value) -> list[int | str | None]:
     if value.shape is None:
         return []
@@ -143,6 +190,7 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
     data_names = [vi.name for vi in proto.graph.input if vi.name not in init_names]
     proto = _upgrade(proto, path)
     _make_batch_symbolic(proto, data_names)
+    _fold_integer_constants(proto)
     try:
         proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
