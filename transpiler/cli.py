@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from transpiler.errors import TranspileError
@@ -117,6 +118,9 @@ def cmd_run(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # onnx-ir warns, per value, when serializing a value that has a shape but no dtype yet; ours are
+    # typed by the shape inference that runs right after, so the warnings would only be noise.
+    logging.getLogger("onnx_ir.serde").setLevel(logging.ERROR)
     try:
         if argv and argv[0] == "run":
             return cmd_run(argv[1:])
