@@ -17,7 +17,7 @@ from runtime.errors import RunError
 
 PLAN_FORMAT = "graph-transpiler/plan"
 PLAN_FORMAT_VERSION = 1
-STRATEGIES = ("allreduce", "sharded")
+STRATEGIES = ("allreduce", "sharded", "zero")
 
 
 @dataclass(frozen=True)

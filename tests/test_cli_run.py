@@ -19,7 +19,7 @@ def cli(*args, cwd):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("strategy", ["sharded", "allreduce"])
+@pytest.mark.parametrize("strategy", ["sharded", "allreduce", "zero"])
 def test_perceptron_trains_on_four_mpi_ranks(model_dir, tmp_path, strategy):
     src = model_dir("perceptron")
     out = tmp_path / "out"
@@ -30,7 +30,8 @@ def test_perceptron_trains_on_four_mpi_ranks(model_dir, tmp_path, strategy):
 
     inspected = cli("inspect", out, cwd=tmp_path)
     assert inspected.returncode == 0, inspected.stderr
-    assert "Reduce" in inspected.stdout if strategy == "sharded" else "AllReduce" in inspected.stdout
+    expected_op = {"sharded": "Reduce", "allreduce": "AllReduce", "zero": "ReduceScatter"}[strategy]
+    assert expected_op in inspected.stdout
 
     trained = tmp_path / "trained.onnx"
     done = cli("run", out, "--data", src / "data.npz", "--batch", 32, "--steps", 40, "--log-every", 10,

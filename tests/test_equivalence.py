@@ -46,7 +46,7 @@ def reference(model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("placement", ["hash", "balanced"])
-@pytest.mark.parametrize("strategy", ["allreduce", "sharded"])
+@pytest.mark.parametrize("strategy", ["allreduce", "sharded", "zero"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("model", ["linear_regression", "perceptron"])

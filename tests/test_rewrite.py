@@ -132,3 +132,19 @@ def test_buckets_follow_backward_order_and_cap():
     assert [(b.root, b.params) for b in by_root] == [(0, ["w4", "w2"]), (1, ["w3", "w1"])]
     big = make_buckets(order, {**sizes, "w3": 500}, roots, cap_bytes=80, group_by_root=False)
     assert ["w3"] in [b.params for b in big]  # a tensor over the cap gets a bucket of its own
+
+
+def test_zero_keeps_one_nth_of_the_optimizer_state_per_rank(model_dir, tmp_path):
+    out = tmp_path / "out"
+    transpile(model_dir("perceptron") / "model.onnx", out,
+              Options(world_size=4, strategy="zero", optimizer=OptimizerConfig("adamw")))
+    plan, steps, _ = load_out(out)
+    total = sum(p["bytes"] for p in plan["parameters"])
+    per_rank = [r["optimizer_state_bytes"] for r in plan["graphs"]["ranks"]]
+    # Two slots (exp_avg, exp_avg_sq) of ceil(elements / 4) each, on every rank.
+    assert per_rank == [2 * 4 * -(-(total // 4) // 4)] * 4
+    for model in steps:
+        ops = [n.op_type for n in collectives(model)]
+        assert ops == ["ReduceScatter"] * len(plan["buckets"]) + ["AllGather"] * len(plan["buckets"])
+    # Every parameter's elements are updated somewhere, and the slices cover each exactly once.
+    assert set().union(*(r["updates"] for r in plan["graphs"]["ranks"])) == {p["name"] for p in plan["parameters"]}

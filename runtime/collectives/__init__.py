@@ -10,17 +10,19 @@ from collections.abc import Sequence
 
 import onnx
 
+from runtime.collectives.allgather import AllGather
 from runtime.collectives.allreduce import AllReduce
 from runtime.collectives.base import Communicator, TensorSpec
 from runtime.collectives.broadcast import Broadcast
 from runtime.collectives.local import LocalCommunicator, LocalGroup
 from runtime.collectives.op import CollectiveOp
 from runtime.collectives.reduce import Reduce
+from runtime.collectives.reducescatter import ReduceScatter
 from runtime.errors import RunError
 
 COLLECTIVE_DOMAIN = "graph_transpiler"
 
-_EXECUTORS: dict[str, type[CollectiveOp]] = {cls.op_type: cls for cls in (AllReduce, Reduce, Broadcast)}
+_EXECUTORS: dict[str, type[CollectiveOp]] = {cls.op_type: cls for cls in (AllReduce, Reduce, Broadcast, ReduceScatter, AllGather)}
 
 
 def make_collective(node: onnx.NodeProto, output_specs: Sequence[TensorSpec], rank: int, where: str) -> CollectiveOp:

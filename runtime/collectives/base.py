@@ -1,8 +1,8 @@
 """The Communicator interface: how a rank talks to the others, whatever moves the bytes.
 
-A backend (MPI on CPU now, NCCL on GPU later, threads in tests) implements these few calls. The
-collective node executors (allreduce.py, reduce.py, broadcast.py) only ever call them, so a new
-backend needs no change to the executors.
+A backend (MPI on CPU, NCCL on GPU, threads in tests) implements these few calls. The collective
+node executors (allreduce.py, reduce.py, broadcast.py, reducescatter.py, allgather.py) only ever
+call them, so a new backend needs no change to the executors.
 
 Invariants every caller keeps, because a violation is a hang rather than an error on a real
 backend: every rank makes the same calls in the same order, with the same root, and with buckets of
@@ -33,6 +33,36 @@ class TensorSpec:
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+
+def flat_size(sizes: Sequence[int], world: int) -> tuple[int, int]:
+    """``(T, S)`` of a ReduceScatter/AllGather bucket (docs/contracts.md): ``T`` elements in all,
+    zero-padded to ``world * S`` with ``S = ceil(T / world)``; rank r owns ``[r*S, (r+1)*S)``."""
+    total = int(sum(sizes))
+    return total, -(-total // world)
+
+
+def pack_padded(arrays: Sequence[np.ndarray], world: int) -> np.ndarray:
+    """The bucket flattened, concatenated and zero-padded to ``world * S`` (one dtype per bucket)."""
+    dtypes = {np.dtype(a.dtype) for a in arrays}
+    if len(dtypes) != 1:
+        raise RunError(f"a ReduceScatter bucket must hold one dtype, got {', '.join(sorted(map(str, dtypes)))}")
+    total, shard = flat_size([a.size for a in arrays], world)
+    flat = np.zeros(world * shard, dtype=dtypes.pop())
+    offset = 0
+    for a in arrays:
+        flat[offset:offset + a.size] = np.asarray(a).ravel()
+        offset += a.size
+    return flat
+
+
+def unpack_gathered(flat: np.ndarray, specs: Sequence[TensorSpec]) -> list[np.ndarray]:
+    """AllGather's outputs: the first T elements of the gathered vector, split and reshaped."""
+    out, offset = [], 0
+    for spec in specs:
+        out.append(flat[offset:offset + spec.size].astype(spec.dtype, copy=False).reshape(spec.shape))
+        offset += spec.size
+    return out
 
 
 def check_reduction(reduction: str) -> None:
@@ -69,6 +99,14 @@ class Communicator(ABC):
     @abstractmethod
     def broadcast(self, arrays: Sequence[np.ndarray] | None, root: int, specs: Sequence[TensorSpec]) -> list[np.ndarray]:
         """Every rank receives ``root``'s bucket; non-roots pass None and allocate from ``specs``."""
+
+    @abstractmethod
+    def reduce_scatter(self, arrays: Sequence[np.ndarray], reduction: str) -> np.ndarray:
+        """This rank's slice ``[r*S, (r+1)*S)`` of the reduced, flattened, zero-padded bucket."""
+
+    @abstractmethod
+    def all_gather(self, array: np.ndarray, specs: Sequence[TensorSpec]) -> list[np.ndarray]:
+        """Every rank's 1-D slice concatenated in rank order, cut into tensors shaped as ``specs``."""
 
     @abstractmethod
     def barrier(self) -> None:

@@ -16,7 +16,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from runtime.collectives.base import Communicator, TensorSpec, check_reduction, finish_mean
+from runtime.collectives.base import (
+    Communicator,
+    TensorSpec,
+    check_reduction,
+    finish_mean,
+    pack_padded,
+    unpack_gathered,
+)
 from runtime.errors import RunError
 
 
@@ -101,6 +108,20 @@ class LocalCommunicator(Communicator):
             signature = ("Broadcast", root, _bucket_signature(arrays))
         result = self.group.exchange(self.rank, signature, arrays, lambda payloads: payloads[root])
         return [np.array(a, copy=True).reshape(s.shape) for a, s in zip(result, specs)]
+
+    def reduce_scatter(self, arrays, reduction):
+        check_reduction(reduction)
+        flat = pack_padded(arrays, self.size)
+        result = self.group.exchange(self.rank, ("ReduceScatter", reduction, _bucket_signature(arrays)), [flat],
+                                     lambda buckets: _reduce_buckets(buckets, reduction, self.size)[0])
+        shard = flat.size // self.size
+        return result[self.rank * shard:(self.rank + 1) * shard].copy()
+
+    def all_gather(self, array, specs: Sequence[TensorSpec]):
+        flat = np.ascontiguousarray(array).ravel()
+        result = self.group.exchange(self.rank, ("AllGather", _bucket_signature([flat])), flat,
+                                     lambda slices: np.concatenate(slices))
+        return [a.copy() for a in unpack_gathered(result, specs)]
 
     def barrier(self):
         self.group.exchange(self.rank, ("Barrier",), None, lambda payloads: None)

@@ -13,7 +13,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runtime.collectives.base import Communicator, TensorSpec, check_reduction, finish_mean
+from runtime.collectives.base import (
+    Communicator,
+    TensorSpec,
+    check_reduction,
+    finish_mean,
+    pack_padded,
+    unpack_gathered,
+)
 from runtime.errors import RunError
 
 
@@ -85,6 +92,19 @@ class MpiCommunicator(Communicator):
             self.comm.Bcast(flat, root=root)
             _unpack(flat, positions, [s.shape for s in specs], out)
         return out
+
+    def reduce_scatter(self, arrays, reduction):
+        check_reduction(reduction)
+        flat = pack_padded(arrays, self.size)
+        out = np.empty(flat.size // self.size, dtype=flat.dtype)
+        self.comm.Reduce_scatter_block(flat, out, op=self._mpi.SUM)
+        return finish_mean(out, self.size) if reduction == "mean" else out
+
+    def all_gather(self, array, specs: Sequence[TensorSpec]):
+        flat = np.ascontiguousarray(array).ravel()
+        gathered = np.empty(flat.size * self.size, dtype=flat.dtype)
+        self.comm.Allgather(flat, gathered)
+        return unpack_gathered(gathered, specs)
 
     def barrier(self):
         self.comm.Barrier()
