@@ -16,7 +16,7 @@ from runtime.launcher import detect_launcher, spawn
 from runtime.plan import Plan, load_plan
 from runtime.trainer import RunConfig, Trainer, train
 
-BACKENDS = ("cpu",)
+BACKENDS = ("auto", "cpu", "nccl")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", metavar="TRAINED.onnx", help="write the user's model with the trained parameters")
     parser.add_argument("--log-every", type=int, default=10, metavar="N",
                         help="log every N steps on rank 0 (also the first and last; 0: silent; default 10)")
-    parser.add_argument("--backend", choices=BACKENDS, default="cpu", help="execution backend (default cpu)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="cpu (onnxruntime CPU, MPI), nccl (one GPU per rank: onnxruntime CUDA, NCCL) or "
+                             "auto (default: nccl when GPUs, CuPy and onnxruntime-gpu are there, else cpu)")
+    parser.add_argument("--no-tf32", action="store_true",
+                        help="nccl backend: fp32 MatMul/Conv in full fp32 instead of TF32 (for exact comparisons)")
 
 
 def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
@@ -67,9 +71,31 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
     if args.shuffle:
         argv.append("--shuffle")
     argv += ["--seed", str(args.seed), "--log-every", str(args.log_every), "--backend", args.backend]
+    if args.no_tf32:
+        argv.append("--no-tf32")
     if args.export is not None:
         argv += ["--export", str(Path(args.export).resolve())]
     return argv
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` becomes ``nccl`` where GPUs, CuPy and onnxruntime-gpu are all present, else ``cpu``."""
+    if name != "auto":
+        return name
+    from runtime.gpu.cuda import cuda_available
+
+    return "nccl" if cuda_available() else "cpu"
+
+
+def check_gpus(needed: int, what: str) -> None:
+    """One GPU per rank: ``needed`` ranks on this host need that many GPUs here."""
+    from runtime.gpu.cuda import gpu_count
+
+    have = gpu_count()
+    if needed > have:
+        raise RunError(f"{what} needs {needed} GPU(s), one per rank, but this machine has {have}"
+                       + (" (no CUDA device, or CuPy is not installed)" if have == 0 else "")
+                       + "; transpile with --gpus <= the GPUs present, or use --backend cpu")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -80,14 +106,34 @@ def run_command(args: argparse.Namespace) -> int:
         return run_as_rank(args)
     try:
         plan, dataset, config = prepare(args)
+        args.backend = resolve_backend(args.backend)
+        if args.backend == "nccl":
+            check_gpus(plan.world_size, f"the plan ({plan.world_size} rank(s), transpiled with --gpus {plan.world_size})")
         if plan.world_size == 1:
-            trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=0, backend=CpuBackend())
-            train(trainer, dataset, config, rank=0, world_size=1)
-            return 0
+            return _run_single(args, plan, dataset, config)
         return spawn(plan.world_size, worker_arguments(args))
     except RunError as exc:
         print(f"transpile: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_single(args: argparse.Namespace, plan: Plan, dataset, config: RunConfig) -> int:
+    """A world of one runs in this process, without MPI."""
+    if args.backend == "nccl":
+        from runtime.gpu import GpuBackend, NcclCommunicator
+
+        backend = GpuBackend(0, tf32=not args.no_tf32)
+        comm = NcclCommunicator(None, 0)
+        trainer = Trainer(plan, comm, rank=0, backend=backend)
+        comm.connect()
+        try:
+            train(trainer, dataset, config, rank=0, world_size=1)
+        finally:
+            comm.close()
+        return 0
+    trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=0, backend=CpuBackend())
+    train(trainer, dataset, config, rank=0, world_size=1)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

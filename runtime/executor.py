@@ -1,9 +1,9 @@
 """Executing a cut rank graph: a Backend compiles segments, a Program runs segments and collectives.
 
-These are the seams for the GPU backend: it implements ``Backend.compile`` (onnxruntime CUDA EP with
-IOBinding on device buffers) and ``Backend.make_program`` (a Program that issues each collective on
-a communication stream and lets the next segments run while it is in flight). The trainer only calls
-``Program.run`` and the host conversions, so it stays the same.
+The GPU backend (runtime/gpu/) implements ``Backend.compile`` (onnxruntime CUDA EP with IOBinding
+on device buffers) and ``Backend.make_program`` (a program that issues each collective on a
+communication stream and lets the next segments run while it is in flight). The trainer only calls
+``run`` and the host conversions below, so it is the same for both.
 """
 
 from __future__ import annotations
@@ -35,12 +35,28 @@ class Backend(ABC):
     def make_program(self, cut: CutGraph, comm: Communicator) -> Program:
         return Program(cut, self, comm)
 
+    def split_tail(self) -> bool:
+        """Whether the last segment is cut by collective (segments.py): worth it only where
+        collectives run asynchronously, as on the GPU."""
+        return False
+
     def from_host(self, array: np.ndarray) -> Any:
         """A host array as this backend's value (a device buffer on GPU)."""
         return array
 
+    def feed(self, name: str, array: np.ndarray) -> Any:
+        """The per-step value of graph input ``name`` (data, lr); the GPU reuses one buffer per name."""
+        return self.from_host(array)
+
     def to_host(self, value: Any) -> np.ndarray:
         return np.asarray(value)
+
+    def hold_scalar(self, value: Any) -> Any:
+        """Keep a step's loss until ``scalars_to_host``; the GPU keeps it on the device."""
+        return float(np.asarray(value))
+
+    def scalars_to_host(self, held: list) -> list[float]:
+        return [float(v) for v in held]
 
 
 class OrtCpuSegment(SegmentRunner):

@@ -12,6 +12,12 @@ later segments. A node must also come after every collective upstream of it (seg
 ALAP placement satisfies this unless the ``order`` attributes contradict the data flow, which is an
 error. Because a consumer's downstream collectives are a subset of its producer's, a producer is
 never placed after its consumer, so every segment only reads values that already exist.
+
+``split_tail=True`` (the GPU backend) also cuts the last segment into parts by the latest collective
+upstream of each node: part j holds the tail nodes that need collective j-1 and no later one (part 0
+those that need none). So the optimizer update of bucket j can run as soon as collective j is done,
+while the collectives of later buckets are still in flight. Producers need a subset of their
+consumers' upstream collectives, so the parts in increasing j are again a topological order.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Segment:
     inputs: tuple[str, ...]  # fed from graph inputs, earlier segments and collectives
     outputs: tuple[str, ...]  # read by later segments, collectives or the graph outputs
     model: onnx.ModelProto  # standalone: its initializers are the ones its nodes use
+    part: int = 0  # with split_tail, the part of the last segment (see the module docstring)
 
 
 @dataclass
@@ -68,7 +75,7 @@ def load_graph(path: Path) -> onnx.ModelProto:
         raise RunError(f"{path}: cannot load ONNX model: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
-def cut_graph(model: onnx.ModelProto, rank: int, where: str) -> CutGraph:
+def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool = False) -> CutGraph:
     """Cut ``model`` (rank ``rank``'s step or init graph; ``where`` names its file) into segments."""
     model = _with_inferred_types(model)
     graph = model.graph
@@ -83,28 +90,32 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str) -> CutGraph:
 
     _check_defined(nodes, graph_inputs, initializers, graph_outputs, where)
     collectives = _collectives(nodes, types, rank, where)
-    segment_of = _place_alap(nodes, collectives, where)
+    segment_of, earliest = _place_alap(nodes, collectives, where)
     k_count = len(collectives)
+    # Part of the last segment each of its nodes goes to (always 0 without split_tail).
+    part_of = {i: (earliest[i] if split_tail and k == k_count else 0) for i, k in segment_of.items()}
 
-    # Position in execution order: segment k at 2k, collective k at 2k+1, graph outputs after all.
-    end = 2 * k_count + 1
-    readers: dict[str, list[int]] = {}
+    # Position in execution order, compared as tuples: segment k at (2k, part), collective k at
+    # (2k+1, 0), graph outputs after all.
+    end = (2 * k_count + 1, 0)
+    readers: dict[str, list[tuple[int, int]]] = {}
     for i, node in enumerate(nodes):
-        pos = 2 * collectives[i].order + 1 if i in collectives else 2 * segment_of[i]
+        pos = (2 * collectives[i].order + 1, 0) if i in collectives else (2 * segment_of[i], part_of[i])
         for name in _consumed(node):
             readers.setdefault(name, []).append(pos)
     for name in graph_outputs:
         readers.setdefault(name, []).append(end)
 
     by_order = sorted(collectives.values(), key=lambda op: op.order)
-    members: list[list[onnx.NodeProto]] = [[] for _ in range(k_count + 1)]
+    members: dict[tuple[int, int], list[onnx.NodeProto]] = {}
     for i in sorted(segment_of):  # graph order is a topological order, and stays one per segment
-        members[segment_of[i]].append(nodes[i])
+        members.setdefault((segment_of[i], part_of[i]), []).append(nodes[i])
     items: list[Segment | CollectiveOp] = []
     for k in range(k_count + 1):
-        segment = _build_segment(model, k, members[k], readers, initializers, types, where)
-        if segment is not None:
-            items.append(segment)
+        for part in range(k_count + 1 if split_tail and k == k_count else 1):
+            segment = _build_segment(model, (k, part), members.get((k, part), []), readers, initializers, types, where)
+            if segment is not None:
+                items.append(segment)
         if k < k_count:
             items.append(by_order[k])
 
@@ -187,8 +198,10 @@ def _collectives(nodes: list[onnx.NodeProto], types, rank: int, where: str) -> d
     return ops
 
 
-def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp], where: str) -> dict[int, int]:
-    """Segment index of every compute node (see the module docstring for the rule)."""
+def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp],
+                where: str) -> tuple[dict[int, int], dict[int, int]]:
+    """Segment index of every compute node (see the module docstring for the rule), and for each
+    node 1 + the order of the latest collective upstream of it (0 if none)."""
     producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(nodes)))
@@ -214,17 +227,20 @@ def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp
         if earliest[i] > k:
             raise RunError(f"{where}: node '{nodes[i].name or nodes[i].op_type}' reads collective order "
                            f"{earliest[i] - 1} but feeds collective order {k}; orders contradict the data flow")
-    return latest
+    return latest, earliest
 
 
-def _build_segment(model: onnx.ModelProto, k: int, members: list[onnx.NodeProto], readers: dict[str, list[int]],
-                   initializers: dict[str, onnx.TensorProto], types: dict[str, onnx.TypeProto], where: str) -> Segment | None:
+def _build_segment(model: onnx.ModelProto, here: tuple[int, int], members: list[onnx.NodeProto],
+                   readers: dict[str, list[tuple[int, int]]], initializers: dict[str, onnx.TensorProto],
+                   types: dict[str, onnx.TypeProto], where: str) -> Segment | None:
+    k, part = here
     produced = {name for node in members for name in node.output if name}
     consumed = list(dict.fromkeys(name for node in members for name in _consumed(node)))
     embedded = [name for name in consumed if name in initializers and name not in produced]
     inputs = [name for name in consumed if name not in produced and name not in initializers]
     # Only values someone after this segment reads leave it; the rest die inside the session.
-    outputs = [name for node in members for name in node.output if name and any(p > 2 * k for p in readers.get(name, ()))]
+    position = (2 * k, part)
+    outputs = [name for node in members for name in node.output if name and any(p > position for p in readers.get(name, ()))]
     if not outputs:
         return None  # no nodes, or only nodes whose results nobody reads
 
@@ -237,7 +253,7 @@ def _build_segment(model: onnx.ModelProto, k: int, members: list[onnx.NodeProto]
 
     graph = helper.make_graph(
         members,
-        f"{model.graph.name or 'graph'}_segment{k}",
+        f"{model.graph.name or 'graph'}_segment{k}" + (f"_part{part}" if part else ""),
         inputs=[value_info(name, True) for name in inputs],
         outputs=[value_info(name, False) for name in outputs],
         initializer=[initializers[name] for name in embedded],
@@ -247,4 +263,4 @@ def _build_segment(model: onnx.ModelProto, k: int, members: list[onnx.NodeProto]
     # a segment needs only the IR version its opsets require, so it never asks for more than that.
     ir_version = min(model.ir_version, helper.find_min_ir_version_for(opsets, ignore_unknown=True))
     segment_model = helper.make_model(graph, opset_imports=opsets, ir_version=ir_version, functions=model.functions)
-    return Segment(k, tuple(node.name for node in members), tuple(inputs), tuple(outputs), segment_model)
+    return Segment(k, tuple(node.name for node in members), tuple(inputs), tuple(outputs), segment_model, part)

@@ -26,6 +26,8 @@ from runtime.executor import Backend, CpuBackend
 from runtime.plan import Plan, load_plan
 from runtime.segments import cut_graph, load_graph
 
+# Most steps whose losses wait on the device before being read (the GPU ring holds more).
+FLUSH_EVERY = 1024
 
 # State kinds whose values --export writes into the user's model, by initializer name.
 EXPORTED_KINDS = ("param", "buffer")
@@ -52,12 +54,14 @@ class Trainer:
         files = plan.graphs(rank)
         self.state_entries = files.state
         role = 0 if rank is None else rank
-        step_cut = cut_graph(load_graph(files.step), role, files.step.name)
+        split = self.backend.split_tail()
+        step_cut = cut_graph(load_graph(files.step), role, files.step.name, split_tail=split)
         init_cut = cut_graph(load_graph(files.init), role, files.init.name)
         self._check_signature(step_cut.inputs, step_cut.outputs, init_cut.outputs, files.step.name, files.init.name)
         self.step_program = self.backend.make_program(step_cut, comm)
         self.init_program = self.backend.make_program(init_cut, comm)
         self.state: dict[str, object] = {}
+        self._held: list = []  # losses of steps not yet read (on the device for the GPU backend)
 
     def _check_signature(self, step_inputs, step_outputs, init_outputs, step_file: str, init_file: str) -> None:
         plan = self.plan
@@ -81,14 +85,26 @@ class Trainer:
 
     def step(self, data: dict[str, np.ndarray], lr: float) -> float:
         """Run one training step on this rank's shard; returns the loss averaged over all ranks."""
-        feeds = {name: self.backend.from_host(array) for name, array in data.items()}
-        feeds[self.plan.lr_input] = self.backend.from_host(np.array(lr, dtype=np.float32))
+        self.step_async(data, lr)
+        return self.collect_losses()[-1]
+
+    def step_async(self, data: dict[str, np.ndarray], lr: float) -> None:
+        """Run one step; its loss is kept (on the device on GPU) until ``collect_losses``."""
+        feeds = {name: self.backend.feed(name, array) for name, array in data.items()}
+        feeds[self.plan.lr_input] = self.backend.feed(self.plan.lr_input, np.array(lr, dtype=np.float32))
         feeds.update(self.state)
         outputs = self.step_program.run(feeds)
         self.state = {s.input: outputs[s.output] for s in self.state_entries}
+        self._held.append(self.backend.hold_scalar(outputs[self.plan.loss]))
+
+    def collect_losses(self) -> list[float]:
+        """The losses of the steps since the last call, each averaged over all ranks (every rank
+        must call this at the same steps: it is a collective on the host)."""
+        local = self.backend.scalars_to_host(self._held)
+        self._held = []
         # The step graph's loss is the mean over this rank's shard; equal shards make the mean of
         # the ranks' means the mean over the global batch, i.e. what one device reports.
-        return self.comm.allreduce_scalar(float(self.backend.to_host(outputs[self.plan.loss])), "mean")
+        return [self.comm.allreduce_scalar(value, "mean") for value in local]
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Host copies of the state, keyed by state input name."""
@@ -113,10 +129,15 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, w
     for step in range(config.steps):
         data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
                              shuffle=config.shuffle, seed=config.seed)
-        loss = trainer.step(data, config.lr)
-        losses.append(loss)
+        trainer.step_async(data, config.lr)
         done = step + 1
-        if rank == 0 and config.log_every and (done == 1 or done % config.log_every == 0 or done == config.steps):
+        log_now = config.log_every and (done == 1 or done % config.log_every == 0 or done == config.steps)
+        # Losses are read at log steps only (the GPU keeps them on the device until then), and at
+        # least every FLUSH_EVERY steps; every rank takes the same decision, so the host reductions match.
+        if log_now or done == config.steps or done - len(losses) >= FLUSH_EVERY:
+            losses.extend(trainer.collect_losses())
+        if rank == 0 and log_now:
+            loss = losses[-1]
             now = time.perf_counter()
             window = losses[since:]
             epoch = done * config.batch / dataset.rows

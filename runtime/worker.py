@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 
-from runtime.cli import add_run_arguments, prepare
+from runtime.cli import add_run_arguments, check_gpus, prepare, resolve_backend
 from runtime.collectives.mpi import MpiCommunicator
 from runtime.errors import RunError
 from runtime.executor import CpuBackend
@@ -42,15 +42,40 @@ def _tear_down(comm: MpiCommunicator, code: int) -> None:
     comm.abort(code)
 
 
+def _local_rank(comm: MpiCommunicator) -> tuple[int, int]:
+    """This rank's index among the ranks of its host, and their number: the GPU it drives."""
+    from mpi4py import MPI
+
+    local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.Get_rank(), local.Get_size()
+    finally:
+        local.Free()
+
+
+def _make_backend(args: argparse.Namespace, comm: MpiCommunicator):
+    """(backend, communicator the trainer uses); for nccl the NCCL communicator is not joined yet."""
+    backend = resolve_backend(args.backend)
+    if backend == "cpu":
+        return CpuBackend(threads=_threads_per_rank(comm)), comm
+    from runtime.gpu import GpuBackend, NcclCommunicator
+
+    local_rank, local_size = _local_rank(comm)
+    check_gpus(local_size, f"{local_size} rank(s) on this host")
+    return GpuBackend(local_rank, tf32=not args.no_tf32), NcclCommunicator(comm, local_rank)
+
+
 def run_as_rank(args: argparse.Namespace) -> int:
     """Run this process as the rank its launcher gave it; returns the exit status."""
     comm = MpiCommunicator()
     trainer = error = None
+    rank_comm = comm
     try:
         plan, dataset, config = prepare(args)
         launcher = detect_launcher()
         check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
-        trainer = Trainer(plan, comm, rank=comm.rank, backend=CpuBackend(threads=_threads_per_rank(comm)))
+        backend, rank_comm = _make_backend(args, comm)
+        trainer = Trainer(plan, rank_comm, rank=comm.rank, backend=backend)
     except RunError as exc:
         error = str(exc)
     except Exception as exc:  # a bug: keep its traceback, but still reach the agreement below
@@ -66,6 +91,8 @@ def run_as_rank(args: argparse.Namespace) -> int:
                 print(f"transpile: error: {where}{message}", file=sys.stderr, flush=True)
         return 2
     try:
+        if rank_comm is not comm:
+            rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
         train(trainer, dataset, config, rank=comm.rank, world_size=comm.size, log=lambda line: print(line, flush=True))
     except RunError as exc:
         print(f"transpile: error: rank {comm.rank}: {exc}", file=sys.stderr)

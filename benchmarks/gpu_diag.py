@@ -1,0 +1,77 @@
+"""Run plans on the nccl backend and check them against the CPU backend (used by
+tests/test_gpu_equivalence.py, and by hand to diagnose).
+
+    mpirun -n N python benchmarks/gpu_diag.py --data DATA.npz --batch B --steps K [--save DIR] [--compare] OUT [OUT ...]
+
+For each OUT (a plan for N ranks): the init graph and K steps on the GPUs (TF32 off). ``--save DIR``
+writes every rank's final parameters to DIR/<OUT name>.rank<r>.npz. ``--compare`` also compares, after
+every step, every rank's parameters with the CPU backend's in-process simulation of the same number
+of steps (slow: one simulation per step) and prints the error and whether the replicas agree. Set
+GRAPH_TRANSPILER_DEBUG_SYNC=1 to synchronize the device after every segment and collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from runtime import simulate
+from runtime.collectives.mpi import MpiCommunicator
+from runtime.data import Dataset
+from runtime.gpu import GpuBackend, NcclCommunicator
+from runtime.plan import load_plan
+from runtime.trainer import Trainer
+
+
+def max_rel(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) / (float(np.max(np.abs(b[k]))) or 1.0) for k in b)
+
+
+def run_plan(host: MpiCommunicator, out: str, data: dict, args: argparse.Namespace) -> None:
+    plan = load_plan(out)
+    dataset = Dataset(data, plan.data_inputs, args.data)
+    comm = NcclCommunicator(host, host.rank)
+    trainer = Trainer(plan, comm, rank=host.rank, backend=GpuBackend(host.rank, tf32=False))
+    comm.connect()
+    trainer.initialize()
+    rows = []
+    for step in range(args.steps):
+        shard = dataset.shard(step, batch=args.batch, rank=host.rank, world_size=host.size)
+        loss = trainer.step(shard, plan.lr)
+        if args.compare:
+            every = host.comm.gather(trainer.parameters(), root=0)
+            if host.rank == 0:
+                ref = simulate(out, data, batch=args.batch, steps=step + 1)
+                errors = ", ".join(f"{max_rel(p, ref.parameters[0]):.2e}" for p in every)
+                same = all(all(np.array_equal(p[k], every[0][k]) for k in p) for p in every)
+                rows.append(f"  step {step + 1}: loss gpu {loss:.6f} cpu {ref.losses[-1]:.6f}; "
+                            f"max rel err per rank [{errors}]; replicas identical {same}")
+    if args.save:
+        np.savez(Path(args.save) / f"{Path(out).name}.rank{host.rank}.npz", **trainer.parameters())
+    if host.rank == 0:
+        print(f"{out}: {args.steps} steps on {host.size} GPU(s), final loss {loss:.6f}", flush=True)
+        if rows:
+            print("\n".join(rows), flush=True)
+    comm.close()
+    host.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outs", nargs="+")
+    p.add_argument("--data", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--save")
+    p.add_argument("--compare", action="store_true")
+    args = p.parse_args()
+    host = MpiCommunicator()
+    data = dict(np.load(args.data))
+    for out in args.outs:
+        run_plan(host, out, data, args)
+
+
+if __name__ == "__main__":
+    main()

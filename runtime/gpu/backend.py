@@ -1,0 +1,416 @@
+"""GpuBackend: onnxruntime CUDA EP sessions bound to device buffers, and GpuProgram, which runs a
+cut rank graph with its collectives overlapped.
+
+Streams and order. Every session runs on one compute stream (``user_compute_stream``); every NCCL
+call runs on the communicator's stream. Collective k waits for an event recorded on the compute
+stream after the segments before it; a segment that reads a collective's outputs waits for the
+event recorded after that collective. So bucket k's collective runs while the backward of later
+buckets computes, and (with ``split_tail``) the optimizer of bucket k runs as soon as it is done.
+At the end of a step the compute stream waits for every collective, so the next step never
+writes a buffer that NCCL still reads.
+
+Buffers. The first call of a program (the init graph's only one, and the first step) runs with
+onnxruntime allocating the outputs and records every value's shape. From the second call on,
+everything is preallocated and bound once, in two IOBindings per segment (one per step parity):
+- each collective owns one flat buffer (two, by parity, if its outputs are state); a gradient that
+  only its collective reads is bound straight into its slot (bind_output at a pointer into the
+  bucket), so one NCCL call moves the bucket without a copy; collectives run in place;
+- values that leave the program (state, loss) get two buffers, by parity: step t reads step t-1's
+  values from one set while writing the other;
+- values passed between segments of one step get one buffer each.
+A step then is: rebind the few inputs whose pointer changed, run each session, enqueue each NCCL
+call. No tensor goes to the host; the loss is copied on the device into a ring read when logging.
+onnxruntime synchronizes its stream at the end of each run unless GRAPH_TRANSPILER_ORT_ASYNC=1
+(see GpuBackend): the collectives still overlap the following segments.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from runtime.collectives import CollectiveOp, Communicator
+from runtime.collectives.base import flat_size
+from runtime.errors import RunError
+from runtime.executor import Backend, SegmentRunner, _first_line
+from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
+from runtime.segments import CutGraph, Segment
+
+LOSS_RING = 4096  # device slots for losses not yet read; Trainer flushes long before it wraps
+
+
+class OrtCudaSegment(SegmentRunner):
+    """One segment as a CUDA EP session on the backend's compute stream."""
+
+    def __init__(self, segment: Segment, where: str, backend: GpuBackend):
+        ort = backend.ort
+        self.backend = backend
+        self.where = f"{where}: segment {segment.index}" + (f" part {segment.part}" if segment.part else "")
+        self.inputs = list(segment.inputs)
+        self.outputs = list(segment.outputs)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        cuda = {"device_id": str(backend.device_id), "user_compute_stream": str(backend.compute.ptr),
+                "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0"}
+        try:
+            self.session = ort.InferenceSession(segment.model.SerializeToString(), options,
+                                                providers=[("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])
+        except Exception as exc:
+            raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
+        if self.session.get_providers()[0] != "CUDAExecutionProvider":
+            raise RunError(f"{self.where}: onnxruntime did not enable the CUDA execution provider (CUDA or cuDNN "
+                           "libraries not found? onnxruntime-gpu must match the installed CUDA major version)")
+        self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
+        self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
+
+    def _bind_input(self, io, name: str, value) -> None:
+        io.bind_input(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+
+    def run(self, feeds):
+        """First-call path: onnxruntime allocates the outputs; they are wrapped as CuPy arrays."""
+        io = self.session.io_binding()
+        for name in self.inputs:
+            self._bind_input(io, name, feeds[name])
+        for name in self.outputs:
+            io.bind_output(name, "cuda", self.backend.device_id)
+        self._run(io)
+        return [self.backend.wrap(v) for v in io.get_outputs()]
+
+    def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
+        io = self.session.io_binding()
+        for name in self.outputs:
+            value = outputs[name]
+            io.bind_output(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+        self.bindings[parity] = io
+
+    def run_bound(self, parity: int, env: dict[str, Any]) -> None:
+        io, bound = self.bindings[parity], self.bound[parity]
+        for name in self.inputs:
+            value = env[name]
+            if bound.get(name) != value.data.ptr:
+                self._bind_input(io, name, value)
+                bound[name] = value.data.ptr
+        self._run(io)
+
+    def _run(self, io) -> None:
+        try:
+            self.session.run_with_iobinding(io, self.backend.run_options)
+        except Exception as exc:
+            raise RunError(f"{self.where}: onnxruntime failed on device {self.backend.device_id}: {_first_line(exc)}") from None
+
+
+class _Slots:
+    """The flat buffer(s) of one collective and the views of its inputs and outputs in them."""
+
+    def __init__(self, op: CollectiveOp, in_shapes: list[tuple], dtype, world: int, rank: int, parities: int, cp):
+        self.op = op
+        kind = op.op_type
+        out_shapes = [s.shape for s in op.output_specs]
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in (out_shapes if kind == "Broadcast" else in_shapes)]
+        if kind == "AllGather":
+            shard = sizes[0]
+            total = world * shard
+        elif kind == "ReduceScatter":
+            _, shard = flat_size(sizes, world)
+            total = world * shard
+        else:
+            shard, total = 0, sum(sizes)
+        self.buffers = [cp.zeros(total, dtype=dtype) for _ in range(parities)]  # zeros: the padding stays 0
+        self.inputs: list[dict[str, Any]] = []
+        self.outputs: list[dict[str, Any]] = []
+        self.mean_view: list[Any] = []
+        for buf in self.buffers:
+            mine = buf[rank * shard:(rank + 1) * shard]
+            if kind == "AllGather":
+                ins = {op.inputs[0]: mine}
+                outs = dict(zip(op.outputs, _views(buf, out_shapes)))
+            elif kind == "ReduceScatter":
+                ins = dict(zip(op.inputs, _views(buf, in_shapes)))
+                outs = {op.outputs[0]: mine}
+            else:
+                ins = dict(zip(op.inputs, _views(buf, in_shapes))) if op.inputs else {}
+                outs = dict(zip(op.outputs, _views(buf, out_shapes)))
+            self.inputs.append(ins)
+            self.outputs.append(outs)
+            self.mean_view.append(mine if kind == "ReduceScatter" else buf)
+
+
+def _views(flat, shapes):
+    out, offset = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape, dtype=np.int64))
+        out.append(flat[offset:offset + n].reshape(shape))
+        offset += n
+    return out
+
+
+class GpuProgram:
+    """Runs a cut graph on the GPU (see the module docstring); the interface of executor.Program."""
+
+    def __init__(self, cut: CutGraph, backend: GpuBackend, comm: Communicator):
+        cp = backend.cp
+        self.cut, self.backend, self.comm, self.cp = cut, backend, comm, cp
+        self.steps = [(item, backend.compile(item, cut.where) if isinstance(item, Segment) else None) for item in cut.items]
+        self.constants = {name: cp.asarray(value) for name, value in cut.constants.items()}
+        producer: dict[str, int] = {}
+        readers: dict[str, list[int]] = {}
+        for pos, item in enumerate(cut.items):
+            for name in item.inputs:
+                readers.setdefault(name, []).append(pos)
+            for name in item.outputs:
+                producer[name] = pos
+        self.producer, self.readers = producer, readers
+        # Segment pos -> positions of the collectives whose outputs it reads directly.
+        self.waits = {pos: sorted({producer[n] for n in item.inputs if n in producer and self.steps[producer[n]][1] is None})
+                      for pos, (item, runner) in enumerate(self.steps) if runner is not None}
+        self.collective_pos = [pos for pos, (_, runner) in enumerate(self.steps) if runner is None]
+        self.ready = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
+        self.done = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
+        self.calls = 0
+        self.shapes: dict[str, tuple[tuple, Any]] = {}
+        self.slots: dict[int, _Slots] = {}
+        self.copy_in: dict[int, list[str]] = {}
+        self.outs: dict[int, list[dict[str, Any]]] = {}
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        missing = [name for name in self.cut.inputs if name not in feeds]
+        if missing:
+            raise RunError(f"{self.cut.where}: not fed: {', '.join(missing)}")
+        self.calls += 1
+        if self.calls == 1:
+            return self._run_first(feeds)
+        if self.calls == 2:
+            self._allocate()
+        return self._run_bound(feeds, self.calls % 2)
+
+    # -- first call: onnxruntime allocates, collectives synchronous -----------------------------
+    def _run_first(self, feeds):
+        env = {**self.constants, **feeds}
+        self.backend.compute.synchronize()  # constants and fed data are on the device before any run
+        for item, runner in self.steps:
+            values = [env[name] for name in item.inputs]
+            if runner is not None:
+                results = runner.run(dict(zip(item.inputs, values)))
+            else:
+                results = item.run(self.comm, values) if not self.backend.skip_collectives else self._skipped(item, values)
+            env.update(zip(item.outputs, results))
+        self.shapes = {name: (tuple(v.shape), v.dtype) for name, v in env.items()}
+        # Values onnxruntime allocated return to its arena when dropped; finish before that.
+        self.backend.compute.synchronize()
+        return {name: env[name] for name in self.cut.outputs}
+
+    def _skipped(self, op: CollectiveOp, values):
+        cp = self.cp
+        if op.op_type in ("AllReduce", "Reduce"):
+            return [v.copy() for v in values][:len(op.outputs)]
+        if op.op_type == "Broadcast":
+            return [v.copy() for v in values] if values else [cp.zeros(s.shape, s.dtype) for s in op.output_specs]
+        if op.op_type == "ReduceScatter":
+            return [cp.zeros(op.output_specs[0].shape, op.output_specs[0].dtype)]
+        return [cp.zeros(s.shape, s.dtype) for s in op.output_specs]
+
+    # -- from the second call on: preallocated, bound once, overlapped -------------------------
+    def _allocate(self) -> None:
+        cp, comm = self.cp, self.comm
+        program_outputs = set(self.cut.outputs)
+        bound_into: dict[str, tuple[int, str]] = {}  # segment output -> (collective pos, input name)
+        for pos in self.collective_pos:
+            op = self.steps[pos][0]
+            in_shapes = [self.shapes[n][0] for n in op.inputs]
+            dtypes = {np.dtype(self.shapes[n][1]) for n in op.inputs} | {np.dtype(s.dtype) for s in op.output_specs}
+            if len(dtypes) != 1:
+                raise RunError(f"{op.where}: the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
+            parities = 2 if any(n in program_outputs for n in op.outputs) else 1
+            self.slots[pos] = _Slots(op, in_shapes, dtypes.pop(), comm.size, comm.rank, parities, cp)
+            self.copy_in[pos] = []
+            for name in op.inputs:
+                src = self.producer.get(name)
+                only_reader = self.readers[name] == [pos] and op.inputs.count(name) == 1
+                if src is not None and self.steps[src][1] is not None and only_reader and name not in program_outputs:
+                    bound_into[name] = (pos, name)
+                else:
+                    self.copy_in[pos].append(name)
+        internal: dict[str, Any] = {}
+        for pos, (item, runner) in enumerate(self.steps):
+            if runner is None:
+                continue
+            per_parity = []
+            for parity in (0, 1):
+                outs = {}
+                for name in item.outputs:
+                    shape, dtype = self.shapes[name]
+                    if name in bound_into:
+                        slots = self.slots[bound_into[name][0]]
+                        outs[name] = slots.inputs[parity % len(slots.buffers)][name]
+                    elif name in program_outputs:
+                        outs[name] = cp.empty(shape, dtype)
+                    else:
+                        if name not in internal:
+                            internal[name] = cp.empty(shape, dtype)
+                        outs[name] = internal[name]
+                runner.prepare(parity, outs)
+                per_parity.append(outs)
+            self.outs[pos] = per_parity
+
+    def _run_bound(self, feeds, parity: int):
+        backend, comm = self.backend, self.comm
+        compute = backend.compute
+        env = {**self.constants, **feeds}
+        if not backend.async_runs:
+            compute.synchronize()  # the fed data's copies are done before any session reads them
+        waited: set[int] = set()
+        for pos, (item, runner) in enumerate(self.steps):
+            if runner is not None:
+                for c in self.waits[pos]:
+                    if c not in waited:
+                        backend.wait(self.done[c])
+                        waited.add(c)
+                runner.run_bound(parity, env)
+                if backend.debug_sync:
+                    self.cp.cuda.Device().synchronize()
+                env.update(self.outs[pos][parity])
+                continue
+            slots = self.slots[pos]
+            p = parity % len(slots.buffers)
+            self.ready[pos].record(compute)
+            comm.stream.wait_event(self.ready[pos])
+            if self.copy_in[pos]:
+                with comm.stream:
+                    for name in self.copy_in[pos]:
+                        slots.inputs[p][name][...] = env[name]
+            if not backend.skip_collectives:
+                self._launch(item, slots.buffers[p], slots.mean_view[p])
+            self.done[pos].record(comm.stream)
+            if backend.debug_sync:
+                self.cp.cuda.Device().synchronize()
+            comm.track(pos, self.done[pos], f"{item.op_type} '{item.name}' (order {item.order}) of {self.cut.where}")
+            env.update(slots.outputs[p])
+        for c in self.collective_pos:
+            if c not in waited:
+                backend.wait(self.done[c])
+        return {name: env[name] for name in self.cut.outputs}
+
+    def _launch(self, op: CollectiveOp, buf, mean_view) -> None:
+        comm = self.comm
+        label = f"{op.op_type} '{op.name}' (order {op.order}) of {self.cut.where}"
+        kind = op.op_type
+        if kind == "AllReduce":
+            comm.all_reduce_flat(buf, label)
+        elif kind == "Reduce":
+            comm.reduce_flat(buf, op.attrs["root"], label)
+        elif kind == "Broadcast":
+            comm.broadcast_flat(buf, op.attrs["root"], label)
+        elif kind == "ReduceScatter":
+            comm.reduce_scatter_flat(buf, label)
+        elif kind == "AllGather":
+            comm.all_gather_flat(buf, label)
+        else:
+            raise RunError(f"{op.where}: the nccl backend has no flat-buffer form of {kind}")
+        reduction = op.attrs.get("reduction")
+        if reduction == "mean" and (kind != "Reduce" or comm.rank == op.attrs["root"]):
+            comm.finish_mean(mean_view)
+
+
+class GpuBackend(Backend):
+    """onnxruntime CUDA EP on ``device_id``; ``tf32`` lets fp32 MatMul/Conv use TF32 (off for the
+    equality tests); ``skip_collectives`` enqueues no NCCL call (a measurement aid that shows the
+    exposed communication time; results are wrong)."""
+
+    name = "nccl"
+
+    def __init__(self, device_id: int = 0, *, tf32: bool = False, skip_collectives: bool = False):
+        self.cp = cp = import_cupy()
+        self.ort = load_onnxruntime()
+        self.device_id = device_id
+        self.tf32 = tf32
+        self.skip_collectives = skip_collectives
+        cp.cuda.Device(device_id).use()
+        # A blocking stream: onnxruntime's CUDA EP copies on the legacy default stream by default
+        # (do_copy_in_default_stream) and relies on that stream's implicit order with its compute stream.
+        self.compute = cp.cuda.Stream(non_blocking=False)
+        self.compute.use()  # CuPy's own work (copies, the loss ring) joins the compute stream
+        self.run_options = self.ort.RunOptions()
+        # Fully asynchronous runs (onnxruntime returns before its kernels finish) are opt-in: on the
+        # 4x H200 check they gave wrong results on 2 and 4 GPUs (correct on 1), so some onnxruntime
+        # work is not ordered by the user compute stream there. Synchronized runs still overlap
+        # each bucket's NCCL call (comm stream) with the next segments; the host only stops
+        # running ahead of the GPU. docs/gpu.md.
+        self.async_runs = os.environ.get("GRAPH_TRANSPILER_ORT_ASYNC") == "1"
+        # Debugging aid: synchronize the whole device after every segment and collective, which
+        # rules out any stream-ordering race (slow; never on by default).
+        self.debug_sync = os.environ.get("GRAPH_TRANSPILER_DEBUG_SYNC") == "1"
+        if self.async_runs:
+            self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        self._staging: dict[str, tuple[Any, np.ndarray, Any]] = {}
+        self._ring = cp.zeros(LOSS_RING, dtype=np.float64)
+        self._ring_next = 0
+
+    def wait(self, event) -> None:
+        """Order onnxruntime's next work after ``event`` (a collective's completion). Async runs:
+        the compute stream waits for it. Otherwise the host does, which orders onnxruntime's work
+        whichever stream it really uses."""
+        if self.async_runs:
+            self.compute.wait_event(event)
+        else:
+            event.synchronize()
+
+    def compile(self, segment, where):
+        return OrtCudaSegment(segment, where, self)
+
+    def make_program(self, cut, comm):
+        return GpuProgram(cut, self, comm)
+
+    def split_tail(self) -> bool:
+        return True
+
+    def wrap(self, ortvalue):
+        """A CuPy view of an onnxruntime output on this device; keeps the OrtValue alive."""
+        cp = self.cp
+        shape = tuple(ortvalue.shape())
+        dtype = np.dtype(ORT_DTYPES[ortvalue.data_type()])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0:
+            return cp.empty(shape, dtype)
+        memory = cp.cuda.UnownedMemory(ortvalue.data_ptr(), nbytes, ortvalue, self.device_id)
+        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0))
+
+    def from_host(self, array):
+        return self.cp.asarray(array)
+
+    def to_host(self, value):
+        if isinstance(value, np.ndarray):
+            return value
+        return self.cp.asnumpy(value, stream=self.compute)
+
+    def feed(self, name: str, array: np.ndarray):
+        """``array`` in this input's persistent device buffer: an async copy from pinned memory on
+        the compute stream, so the bound pointer never changes and the host never waits for it,
+        except to reuse the pinned buffer while the GPU is a whole step behind."""
+        cp = self.cp
+        array = np.ascontiguousarray(array)
+        staged = self._staging.get(name)
+        if staged is None or staged[1].shape != array.shape or staged[1].dtype != array.dtype:
+            memory = cp.cuda.alloc_pinned_memory(max(array.nbytes, 1))
+            host = np.frombuffer(memory, array.dtype, array.size).reshape(array.shape)
+            staged = (cp.empty(array.shape, array.dtype), host, None)
+        device, host, copied = staged
+        if copied is not None:
+            copied.synchronize()
+        host[...] = array
+        device.set(host, stream=self.compute)
+        self._staging[name] = (device, host, self.compute.record())
+        return device
+
+    def hold_scalar(self, value):
+        slot = self._ring_next % LOSS_RING
+        self._ring_next += 1
+        self._ring[slot:slot + 1] = value.reshape(1)
+        return slot
+
+    def scalars_to_host(self, held: list) -> list[float]:
+        if not held:
+            return []
+        host = self.cp.asnumpy(self._ring, stream=self.compute)  # one transfer, at log time only
+        return [float(host[slot]) for slot in held]

@@ -1,0 +1,61 @@
+"""CuPy and onnxruntime-gpu: importing them, checking the CUDA provider, dtype tables."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.errors import RunError
+
+# onnxruntime's OrtValue.data_type() strings, for wrapping its outputs as CuPy arrays.
+ORT_DTYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_,
+}
+
+
+def gpu_count() -> int:
+    """CUDA devices visible to this process; 0 without CuPy or a driver (CI)."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # ImportError, or CUDARuntimeError without a driver
+        return 0
+
+
+def cuda_available() -> bool:
+    """GPUs, CuPy and an onnxruntime with the CUDA execution provider: what ``--backend auto`` needs."""
+    if gpu_count() == 0:
+        return False
+    try:
+        import onnxruntime
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+def import_cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise RunError("the nccl backend needs CuPy (pip install cupy-cuda13x, or the cupy build for your CUDA)") from None
+    return cupy
+
+
+def load_onnxruntime():
+    """onnxruntime with the CUDA EP usable: its CUDA/cuDNN libraries loaded from the nvidia-* wheels
+    when they are installed there (onnxruntime.preload_dlls), else from the system's library path."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise RunError("the nccl backend needs onnxruntime-gpu (pip install onnxruntime-gpu)") from None
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise RunError(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider: install onnxruntime-gpu "
+                       "instead of onnxruntime (never both; they provide the same module)")
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        try:
+            preload()
+        except Exception:  # nothing in the wheels: the session check below reports what is missing
+            pass
+    return ort

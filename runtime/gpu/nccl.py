@@ -1,0 +1,268 @@
+"""NCCL through CuPy: flat-buffer collectives on a communication stream, a host side for bootstrap
+and logging, and a watchdog that turns a hang into an error.
+
+The unique id that every rank needs to join the NCCL communicator travels through the host
+communicator (MPI bcast under mpiexec); a world of one needs none. Every NCCL call is enqueued on
+``self.stream`` and returns at once; callers order it against the compute stream with CUDA events.
+
+Watchdog: the program registers each collective it enqueues with the time and the event recorded
+after it. If one is still not done after ``timeout`` seconds (a peer died or hangs: NCCL kernels
+spin forever), or NCCL reports an asynchronous error, the watchdog aborts the NCCL communicator
+(ncclCommAbort unblocks the kernels), prints which rank and which collective, and exits the
+process. Under mpiexec the others then exit too; a rank that died outright is named by mpiexec.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from runtime.collectives.base import Communicator, TensorSpec, check_reduction, flat_size
+from runtime.errors import RunError
+from runtime.gpu.cuda import import_cupy
+
+DEFAULT_TIMEOUT_S = 45.0  # under the 60 s promise, with room for the abort and the exit
+
+
+def _nccl_dtype(nccl, dtype: np.dtype) -> int:
+    table = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
+             np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.int64): nccl.NCCL_INT64,
+             np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.int8): nccl.NCCL_INT8,
+             np.dtype(np.uint8): nccl.NCCL_UINT8}
+    if np.dtype(dtype) not in table:
+        raise RunError(f"NCCL cannot move dtype {np.dtype(dtype)}")
+    return table[np.dtype(dtype)]
+
+
+class NcclCommunicator(Communicator):
+    """Rank ``host.rank`` of ``host.size`` on CUDA device ``device``; ``host`` is an MPI communicator
+    (or None for a world of one). Call ``connect()`` on every rank before the first collective."""
+
+    def __init__(self, host: Communicator | None, device: int, *, timeout: float | None = None):
+        self.cp = import_cupy()
+        from cupy.cuda import nccl
+
+        self._nccl = nccl
+        self.host = host
+        self.rank = 0 if host is None else host.rank
+        self.size = 1 if host is None else host.size
+        self.device = device
+        self.cp.cuda.Device(device).use()
+        self.stream = self.cp.cuda.Stream(non_blocking=True)
+        self.comm = None
+        self.timeout = float(os.environ.get("GRAPH_TRANSPILER_NCCL_TIMEOUT", DEFAULT_TIMEOUT_S)) if timeout is None else timeout
+        self._inflight: dict[int, tuple[float, object, str]] = {}
+        self._stop = threading.Event()
+        self._sync_calls = 0
+
+    # -- setup ---------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Join the NCCL communicator (a collective over all ranks) and start the watchdog."""
+        # NVLink SHARP (multicast) can take a shared host's GPUs out of service: always off.
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        uid = self._nccl.get_unique_id() if self.rank == 0 else None
+        if self.host is not None and self.size > 1:
+            uid = self.host.comm.bcast(uid, root=0)  # CuPy 14: bytes; older CuPy: a tuple of ints
+        try:
+            self.comm = self._nccl.NcclCommunicator(self.size, uid, self.rank)
+        except Exception as exc:
+            raise RunError(f"rank {self.rank}: NCCL communicator init failed on device {self.device}: {exc}") from None
+        threading.Thread(target=self._watch, name="nccl-watchdog", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- watchdog ------------------------------------------------------------------------------
+    def track(self, key: int, event, label: str) -> None:
+        """Register collective ``key`` as enqueued now, complete once ``event`` has happened."""
+        self._inflight[key] = (time.monotonic(), event, label)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            now = time.monotonic()
+            pending = []
+            for key, (started, event, label) in list(self._inflight.items()):
+                if event.done:
+                    self._inflight.pop(key, None)
+                else:
+                    pending.append((started, label))
+            oldest = min(pending, default=None)
+            try:
+                self.comm.check_async_error()
+            except Exception as exc:
+                where = f" (in flight: {oldest[1]})" if oldest else ""
+                self._fail(f"NCCL reported an error{where}: {exc}")
+            if oldest is not None and now - oldest[0] > self.timeout:
+                self._fail(f"{oldest[1]} did not complete within {self.timeout:.0f} s: a peer rank died or hangs "
+                           "(see the other ranks' messages)")
+
+    def _fail(self, message: str) -> None:
+        print(f"transpile: error: rank {self.rank}: {message}; NCCL communicator aborted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        try:
+            self.comm.abort()
+        finally:
+            os._exit(3)
+
+    # -- flat-buffer collectives, enqueued on self.stream ---------------------------------------
+    def _call(self, label: str, fn, *args) -> None:
+        try:
+            fn(*args, self.stream.ptr)
+        except Exception as exc:  # cupy.cuda.nccl.NcclError, CUDARuntimeError
+            raise RunError(f"rank {self.rank}: NCCL failed in {label}: {exc}") from None
+
+    def all_reduce_flat(self, buf, label: str) -> None:
+        self._call(label, self.comm.allReduce, buf.data.ptr, buf.data.ptr, buf.size,
+                   _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM)
+
+    def reduce_flat(self, buf, root: int, label: str) -> None:
+        self._call(label, self.comm.reduce, buf.data.ptr, buf.data.ptr, buf.size,
+                   _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM, root)
+
+    def broadcast_flat(self, buf, root: int, label: str) -> None:
+        self._call(label, self.comm.broadcast, buf.data.ptr, buf.data.ptr, buf.size,
+                   _nccl_dtype(self._nccl, buf.dtype), root)
+
+    def reduce_scatter_flat(self, buf, label: str) -> None:
+        """In place: rank r's result lands in ``buf[r*S:(r+1)*S]`` (``buf`` holds N*S elements)."""
+        shard = buf.size // self.size
+        self._call(label, self.comm.reduceScatter, buf.data.ptr, buf.data.ptr + self.rank * shard * buf.itemsize,
+                   shard, _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM)
+
+    def all_gather_flat(self, buf, label: str) -> None:
+        """In place: rank r contributes ``buf[r*S:(r+1)*S]``; every rank ends with all N*S."""
+        shard = buf.size // self.size
+        self._call(label, self.comm.allGather, buf.data.ptr + self.rank * shard * buf.itemsize, buf.data.ptr,
+                   shard, _nccl_dtype(self._nccl, buf.dtype))
+
+    def finish_mean(self, view) -> None:
+        """``mean = sum / size`` in the tensor's dtype, on the communication stream (the contract's
+        definition, as the CPU communicators compute it)."""
+        if view.dtype.kind != "f":
+            raise RunError(f"reduction 'mean' needs a floating dtype, got {view.dtype}")
+        with self.stream:
+            view /= view.dtype.type(self.size)
+
+    # -- the list API of Communicator (init graphs, the first step, tests) -----------------------
+    # Synchronous with respect to the current (compute) stream: the caller's values are ready
+    # before the call and the results are ready when it returns to the compute stream's order.
+    def _pack(self, arrays, total: int | None = None):
+        cp = self.cp
+        dtypes = {a.dtype for a in arrays}
+        if len(dtypes) != 1:
+            raise RunError(f"the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
+        flat = cp.zeros(total if total is not None else sum(a.size for a in arrays), dtype=dtypes.pop())
+        offset = 0
+        for a in arrays:
+            flat[offset:offset + a.size] = cp.asarray(a).ravel()
+            offset += a.size
+        return flat
+
+    def _views(self, flat, shapes):
+        out, offset = [], 0
+        for shape in shapes:
+            n = int(np.prod(shape, dtype=np.int64))
+            out.append(flat[offset:offset + n].reshape(shape))
+            offset += n
+        return out
+
+    def _sync_call(self, body):
+        cp = self.cp
+        compute = cp.cuda.get_current_stream()
+        self.stream.wait_event(compute.record())
+        with self.stream:
+            result = body()
+        done = self.stream.record()
+        self._sync_calls += 1
+        self.track(-self._sync_calls, done, "a collective of an init graph or of the first step")
+        compute.wait_event(done)
+        done.synchronize()  # first calls only: also orders onnxruntime's work if it is not on `compute`
+        return result
+
+    def allreduce(self, arrays, reduction):
+        check_reduction(reduction)
+
+        def body():
+            flat = self._pack(arrays)
+            self.all_reduce_flat(flat, "AllReduce")
+            if reduction == "mean":
+                self.finish_mean(flat)
+            return self._views(flat, [a.shape for a in arrays])
+        return self._sync_call(body)
+
+    def reduce(self, arrays, root, reduction):
+        check_reduction(reduction)
+
+        def body():
+            flat = self._pack(arrays)
+            self.reduce_flat(flat, root, "Reduce")
+            if self.rank != root:
+                return None
+            if reduction == "mean":
+                self.finish_mean(flat)
+            return self._views(flat, [a.shape for a in arrays])
+        return self._sync_call(body)
+
+    def broadcast(self, arrays, root, specs: Sequence[TensorSpec]):
+        if self.rank == root and arrays is None:
+            raise RunError(f"rank {self.rank} is the root of a Broadcast but passed no arrays")
+
+        def body():
+            if self.rank == root:
+                flat = self._pack(arrays)
+            else:
+                dtypes = {np.dtype(s.dtype) for s in specs}
+                if len(dtypes) != 1:
+                    raise RunError(f"the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
+                flat = self.cp.empty(sum(s.size for s in specs), dtype=dtypes.pop())
+            self.broadcast_flat(flat, root, "Broadcast")
+            return self._views(flat, [s.shape for s in specs])
+        return self._sync_call(body)
+
+    def reduce_scatter(self, arrays, reduction):
+        check_reduction(reduction)
+
+        def body():
+            _, shard = flat_size([a.size for a in arrays], self.size)
+            flat = self._pack(arrays, self.size * shard)
+            self.reduce_scatter_flat(flat, "ReduceScatter")
+            mine = flat[self.rank * shard:(self.rank + 1) * shard]
+            if reduction == "mean":
+                self.finish_mean(mine)
+            return mine
+        return self._sync_call(body)
+
+    def all_gather(self, array, specs: Sequence[TensorSpec]):
+        def body():
+            shard = array.size
+            flat = self.cp.zeros(self.size * shard, dtype=array.dtype)
+            flat[self.rank * shard:(self.rank + 1) * shard] = self.cp.asarray(array).ravel()
+            self.all_gather_flat(flat, "AllGather")
+            return [v.astype(s.dtype, copy=False) for v, s in zip(self._views(flat, [s.shape for s in specs]), specs)]
+        return self._sync_call(body)
+
+    # -- host side -----------------------------------------------------------------------------
+    def barrier(self):
+        if self.host is not None:
+            self.host.barrier()
+
+    def allreduce_scalar(self, value, reduction="mean"):
+        if self.host is None:
+            check_reduction(reduction)
+            return float(value)
+        return self.host.allreduce_scalar(value, reduction)
+
+    def abort(self, code):
+        self._stop.set()
+        if self.comm is not None:
+            try:
+                self.comm.abort()
+            except Exception:  # already broken: the host abort below still ends every rank
+                pass
+        if self.host is not None:
+            self.host.abort(code)

@@ -1,0 +1,112 @@
+"""GPU backend through `transpile run`, its GPU-count check, and failures that must not hang.
+
+Marked ``gpu``; skipped without CUDA GPUs, CuPy and onnxruntime-gpu.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.gpu import cuda_available, gpu_count
+
+GPUS = gpu_count() if cuda_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs, CuPy and onnxruntime-gpu")]
+
+
+def _transpile(model_dir: Path, out: Path, gpus: int, strategy: str = "allreduce") -> Path:
+    subprocess.run([sys.executable, "-m", "transpiler.cli", str(model_dir / "model.onnx"), "-o", str(out), "--gpus",
+                    str(gpus), "--strategy", strategy, "--optimizer", "momentum", "--momentum", "0.9", "--lr", "0.01"],
+                   check=True, capture_output=True)
+    return out
+
+
+def _run(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "transpiler.cli", "run", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_run_starts_one_rank_per_gpu_and_matches_the_cpu_backend(model_dir, tmp_path):
+    models = model_dir("perceptron")
+    out = _transpile(models, tmp_path / "out", GPUS, "sharded")
+    common = ["--data", str(models / "data.npz"), "--batch", str(16 * GPUS), "--steps", "20", "--log-every", "5"]
+    gpu = _run(str(out), *common, "--no-tf32", "--export", str(tmp_path / "gpu.onnx"))  # --backend auto
+    assert gpu.returncode == 0, gpu.stderr[-2000:]
+    assert "step 20/20" in gpu.stdout
+    cpu = _run(str(out), *common, "--backend", "cpu", "--export", str(tmp_path / "cpu.onnx"))
+    assert cpu.returncode == 0, cpu.stderr[-2000:]
+    import onnx
+    from onnx import numpy_helper
+
+    def weights(path):
+        return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+
+    g, c = weights(tmp_path / "gpu.onnx"), weights(tmp_path / "cpu.onnx")
+    for name, value in c.items():
+        scale = float(np.max(np.abs(value))) or 1.0
+        assert float(np.max(np.abs(g[name] - value))) / scale < 1e-5, name
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(model_dir, tmp_path):
+    models = model_dir("perceptron")
+    out = _transpile(models, tmp_path / "out", GPUS + 1)
+    done = _run(str(out), "--data", str(models / "data.npz"), "--batch", str(GPUS + 1), "--steps", "1",
+                "--backend", "nccl")
+    assert done.returncode == 2
+    assert f"needs {GPUS + 1} GPU(s), one per rank, but this machine has {GPUS}" in done.stderr
+
+
+@pytest.mark.parametrize("fault", ["hang", "die"])
+def test_a_stuck_or_dead_rank_ends_the_job_within_60_s(model_dir, tmp_path, fault):
+    models = model_dir("perceptron")
+    out = _transpile(models, tmp_path / "out", 2)
+    from runtime.launcher import child_environment, find_mpiexec, mpiexec_command, mpiexec_flavor
+
+    mpiexec = find_mpiexec()
+    cmd = mpiexec_command(mpiexec, mpiexec_flavor(mpiexec), 2, [])
+    cmd = cmd[:cmd.index("-m")] + [__file__, str(out), str(models / "data.npz"), fault]
+    env = {**child_environment(), "GRAPH_TRANSPILER_NCCL_TIMEOUT": "10"}
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.monotonic() - started
+    print(f"{fault}: exit {done.returncode} after {elapsed:.1f} s; stderr tail: {done.stderr.strip()[-600:]}")
+    assert done.returncode != 0 and elapsed < 60
+    if fault == "hang":
+        assert "rank 0: AllReduce" in done.stderr and "did not complete within 10 s" in done.stderr
+
+
+def _faulty_rank(out: str, data: str, fault: str) -> int:
+    """mpiexec -n 2 target: rank 1 hangs (sleeps) or dies after 3 steps; rank 0 keeps stepping."""
+    from runtime.collectives.mpi import MpiCommunicator
+    from runtime.data import Dataset
+    from runtime.gpu import GpuBackend, NcclCommunicator
+    from runtime.plan import load_plan
+    from runtime.trainer import Trainer
+
+    host = MpiCommunicator()
+    backend = GpuBackend(host.rank)
+    comm = NcclCommunicator(host, host.rank)
+    plan = load_plan(out)
+    trainer = Trainer(plan, comm, rank=host.rank, backend=backend)
+    comm.connect()
+    trainer.initialize()
+    dataset = Dataset(dict(np.load(data)), plan.data_inputs, data)
+    for step in range(10_000):
+        if host.rank == 1 and step == 3:
+            if fault == "hang":
+                time.sleep(600)
+            os._exit(1)
+        trainer.step_async(dataset.shard(step, batch=8, rank=host.rank, world_size=2), 0.01)
+        if step % 50 == 0:
+            backend.compute.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_faulty_rank(*sys.argv[1:]))

@@ -1,0 +1,92 @@
+"""GPU backend: 1, 2 and 4 GPUs (NCCL) equal one device on the CPU backend, for every strategy, and
+the replicas are bit-identical.
+
+Marked ``gpu``: skipped without CUDA GPUs, CuPy and onnxruntime-gpu (CI). Each case is one
+``mpiexec -n W`` of benchmarks/gpu_diag.py (the plans of one world size and model run in one job),
+which saves every rank's final parameters. TF32 is off: the tolerance is the one of fp32 sums
+taken in another order, 1e-5 of each parameter's scale after 20 steps.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+STEPS = 20
+TOLERANCE = 1e-5
+STRATEGIES = ("allreduce", "sharded", "zero")
+
+
+def _gpus() -> int:
+    from runtime.gpu import cuda_available, gpu_count
+
+    return gpu_count() if cuda_available() else 0
+
+
+GPUS = _gpus()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU with CuPy and onnxruntime-gpu")]
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - v.astype(np.float64)))) / (float(np.max(np.abs(v))) or 1.0)
+               for k, v in b.items())
+
+
+def _model(name: str, tmp: Path) -> tuple[Path, int]:
+    """(directory with model.onnx and data.npz, global batch) of a test model."""
+    import gpu_gpt
+
+    import models
+
+    directory = tmp / name
+    if name == "perceptron":
+        models.generate("perceptron", directory, seed=0, rows=256)
+        return directory, 64
+    directory.mkdir()
+    onnx.save(gpu_gpt.build(**gpu_gpt.TINY), directory / "model.onnx")
+    np.savez(directory / "data.npz", **gpu_gpt.make_data(gpu_gpt.TINY["vocab"], gpu_gpt.TINY["seq"], 64))
+    return directory, 16
+
+
+@pytest.mark.parametrize("world", [w for w in (1, 2, 4) if w <= max(GPUS, 1)])
+@pytest.mark.parametrize("model", ["perceptron", "gpt"])
+def test_n_gpus_equal_the_cpu_backend(model, world, tmp_path):
+    from runtime import simulate
+    from runtime.launcher import child_environment, find_mpiexec, mpiexec_command, mpiexec_flavor
+    from transpiler import OptimizerConfig, Options, transpile
+
+    directory, batch = _model(model, tmp_path)
+    data = dict(np.load(directory / "data.npz"))
+    outs = []
+    for strategy in STRATEGIES:
+        out = tmp_path / f"{model}-{strategy}-{world}"
+        # Small buckets: several collectives per step, so the overlap paths run.
+        transpile(directory / "model.onnx", out, Options(world_size=world, strategy=strategy, bucket_mb=0.05,
+                                                         optimizer=OptimizerConfig("momentum", lr=0.01)))
+        outs.append(out)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    mpiexec = find_mpiexec()
+    command = mpiexec_command(mpiexec, mpiexec_flavor(mpiexec), world, [])
+    command = command[:command.index("-m")] + [str(REPO / "benchmarks" / "gpu_diag.py"), "--data",
+                                               str(directory / "data.npz"), "--batch", str(batch), "--steps",
+                                               str(STEPS), "--save", str(saved), *map(str, outs)]
+    done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = simulate(outs[0], data, batch=batch, steps=STEPS, single_device=True).parameters[0]
+    for out in outs:
+        ranks = [dict(np.load(saved / f"{out.name}.rank{r}.npz")) for r in range(world)]
+        error = _max_rel(ranks[0], reference)
+        print(f"{out.name}: max relative error vs the CPU backend on one device {error:.3g}")
+        assert error <= TOLERANCE, out.name
+        for r, params in enumerate(ranks[1:], start=1):
+            for name, value in ranks[0].items():
+                np.testing.assert_array_equal(params[name], value, err_msg=f"{out.name} rank {r} {name}")
