@@ -44,7 +44,7 @@ def main() -> None:
     run([sys.executable, "-m", "models", args.model, "-o", str(tmp / "model")])
     results = []
     for world in [int(w) for w in args.worlds.split(",")]:
-        for strategy in ("allreduce", "sharded") if world > 1 else ("allreduce",):
+        for strategy in ("allreduce", "sharded", "zero") if world > 1 else ("allreduce",):
             out = tmp / f"out-{world}-{strategy}"
             run(transpile + [str(tmp / "model" / "model.onnx"), "--gpus", str(world), "--strategy", strategy,
                              "--optimizer", "adamw", "--lr", "1e-4", "-o", str(out)])

@@ -56,13 +56,19 @@ def pack_padded(arrays: Sequence[np.ndarray], world: int) -> np.ndarray:
     return flat
 
 
+def flat_views(flat, shapes: Sequence[Sequence[int]]) -> list:
+    """Consecutive views of a flat buffer (NumPy or CuPy) with the given shapes: a bucket's tensors."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape, dtype=np.int64))
+        out.append(flat[offset:offset + n].reshape(shape))
+        offset += n
+    return out
+
+
 def unpack_gathered(flat: np.ndarray, specs: Sequence[TensorSpec]) -> list[np.ndarray]:
     """AllGather's outputs: the first T elements of the gathered vector, split and reshaped."""
-    out, offset = [], 0
-    for spec in specs:
-        out.append(flat[offset:offset + spec.size].astype(spec.dtype, copy=False).reshape(spec.shape))
-        offset += spec.size
-    return out
+    return [v.astype(s.dtype, copy=False) for v, s in zip(flat_views(flat, [s.shape for s in specs]), specs)]
 
 
 def check_reduction(reduction: str) -> None:

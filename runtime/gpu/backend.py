@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from runtime.collectives import CollectiveOp, Communicator
-from runtime.collectives.base import flat_size
+from runtime.collectives.base import flat_size, flat_views
 from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner, _first_line
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
@@ -125,25 +125,16 @@ class _Slots:
             mine = buf[rank * shard:(rank + 1) * shard]
             if kind == "AllGather":
                 ins = {op.inputs[0]: mine}
-                outs = dict(zip(op.outputs, _views(buf, out_shapes)))
+                outs = dict(zip(op.outputs, flat_views(buf, out_shapes)))
             elif kind == "ReduceScatter":
-                ins = dict(zip(op.inputs, _views(buf, in_shapes)))
+                ins = dict(zip(op.inputs, flat_views(buf, in_shapes)))
                 outs = {op.outputs[0]: mine}
             else:
-                ins = dict(zip(op.inputs, _views(buf, in_shapes))) if op.inputs else {}
-                outs = dict(zip(op.outputs, _views(buf, out_shapes)))
+                ins = dict(zip(op.inputs, flat_views(buf, in_shapes))) if op.inputs else {}
+                outs = dict(zip(op.outputs, flat_views(buf, out_shapes)))
             self.inputs.append(ins)
             self.outputs.append(outs)
             self.mean_view.append(mine if kind == "ReduceScatter" else buf)
-
-
-def _views(flat, shapes):
-    out, offset = [], 0
-    for shape in shapes:
-        n = int(np.prod(shape, dtype=np.int64))
-        out.append(flat[offset:offset + n].reshape(shape))
-        offset += n
-    return out
 
 
 class GpuProgram:

@@ -22,7 +22,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runtime.collectives.base import Communicator, TensorSpec, check_reduction, flat_size
+from runtime.collectives.base import (
+    Communicator,
+    TensorSpec,
+    check_reduction,
+    flat_size,
+    flat_views,
+    unpack_gathered,
+)
 from runtime.errors import RunError
 from runtime.gpu.cuda import import_cupy
 
@@ -163,14 +170,6 @@ class NcclCommunicator(Communicator):
             offset += a.size
         return flat
 
-    def _views(self, flat, shapes):
-        out, offset = [], 0
-        for shape in shapes:
-            n = int(np.prod(shape, dtype=np.int64))
-            out.append(flat[offset:offset + n].reshape(shape))
-            offset += n
-        return out
-
     def _sync_call(self, body):
         cp = self.cp
         compute = cp.cuda.get_current_stream()
@@ -192,7 +191,7 @@ class NcclCommunicator(Communicator):
             self.all_reduce_flat(flat, "AllReduce")
             if reduction == "mean":
                 self.finish_mean(flat)
-            return self._views(flat, [a.shape for a in arrays])
+            return flat_views(flat, [a.shape for a in arrays])
         return self._sync_call(body)
 
     def reduce(self, arrays, root, reduction):
@@ -205,7 +204,7 @@ class NcclCommunicator(Communicator):
                 return None
             if reduction == "mean":
                 self.finish_mean(flat)
-            return self._views(flat, [a.shape for a in arrays])
+            return flat_views(flat, [a.shape for a in arrays])
         return self._sync_call(body)
 
     def broadcast(self, arrays, root, specs: Sequence[TensorSpec]):
@@ -221,7 +220,7 @@ class NcclCommunicator(Communicator):
                     raise RunError(f"the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
                 flat = self.cp.empty(sum(s.size for s in specs), dtype=dtypes.pop())
             self.broadcast_flat(flat, root, "Broadcast")
-            return self._views(flat, [s.shape for s in specs])
+            return flat_views(flat, [s.shape for s in specs])
         return self._sync_call(body)
 
     def reduce_scatter(self, arrays, reduction):
@@ -243,7 +242,7 @@ class NcclCommunicator(Communicator):
             flat = self.cp.zeros(self.size * shard, dtype=array.dtype)
             flat[self.rank * shard:(self.rank + 1) * shard] = self.cp.asarray(array).ravel()
             self.all_gather_flat(flat, "AllGather")
-            return [v.astype(s.dtype, copy=False) for v, s in zip(self._views(flat, [s.shape for s in specs]), specs)]
+            return unpack_gathered(flat, specs)
         return self._sync_call(body)
 
     # -- host side -----------------------------------------------------------------------------
