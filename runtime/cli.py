@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from runtime import checkpoint
 from runtime.collectives import LocalGroup
 from runtime.data import Dataset, shard_size
 from runtime.errors import RunError
@@ -32,6 +33,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", metavar="TRAINED.onnx", help="write the user's model with the trained parameters")
     parser.add_argument("--log-every", type=int, default=10, metavar="N",
                         help="log every N steps on rank 0 (also the first and last; 0: silent; default 10)")
+    parser.add_argument("--checkpoint", metavar="DIR", help="save every rank's state to DIR at the end (atomically)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps")
+    parser.add_argument("--resume", metavar="DIR", help="continue from a checkpoint up to --steps (same plan, batch, data order)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="cpu (onnxruntime CPU, MPI), nccl (one GPU per rank: onnxruntime CUDA, NCCL) or "
                              "auto (default: nccl when GPUs, CuPy and onnxruntime-gpu are there, else cpu)")
@@ -57,8 +61,20 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
         export = Path(args.export).resolve()
         if not export.parent.is_dir():
             raise RunError(f"--export {args.export}: directory {export.parent} does not exist")
+    if args.checkpoint_every < 0:
+        raise RunError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and args.checkpoint is None:
+        raise RunError("--checkpoint-every needs --checkpoint DIR")
+    resume = None
+    if args.resume is not None:
+        resume = Path(args.resume).resolve()
+        meta = checkpoint.read_meta(resume, plan, batch=args.batch, shuffle=args.shuffle, seed=args.seed)
+        if meta.step >= steps:
+            raise RunError(f"--resume {args.resume}: the checkpoint is at step {meta.step}, nothing to do for --steps {steps}")
     config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed,
-                       log_every=args.log_every, export=export)
+                       log_every=args.log_every, export=export,
+                       checkpoint=None if args.checkpoint is None else Path(args.checkpoint).resolve(),
+                       checkpoint_every=args.checkpoint_every, resume=resume)
     return plan, dataset, config
 
 
@@ -73,6 +89,10 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
     argv += ["--seed", str(args.seed), "--log-every", str(args.log_every), "--backend", args.backend]
     if args.no_tf32:
         argv.append("--no-tf32")
+    if args.checkpoint is not None:
+        argv += ["--checkpoint", str(Path(args.checkpoint).resolve()), "--checkpoint-every", str(args.checkpoint_every)]
+    if args.resume is not None:
+        argv += ["--resume", str(Path(args.resume).resolve())]
     if args.export is not None:
         argv += ["--export", str(Path(args.export).resolve())]
     return argv

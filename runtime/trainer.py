@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from runtime import checkpoint
 from runtime.collectives import Communicator, LocalGroup
 from runtime.data import Dataset, shard_size
 from runtime.errors import RunError
@@ -42,6 +43,9 @@ class RunConfig:
     seed: int = 0
     log_every: int = 0  # 0: silent
     export: Path | None = None
+    checkpoint: Path | None = None  # written every checkpoint_every steps (0: at the end only)
+    checkpoint_every: int = 0
+    resume: Path | None = None  # a checkpoint to start from instead of the init graph
 
 
 class Trainer:
@@ -83,6 +87,13 @@ class Trainer:
         outputs = self.init_program.run({})
         self.state = {s.input: outputs[s.input] for s in self.state_entries}
 
+    def load_state(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        """Start from saved state (a checkpoint) instead of the init graph."""
+        expected = {s.input for s in self.state_entries}
+        if set(arrays) != expected:
+            raise RunError(f"{where}: holds state {sorted(set(arrays) ^ expected)} that this rank's graph does not match")
+        self.state = {name: self.backend.from_host(array) for name, array in arrays.items()}
+
     def step(self, data: dict[str, np.ndarray], lr: float) -> float:
         """Run one training step on this rank's shard; returns the loss averaged over all ranks."""
         self.step_async(data, lr)
@@ -120,21 +131,29 @@ class Trainer:
 
 def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, world_size: int,
           log: Callable[[str], None] = print) -> list[float]:
-    """Initialize and run ``config.steps`` steps; rank 0 logs and exports. Returns the global losses."""
-    trainer.initialize()
+    """Initialize (or resume) and run up to step ``config.steps``; rank 0 logs and exports.
+    Returns the global losses of the steps run."""
+    start = 0
+    if config.resume is not None:
+        meta = checkpoint.read_meta(config.resume, trainer.plan, batch=config.batch, shuffle=config.shuffle,
+                                    seed=config.seed)
+        trainer.load_state(checkpoint.load(config.resume, rank), f"{config.resume}/rank{rank}.npz")
+        start = meta.step
+    else:
+        trainer.initialize()
     losses: list[float] = []
     # The log line reports averages over the steps since the previous line: a single step's time
     # and loss are too noisy to read (one batch; a rank descheduled for a moment).
     since, window_start = 0, time.perf_counter()
-    for step in range(config.steps):
+    for step in range(start, config.steps):
         data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
                              shuffle=config.shuffle, seed=config.seed)
         trainer.step_async(data, config.lr)
         done = step + 1
-        log_now = config.log_every and (done == 1 or done % config.log_every == 0 or done == config.steps)
+        log_now = config.log_every and (done == start + 1 or done % config.log_every == 0 or done == config.steps)
         # Losses are read at log steps only (the GPU keeps them on the device until then), and at
         # least every FLUSH_EVERY steps; every rank takes the same decision, so the host reductions match.
-        if log_now or done == config.steps or done - len(losses) >= FLUSH_EVERY:
+        if log_now or done == config.steps or done - start - len(losses) >= FLUSH_EVERY:
             losses.extend(trainer.collect_losses())
         if rank == 0 and log_now:
             loss = losses[-1]
@@ -144,7 +163,11 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, w
             log(f"step {done}/{config.steps}  epoch {epoch:.2f}  loss {loss:.6f}  "
                 f"mean loss {sum(window) / len(window):.6f}  lr {config.lr:g}  "
                 f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
-            since, window_start = done, now
+            since, window_start = len(losses), now
+        if config.checkpoint is not None and (done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
+            meta = checkpoint.Meta(step=done, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=world_size,
+                                   batch=config.batch, shuffle=config.shuffle, seed=config.seed)
+            checkpoint.save(config.checkpoint, trainer.state_dict(), meta, rank=rank, comm=trainer.comm)
     if rank == 0 and config.export is not None:
         export_model(trainer.plan, trainer.parameters(), config.export)
     return losses

@@ -1,0 +1,95 @@
+"""Checkpoints: every rank's state (parameters, buffers, optimizer state, step counter) after a step.
+
+    DIR/meta.json      format, the step reached, the plan's hash and world size, batch, shuffle, seed
+    DIR/rank{r}.npz    rank r's state, keyed by state input name (sharded and zero strategies keep
+                       different optimizer state on each rank, so every rank writes its own)
+
+A checkpoint is written into ``DIR.partial`` and swapped into place by rank 0 once every rank has
+written its file, so DIR is always a complete checkpoint (the previous one until the swap). Ranks
+on several hosts need DIR on a shared file system. Resuming needs the same plan (same transpile),
+world size and global batch, and continues the same data stream: the run goes on exactly as if it
+had not stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.collectives import Communicator
+from runtime.errors import RunError
+from runtime.plan import Plan
+
+FORMAT = "graph-transpiler/checkpoint"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Meta:
+    step: int  # steps completed
+    plan_sha256: str
+    world_size: int
+    batch: int
+    shuffle: bool
+    seed: int
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **self.__dict__}
+
+
+def plan_hash(plan: Plan) -> str:
+    return hashlib.sha256(plan.path.read_bytes()).hexdigest()
+
+
+def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int, comm: Communicator) -> None:
+    """Every rank calls this at the same step (it holds two barriers)."""
+    partial = directory.with_name(directory.name + ".partial")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    comm.barrier()
+    np.savez(partial / f"rank{rank}.npz", **state)
+    comm.barrier()
+    if rank == 0:
+        (partial / "meta.json").write_text(json.dumps(meta.to_json(), indent=1) + "\n")
+        old = directory.with_name(directory.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if directory.exists():
+            os.replace(directory, old)
+        os.replace(partial, directory)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(directory: Path, plan: Plan, *, batch: int, shuffle: bool, seed: int) -> Meta:
+    """The checkpoint's metadata, checked against this run; one-line errors name what differs."""
+    path = directory / "meta.json"
+    if not path.is_file():
+        raise RunError(f"--resume {directory}: not a checkpoint (no meta.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RunError(f"{path}: not valid JSON ({exc})") from None
+    if raw.get("format") != FORMAT:
+        raise RunError(f"{path}: not a graph-transpiler checkpoint")
+    meta = Meta(**{k: raw[k] for k in Meta.__dataclass_fields__})
+    if meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
+        raise RunError(f"--resume {directory}: the checkpoint was written for another plan than {plan.path}"
+                       " (transpile again with the same model and options, or start without --resume)")
+    if (meta.batch, meta.shuffle, meta.seed) != (batch, shuffle, seed):
+        raise RunError(f"--resume {directory}: the checkpoint was written with --batch {meta.batch}"
+                       f"{' --shuffle --seed ' + str(meta.seed) if meta.shuffle else ''}; resume with the same data order")
+    for rank in range(meta.world_size):
+        if not (directory / f"rank{rank}.npz").is_file():
+            raise RunError(f"--resume {directory}: rank{rank}.npz is missing")
+    return meta
+
+
+def load(directory: Path, rank: int) -> dict[str, np.ndarray]:
+    with np.load(directory / f"rank{rank}.npz") as npz:
+        return {name: npz[name] for name in npz.files}
