@@ -233,10 +233,6 @@ class _RankBuilder:
         self.config = job.options.optimizer
         self.roots = job.placement.roots
 
-    def _owns(self, param: str) -> bool:
-        """Does this rank run the parameter's optimizer update (and keep its optimizer state)?"""
-        return self.strategy != "sharded" or self.roots[param] == self.rank
-
     def build(self) -> RankGraphs:
         step, state, updates = self._step_graph()
         init = self._init_graph(state)

@@ -7,6 +7,7 @@ attributes and the static types of its outputs, checks what it can against this 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -18,7 +19,7 @@ from runtime.collectives.base import Communicator, TensorSpec
 from runtime.errors import RunError
 
 
-class CollectiveOp:
+class CollectiveOp(ABC):
     op_type: ClassVar[str]
     required: ClassVar[tuple[str, ...]] = ("order",)
 
@@ -44,9 +45,9 @@ class CollectiveOp:
     def fail(self, what: str) -> RunError:
         return RunError(f"{self.where}: {what}")
 
+    @abstractmethod
     def run(self, comm: Communicator, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Outputs of the node on this rank, in ``self.outputs`` order."""
-        raise NotImplementedError
 
 
 def _attr_value(attr: onnx.AttributeProto):
