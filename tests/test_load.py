@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from transpiler import Options, build
+from transpiler import Options, build, transpile
 
 
 class SlicedPositions(torch.nn.Module):
@@ -39,3 +39,24 @@ def test_unfolded_slice_axes_transpile_and_differentiate(tmp_path):
     net(x, y).backward()
     for name, param in net.named_parameters():
         np.testing.assert_allclose(ours[job.grad_names[name]], param.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_model_with_external_data(model_dir, tmp_path):
+    """Weights in a separate file: OUT gets a self-contained copy, and training and export work."""
+    import onnx
+    from conftest import load_data
+
+    from runtime import simulate
+    from runtime.plan import load_plan
+    from runtime.trainer import export_model
+
+    model = onnx.load(model_dir("perceptron") / "model.onnx")
+    onnx.save_model(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    assert (tmp_path / "m.data").is_file()
+    transpile(tmp_path / "m.onnx", tmp_path / "out", Options(world_size=2))
+    (tmp_path / "m.data").unlink()  # OUT must not depend on it
+    result = simulate(tmp_path / "out", load_data(model_dir("perceptron") / "data.npz"), batch=8, steps=2)
+    export_model(load_plan(tmp_path / "out"), result.parameters[0], tmp_path / "trained.onnx")
+    trained = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(tmp_path / "trained.onnx").graph.initializer}
+    for name, value in result.parameters[0].items():
+        np.testing.assert_array_equal(trained[name], value)

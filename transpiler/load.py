@@ -18,6 +18,7 @@ from transpiler.autodiff import check_supported, differentiable_values
 from transpiler.autodiff._context import FLOAT_TYPES
 from transpiler.batchnorm import decompose_batchnorm
 from transpiler.errors import TranspileError, UnsupportedOpsError
+from transpiler.weights import attach_weights, detach_weights
 
 # Graphs handed to autodiff and the optimizer are at least this opset, so every Reduce* op takes
 # its axes as an input and the rules need to know one form only.
@@ -46,6 +47,7 @@ class Problem:
     data_inputs: list[DataInput]
     params: list[str]  # trainable initializers, in graph order
     frozen: list[str] = field(default_factory=list)  # float initializers not trained
+    external_data: bool = False  # the model file keeps its tensors in separate files
     buffers: list[str] = field(default_factory=list)  # updated every step, not trained (BN running stats)
 
     @property
@@ -58,7 +60,8 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def read_model(path: str | Path) -> tuple[onnx.ModelProto, bytes]:
+def read_model(path: str | Path) -> tuple[onnx.ModelProto, bytes, bool]:
+    """The model with its external data loaded, the file's bytes, and whether it had external data."""
     path = Path(path)
     if not path.is_file():
         raise TranspileError(f"{path}: no such file")
@@ -69,9 +72,10 @@ def read_model(path: str | Path) -> tuple[onnx.ModelProto, bytes]:
         raise TranspileError(f"{path}: not an ONNX model ({_one_line(exc)})") from None
     if not proto.HasField("graph") or not proto.graph.node:
         raise TranspileError(f"{path}: not an ONNX model (no graph or no nodes)")
-    if any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer):
+    external = any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer)
+    if external:
         onnx.load_external_data_for_model(proto, str(path.parent))
-    return proto, raw
+    return proto, raw, external
 
 
 def _upgrade(proto: onnx.ModelProto, path: Path) -> onnx.ModelProto:
@@ -109,10 +113,12 @@ def _fold_integer_constants(proto: onnx.ModelProto) -> None:
     from onnx.reference import ReferenceEvaluator
 
     known: dict[str, np.ndarray] = {}
+    integer_types = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
+                     onnx.TensorProto.UINT64, onnx.TensorProto.UINT32, onnx.TensorProto.UINT16, onnx.TensorProto.UINT8,
+                     onnx.TensorProto.BOOL}
     for tensor in proto.graph.initializer:
-        array = numpy_helper.to_array(tensor)
-        if array.dtype.kind in "iub":
-            known[tensor.name] = array
+        if tensor.data_type in integer_types:
+            known[tensor.name] = numpy_helper.to_array(tensor)
     opset = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
     nodes = []
     for node in proto.graph.node:
@@ -178,16 +184,17 @@ def _find_loss(graph: ir.Graph, loss: str | None, path: Path) -> ir.Value:
 def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | None = None) -> Problem:
     """Read, check and normalise the user's model; raise TranspileError with a one-line reason."""
     path = Path(path)
-    source, raw = read_model(path)
-    try:
-        onnx.checker.check_model(source)
-    except Exception as exc:
-        raise TranspileError(f"{path}: invalid ONNX model ({_one_line(exc)})") from None
-
+    source, raw, external = read_model(path)
     proto = onnx.ModelProto()
     proto.CopyFrom(source)
     init_names = {t.name for t in proto.graph.initializer}
     data_names = [vi.name for vi in proto.graph.input if vi.name not in init_names]
+    # The whole-model passes below need the weights' types only (transpiler/weights.py).
+    weights, stand_ins = detach_weights(proto)
+    try:
+        onnx.checker.check_model(proto)
+    except Exception as exc:
+        raise TranspileError(f"{path}: invalid ONNX model ({_one_line(exc)})") from None
     proto = _upgrade(proto, path)
     _make_batch_symbolic(proto, data_names)
     _fold_integer_constants(proto)
@@ -195,6 +202,7 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
         raise TranspileError(f"{path}: shape inference failed ({_one_line(exc)})") from None
+    attach_weights(proto, weights, stand_ins)
 
     model = ir.serde.deserialize_model(proto)
     loss_value = _find_loss(model.graph, loss, path)
@@ -243,6 +251,7 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         params=params,
         frozen=frozen,
         buffers=buffers,
+        external_data=external,
     )
 
 

@@ -16,6 +16,7 @@ from transpiler.collectives import bucket_tensors, collective_nodes
 from transpiler.errors import TranspileError
 from transpiler.passes import LR_INPUT, Job, RankGraphs
 from transpiler.placement import METHODS, place
+from transpiler.weights import attach_weights, detach_weights
 
 FORMAT = "graph-transpiler/plan"
 FORMAT_VERSION = 1
@@ -38,6 +39,7 @@ def _save(model: ir.Model, path: Path) -> None:
     # releases often do not load yet.
     default_opset = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
     proto.ir_version = min(proto.ir_version, onnx.helper.find_min_ir_version_for(default_opset, ignore_unknown=True))
+    weights, stand_ins = detach_weights(proto)  # the passes below need the weights' types only
     try:
         proto = onnx.shape_inference.infer_shapes(proto)
     except Exception:
@@ -46,6 +48,7 @@ def _save(model: ir.Model, path: Path) -> None:
         onnx.checker.check_model(proto)
     except Exception as exc:
         raise TranspileError(f"internal error: {path.name} fails onnx.checker ({' '.join(str(exc).split())[:300]})") from None
+    attach_weights(proto, weights, stand_ins)
     if proto.ByteSize() > EXTERNAL_DATA_BYTES:
         onnx.save_model(proto, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
     else:
@@ -156,7 +159,10 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        onnx.save_model(job.problem.source, tmp / "model.onnx")
+        if job.problem.external_data:  # one self-contained copy, so OUT does not depend on the data file
+            onnx.save_model(job.problem.source, tmp / "model.onnx")
+        else:
+            shutil.copyfile(job.problem.path, tmp / "model.onnx")  # the user's bytes, unchanged
         _save(job.single.step, tmp / "train.onnx")
         _save(job.single.init, tmp / "train_init.onnx")
         for g in job.ranks:
