@@ -49,10 +49,21 @@ def _save(model: ir.Model, path: Path) -> None:
     except Exception as exc:
         raise TranspileError(f"internal error: {path.name} fails onnx.checker ({' '.join(str(exc).split())[:300]})") from None
     attach_weights(proto, weights, stand_ins)
-    if proto.ByteSize() > EXTERNAL_DATA_BYTES:
+    if _tensor_bytes(proto) > EXTERNAL_DATA_BYTES:
         onnx.save_model(proto, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
     else:
         onnx.save_model(proto, path)
+
+
+def _tensor_bytes(proto: onnx.ModelProto) -> int:
+    """The initializers' bytes, from their dims (ByteSize() would walk the whole message)."""
+    total = 0
+    for t in proto.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= d
+        total += n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
 
 
 def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
