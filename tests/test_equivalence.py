@@ -67,3 +67,23 @@ def test_ranks_equal_one_device(model, opt, world, strategy, placement, model_di
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-5)
     # Training moved the parameters (comparing two untouched models would pass vacuously).
     assert max_rel_error(result.parameters[0], initial_parameters(model_dir(model) / "model.onnx")) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sharded"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_flat_update_equals_per_parameter_update(opt, strategy, model_dir, tmp_path):
+    """--flat-update changes the layout of the optimizer's work, not its arithmetic: bit-identical."""
+    data = load_data(model_dir("perceptron") / "data.npz")
+    results = []
+    for flat in (False, True):
+        out = tmp_path / f"out-{flat}"
+        options = Options(world_size=4, strategy=strategy, optimizer=OPTIMIZERS[opt], flat_update=flat,
+                          placement="balanced")
+        plan = transpile(model_dir("perceptron") / "model.onnx", out, options)
+        results.append(simulate(out, data, batch=BATCH, steps=STEPS, lr=OPTIMIZERS[opt].lr * LR_SCALE["perceptron"]))
+        if flat and opt != "sgd":
+            # Buckets of several parameters keep one flat state vector per slot.
+            names = [s["input"] for r in plan["graphs"]["ranks"] for s in r["state"] if s["kind"] == "optimizer"]
+            assert any(n.startswith("bucket") for n in names) == any(len(b["params"]) > 1 for b in plan["buckets"])
+    for name, value in results[0].parameters[0].items():
+        np.testing.assert_array_equal(results[1].parameters[0][name], value, err_msg=name)

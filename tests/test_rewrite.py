@@ -33,12 +33,14 @@ def attr(node, name):
     return value.decode() if isinstance(value, bytes) else value
 
 
+@pytest.mark.parametrize("flat_update", [False, True])
 @pytest.mark.parametrize("placement", ["hash", "balanced"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_invariants(model_dir, tmp_path, world, placement):
+def test_sharded_invariants(model_dir, tmp_path, world, placement, flat_update):
     out = tmp_path / "out"
     transpile(model_dir("perceptron") / "model.onnx", out,
-              Options(world_size=world, strategy="sharded", placement=placement, optimizer=OptimizerConfig("adamw")))
+              Options(world_size=world, strategy="sharded", placement=placement, flat_update=flat_update,
+                      optimizer=OptimizerConfig("adamw")))
     plan, steps, inits = load_out(out)
     params = [p["name"] for p in plan["parameters"]]
     roots = {p["name"]: p["root"] for p in plan["parameters"]}
@@ -59,11 +61,16 @@ def test_sharded_invariants(model_dir, tmp_path, world, placement):
                 assert bool(node.input) == (attr(node, "root") == rank)
             else:
                 pytest.fail(f"unexpected collective {node.op_type}")
-        # Optimizer state lives only on the parameter's root.
-        state_inputs = {i.name for i in model.graph.input}
-        for p in params:
-            has_state = f"{p}.exp_avg" in state_inputs and f"{p}.exp_avg_sq" in state_inputs
-            assert has_state == (roots[p] == rank), (rank, p)
+        # Optimizer state lives only on the root: a parameter's own, or its bucket's flat state
+        # (named bucket<id>.<slot>) when the bucket holds several parameters.
+        entry = plan["graphs"]["ranks"][rank]
+        bucket_roots = {f"bucket{b['id']}": b["root"] for b in plan["buckets"]}
+        optimizer_state = [s for s in entry["state"] if s["kind"] == "optimizer"]
+        for s in optimizer_state:
+            owner = roots[s["param"]] if s["param"] else bucket_roots[s["input"].split(".")[0]]
+            assert owner == rank, (rank, s["input"])
+        assert {s["input"] for s in optimizer_state} <= {i.name for i in model.graph.input}
+        assert sorted(entry["updates"]) == sorted(p for p in params if roots[p] == rank)
 
     for p in params:
         grad = f"grad.{p}"

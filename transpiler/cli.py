@@ -39,6 +39,8 @@ def transpile_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (default 25)")
     p.add_argument("--loss", help="the graph output to minimize (default: the only scalar float output)")
     p.add_argument("--freeze", metavar="REGEX", help="initializers whose name matches are not trained")
+    p.add_argument("--flat-update", action="store_true",
+                   help="update each gradient bucket as one flat vector (fewer, larger ops: meant for GPUs)")
     p.add_argument("--sync-bn", action="store_true",
                    help="BatchNormalization statistics over the global batch (all-reduced), so N ranks equal one device")
     o = p.add_argument_group("optimizer (torch.optim formulas, docs/optimizers.md)")
@@ -82,6 +84,7 @@ def cmd_transpile(argv: list[str]) -> int:
         optimizer=optimizer_config(args),
         bucket_mb=args.bucket_mb,
         sync_bn=args.sync_bn,
+        flat_update=args.flat_update,
     )
     plan = transpile(args.model, args.out, options, loss=args.loss, freeze=args.freeze)
     n_bytes = sum(p["bytes"] for p in plan["parameters"])
