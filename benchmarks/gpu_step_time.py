@@ -102,6 +102,11 @@ def main() -> int:
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--work", default=None, help="directory for the model and OUTs (default: a temp dir)")
     p.add_argument("--prepare-only", action="store_true", help="build and transpile, time nothing (CPU only)")
+    p.add_argument("--model", choices=("basic", "pytorch"), default="basic",
+                   help="basic: benchmarks/gpu_gpt.py (basic ops, one-hot embedding; the model measured so far); "
+                        "pytorch: models/gpt.py's GPT-2-small exported from PyTorch (Gather embedding, "
+                        "LayerNorm, Softmax: the layout behind the DDP reference; needs torch)")
+    p.add_argument("--flat-update", action="store_true", help="transpile with --flat-update")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -120,8 +125,13 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     shape = gpu_gpt.GPT2_SMALL
     if not (work / "model.onnx").exists():
-        onnx.save(gpu_gpt.build(**shape), work / "model.onnx")
-        np.savez(work / "data.npz", **gpu_gpt.make_data(shape["vocab"], shape["seq"], PER_GPU_BATCH * args.gpus))
+        if args.model == "pytorch":
+            import models
+
+            models.generate("gpt2_small", work, seed=0, rows=PER_GPU_BATCH * args.gpus)
+        else:
+            onnx.save(gpu_gpt.build(**shape), work / "model.onnx")
+            np.savez(work / "data.npz", **gpu_gpt.make_data(shape["vocab"], shape["seq"], PER_GPU_BATCH * args.gpus))
     strategies = args.strategies.split(",")
     # Transpiling a 500 MB model takes minutes on one core: all strategies at once.
     jobs = {}
@@ -130,6 +140,7 @@ def main() -> int:
         if not (out / "plan.json").exists():
             cmd = [sys.executable, "-m", "transpiler.cli", str(work / "model.onnx"), "-o", str(out), "--gpus",
                    str(args.gpus), "--strategy", s, "--optimizer", "adamw", "--lr", "1e-4"]
+            cmd += ["--flat-update"] if args.flat_update else []
             jobs[s] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     errors = {}
     for s, job in jobs.items():
@@ -141,7 +152,7 @@ def main() -> int:
         return 0
     mpiexec = find_mpiexec()
     flavor = mpiexec_flavor(mpiexec)
-    report = {"model": {"shape": shape, "parameters": None, "per_gpu_batch": PER_GPU_BATCH,
+    report = {"model": {"kind": args.model, "flat_update": args.flat_update, "shape": shape, "per_gpu_batch": PER_GPU_BATCH,
                         "optimizer": "adamw", "tf32": True, "bucket_mb": 25},
               "reference_pytorch_ddp_ms": {"1": 30.2, "4": 31.9}, "results": [], "not_run": errors}
 

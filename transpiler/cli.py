@@ -28,7 +28,8 @@ def transpile_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="transpile",
         description="Rewrite a single-device ONNX model (loss inside the graph) into data-parallel training "
-        "graphs for N ranks. Subcommands: 'transpile run OUT ...' trains, 'transpile inspect OUT' shows the result.",
+        "graphs for N ranks. Subcommands: 'transpile run OUT ...' trains, 'transpile inspect OUT' shows the result, "
+        "'transpile view FILE' opens a graph in Netron.",
     )
     p.add_argument("model", help="the ONNX model; its loss is computed inside the graph")
     p.add_argument("-o", "--out", required=True, help="output directory (written atomically)")
