@@ -77,6 +77,9 @@ def read_meta(directory: Path, plan: Plan, *, batch: int, shuffle: bool, seed: i
         raise RunError(f"{path}: not valid JSON ({exc})") from None
     if raw.get("format") != FORMAT:
         raise RunError(f"{path}: not a graph-transpiler checkpoint")
+    missing = [k for k in Meta.__dataclass_fields__ if k not in raw]
+    if missing:
+        raise RunError(f"{path}: incomplete checkpoint metadata (missing {', '.join(missing)})")
     meta = Meta(**{k: raw[k] for k in Meta.__dataclass_fields__})
     if meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
         raise RunError(f"--resume {directory}: the checkpoint was written for another plan than {plan.path}"
