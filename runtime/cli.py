@@ -36,6 +36,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR", help="save every rank's state to DIR at the end (atomically)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps")
     parser.add_argument("--resume", metavar="DIR", help="continue from a checkpoint up to --steps (same plan, batch, data order)")
+    parser.add_argument("--timings", metavar="FILE.json",
+                        help="write each rank's median segment and collective times (cpu backend), for "
+                             "'transpile inspect OUT --timeline T.png --timings FILE.json'")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="cpu (onnxruntime CPU, MPI), nccl (one GPU per rank: onnxruntime CUDA, NCCL) or "
                              "auto (default: nccl when GPUs, CuPy and onnxruntime-gpu are there, else cpu)")
@@ -74,7 +77,8 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed,
                        log_every=args.log_every, export=export,
                        checkpoint=None if args.checkpoint is None else Path(args.checkpoint).resolve(),
-                       checkpoint_every=args.checkpoint_every, resume=resume)
+                       checkpoint_every=args.checkpoint_every, resume=resume,
+                       timings=None if args.timings is None else Path(args.timings).resolve())
     return plan, dataset, config
 
 
@@ -93,6 +97,8 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--checkpoint", str(Path(args.checkpoint).resolve()), "--checkpoint-every", str(args.checkpoint_every)]
     if args.resume is not None:
         argv += ["--resume", str(Path(args.resume).resolve())]
+    if args.timings is not None:
+        argv += ["--timings", str(Path(args.timings).resolve())]
     if args.export is not None:
         argv += ["--export", str(Path(args.export).resolve())]
     return argv

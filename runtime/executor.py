@@ -8,6 +8,7 @@ communication stream and lets the next segments run while it is in flight). The 
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -117,6 +118,7 @@ class Program:
                 last_reader[name] = pos
         keep = set(cut.outputs)
         self.release: list[list[str]] = [[] for _ in cut.items]
+        self.timings: dict[tuple[str, int], list[float]] | None = None  # see record_timings
         for name, pos in last_reader.items():
             if name not in keep:
                 self.release[pos].append(name)
@@ -128,11 +130,28 @@ class Program:
         env = {**self.constants, **feeds}
         for (item, runner), release in zip(self.steps, self.release):
             values = [env[name] for name in item.inputs]
+            started = time.perf_counter() if self.timings is not None else 0.0
             if runner is not None:
                 results = runner.run(dict(zip(item.inputs, values)))
             else:
                 results = item.run(self.comm, values)
+            if self.timings is not None:
+                key = ("segments", item.index) if runner is not None else ("collectives", item.order)
+                self.timings.setdefault(key, []).append(time.perf_counter() - started)
             env.update(zip(item.outputs, results))
             for name in release:
                 del env[name]
         return {name: env[name] for name in self.cut.outputs}
+
+    def record_timings(self) -> None:
+        """From now on, time every segment and collective of every run (seconds, wall clock: the
+        CPU backend runs each item to completion, so these are the items' own times)."""
+        self.timings: dict[tuple[str, int], list[float]] | None = {}
+
+    def median_timings(self) -> dict[str, dict[str, float]]:
+        """``{"segments": {index: s}, "collectives": {order: s}}``: medians over the recorded runs,
+        the format ``transpile inspect --timings`` reads."""
+        out: dict[str, dict[str, float]] = {"segments": {}, "collectives": {}}
+        for (kind, key), samples in sorted((self.timings or {}).items()):
+            out[kind][str(key)] = float(np.median(samples))
+        return out

@@ -7,6 +7,7 @@ replaces every state input by its matching output. Sessions are built once, in t
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -46,6 +47,7 @@ class RunConfig:
     checkpoint: Path | None = None  # written every checkpoint_every steps (0: at the end only)
     checkpoint_every: int = 0
     resume: Path | None = None  # a checkpoint to start from instead of the init graph
+    timings: Path | None = None  # measured segment and collective times, for inspect --timings
 
 
 class Trainer:
@@ -150,6 +152,11 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, w
                              shuffle=config.shuffle, seed=config.seed)
         trainer.step_async(data, config.lr)
         done = step + 1
+        if config.timings is not None and step == start:
+            # Timed from the second step on: the first one pays for first-touch allocations.
+            if not hasattr(trainer.step_program, "record_timings"):
+                raise RunError(f"--timings: the {trainer.backend.name} backend does not record timings (the cpu backend does)")
+            trainer.step_program.record_timings()
         log_now = config.log_every and (done == start + 1 or done % config.log_every == 0 or done == config.steps)
         # Losses are read at log steps only (the GPU keeps them on the device until then), and at
         # least every FLUSH_EVERY steps; every rank takes the same decision, so the host reductions match.
@@ -168,9 +175,27 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, w
             meta = checkpoint.Meta(step=done, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=world_size,
                                    batch=config.batch, shuffle=config.shuffle, seed=config.seed)
             checkpoint.save(config.checkpoint, trainer.state_dict(), meta, rank=rank, comm=trainer.comm)
+    if config.timings is not None:
+        _write_timings(config.timings, trainer.step_program.median_timings(), rank=rank, world_size=world_size,
+                       comm=trainer.comm)
     if rank == 0 and config.export is not None:
         export_model(trainer.plan, trainer.parameters(), config.export)
     return losses
+
+
+def _write_timings(path: Path, mine: dict, *, rank: int, world_size: int, comm: Communicator) -> None:
+    """Every rank's medians into one JSON file (``{"ranks": [{"rank": r, "segments": ..., "collectives":
+    ...}]}``), through per-rank files: the communicator moves arrays, not documents."""
+    part = path.with_name(f"{path.name}.rank{rank}")
+    part.write_text(json.dumps({"rank": rank, **mine}))
+    comm.barrier()
+    if rank == 0:
+        parts = [path.with_name(f"{path.name}.rank{r}") for r in range(world_size)]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"ranks": [json.loads(p.read_text()) for p in parts]}, indent=1) + "\n")
+        os.replace(tmp, path)
+        for p in parts:
+            p.unlink()
 
 
 def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path) -> None:

@@ -50,3 +50,27 @@ def test_perceptron_trains_on_four_mpi_ranks(model_dir, tmp_path, strategy):
     assert max_rel_error({k: exported[k] for k in expected.parameters[0]}, expected.parameters[0]) <= 1e-5
     assert max_rel_error(expected.parameters[0], initial_parameters(src / "model.onnx")) > 1e-3
     assert [n.op_type for n in model.graph.node] == [n.op_type for n in onnx.load(src / "model.onnx").graph.node]
+
+
+@pytest.mark.mpi
+def test_measured_timings_feed_the_timeline(model_dir, tmp_path):
+    """`transpile run --timings` writes every rank's measured segment and collective times in the
+    format `transpile inspect --timeline --timings` reads."""
+    import json
+
+    src = model_dir("perceptron")
+    out = tmp_path / "out"
+    assert cli(src / "model.onnx", "--gpus", 2, "-o", out, cwd=tmp_path).returncode == 0
+    done = cli("run", out, "--data", src / "data.npz", "--batch", 16, "--steps", 6, "--log-every", 0,
+               "--timings", tmp_path / "t.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    timings = json.loads((tmp_path / "t.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert [r["rank"] for r in timings["ranks"]] == [0, 1]
+    for rank in timings["ranks"]:
+        assert sorted(int(k) for k in rank["collectives"]) == [c["order"] for c in plan["collectives"]["step"]]
+        assert rank["segments"] and all(v > 0 for v in [*rank["segments"].values(), *rank["collectives"].values()])
+    assert not list(tmp_path.glob("t.json.rank*"))  # the per-rank parts are merged and removed
+    drawn = cli("inspect", out, "--timeline", tmp_path / "t.png", "--timings", tmp_path / "t.json", cwd=tmp_path)
+    assert drawn.returncode == 0, drawn.stderr
+    assert (tmp_path / "t.png").stat().st_size > 0
