@@ -15,6 +15,7 @@ from runtime.errors import RunError
 from runtime.executor import CpuBackend
 from runtime.launcher import detect_launcher, spawn
 from runtime.plan import Plan, load_plan
+from runtime.schedule import SCHEDULES, Schedule
 from runtime.trainer import RunConfig, Trainer, train
 
 BACKENDS = ("auto", "cpu", "nccl")
@@ -28,6 +29,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--steps", type=int, metavar="K", help="number of training steps")
     length.add_argument("--epochs", type=float, metavar="E", help="passes over the data (steps = ceil(E * rows / B))")
     parser.add_argument("--lr", type=float, metavar="X", help="learning rate (default: the plan's optimizer lr)")
+    parser.add_argument("--lr-schedule", default="constant", choices=SCHEDULES,
+                        help="learning rate over the run, with --lr as its peak (formulas: docs/cli.md; default constant)")
+    parser.add_argument("--warmup-steps", type=int, default=0, metavar="W", help="linear warmup over the first W steps")
+    parser.add_argument("--min-lr", type=float, default=0.0, metavar="X", help="cosine/linear: the final learning rate")
+    parser.add_argument("--lr-step-size", type=int, default=0, metavar="N", help="step: decay every N steps")
+    parser.add_argument("--lr-gamma", type=float, default=0.1, metavar="G", help="step: decay factor (default 0.1)")
     parser.add_argument("--shuffle", action="store_true", help="read each epoch in a seeded random order")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="shuffle seed (default 0)")
     parser.add_argument("--export", metavar="TRAINED.onnx", help="write the user's model with the trained parameters")
@@ -74,7 +81,9 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
         meta = checkpoint.read_meta(resume, plan, batch=args.batch, shuffle=args.shuffle, seed=args.seed)
         if meta.step >= steps:
             raise RunError(f"--resume {args.resume}: the checkpoint is at step {meta.step}, nothing to do for --steps {steps}")
-    config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed,
+    schedule = Schedule(args.lr_schedule, args.warmup_steps, args.min_lr, args.lr_step_size, args.lr_gamma)
+    schedule.validate(steps)
+    config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed, schedule=schedule,
                        log_every=args.log_every, export=export,
                        checkpoint=None if args.checkpoint is None else Path(args.checkpoint).resolve(),
                        checkpoint_every=args.checkpoint_every, resume=resume,
@@ -90,6 +99,8 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--lr", repr(args.lr)]
     if args.shuffle:
         argv.append("--shuffle")
+    argv += ["--lr-schedule", args.lr_schedule, "--warmup-steps", str(args.warmup_steps), "--min-lr", repr(args.min_lr),
+             "--lr-step-size", str(args.lr_step_size), "--lr-gamma", repr(args.lr_gamma)]
     argv += ["--seed", str(args.seed), "--log-every", str(args.log_every), "--backend", args.backend]
     if args.no_tf32:
         argv.append("--no-tf32")

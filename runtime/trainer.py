@@ -26,6 +26,7 @@ from runtime.data import Dataset, shard_size
 from runtime.errors import RunError
 from runtime.executor import Backend, CpuBackend
 from runtime.plan import Plan, load_plan
+from runtime.schedule import Schedule
 from runtime.segments import cut_graph, load_graph
 
 # Most steps whose losses wait on the device before being read (the GPU ring holds more).
@@ -48,6 +49,7 @@ class RunConfig:
     checkpoint_every: int = 0
     resume: Path | None = None  # a checkpoint to start from instead of the init graph
     timings: Path | None = None  # measured segment and collective times, for inspect --timings
+    schedule: Schedule = Schedule()  # learning rate per step (lr is the schedule's peak)
 
 
 class Trainer:
@@ -147,10 +149,12 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, w
     # The log line reports averages over the steps since the previous line: a single step's time
     # and loss are too noisy to read (one batch; a rank descheduled for a moment).
     since, window_start = 0, time.perf_counter()
+    lr_at = config.schedule.function(config.lr, config.steps)
     for step in range(start, config.steps):
+        lr = lr_at(step)
         data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
                              shuffle=config.shuffle, seed=config.seed)
-        trainer.step_async(data, config.lr)
+        trainer.step_async(data, lr)
         done = step + 1
         if config.timings is not None and step == start:
             # Timed from the second step on: the first one pays for first-touch allocations.
@@ -168,7 +172,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, w
             window = losses[since:]
             epoch = done * config.batch / dataset.rows
             log(f"step {done}/{config.steps}  epoch {epoch:.2f}  loss {loss:.6f}  "
-                f"mean loss {sum(window) / len(window):.6f}  lr {config.lr:g}  "
+                f"mean loss {sum(window) / len(window):.6f}  lr {lr:g}  "
                 f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
             since, window_start = len(losses), now
         if config.checkpoint is not None and (done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
@@ -230,7 +234,8 @@ class SimResult:
 
 
 def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, steps: int, lr: float | None = None,
-             shuffle: bool = False, seed: int = 0, single_device: bool = False) -> SimResult:
+             shuffle: bool = False, seed: int = 0, single_device: bool = False,
+             schedule: Schedule | None = None) -> SimResult:
     """Train all ranks of OUT as threads of this process (or the single-device graph on the full batch).
 
     Collectives go through a LocalGroup, so this checks "N ranks == 1 device" with no MPI. Each
@@ -240,7 +245,8 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
     world_size = 1 if single_device else plan.world_size
     dataset = Dataset(data, plan.data_inputs, "<data>")
     shard_size(batch, world_size)
-    config = RunConfig(batch=batch, steps=steps, lr=plan.lr if lr is None else lr, shuffle=shuffle, seed=seed)
+    config = RunConfig(batch=batch, steps=steps, lr=plan.lr if lr is None else lr, shuffle=shuffle, seed=seed,
+                       schedule=schedule or Schedule())
     group = LocalGroup(world_size)
     losses: list[list[float] | None] = [None] * world_size
     trainers: list[Trainer | None] = [None] * world_size

@@ -1,0 +1,60 @@
+"""Learning-rate schedules. The learning rate is an input of every step graph, so a schedule is a
+host-side function of the step: no re-transpiling, no graph change.
+
+With ``T`` steps in all, ``W`` warmup steps and step ``t`` counted from 0 (the formulas of
+torch.optim.lr_scheduler, which the tests use as the oracle):
+
+- warmup (any schedule, ``t < W``): ``lr * (t + 1) / W``  (LinearLR(start_factor=1/W, total_iters=W-1))
+- ``constant``: ``lr``
+- ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * u / U)) / 2`` with ``u = t - W``, ``U = T - W``
+  (CosineAnnealingLR(T_max=U, eta_min=min_lr))
+- ``linear``: ``lr + (min_lr - lr) * u / U``  (linear decay to min_lr at the end)
+- ``step``: ``lr * gamma ** floor(u / step_size)``  (StepLR)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runtime.errors import RunError
+
+SCHEDULES = ("constant", "cosine", "linear", "step")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    step_size: int = 0  # "step": decay every step_size steps
+    gamma: float = 0.1  # "step": by this factor
+
+    def validate(self, steps: int) -> None:
+        if self.kind not in SCHEDULES:
+            raise RunError(f"--lr-schedule '{self.kind}' is not one of: {', '.join(SCHEDULES)}")
+        if not 0 <= self.warmup_steps < max(steps, 1):
+            raise RunError(f"--warmup-steps must be in [0, steps) = [0, {steps}), got {self.warmup_steps}")
+        if self.min_lr < 0:
+            raise RunError(f"--min-lr must be >= 0, got {self.min_lr}")
+        if self.kind == "step" and self.step_size < 1:
+            raise RunError("--lr-schedule step needs --lr-step-size N (N >= 1)")
+
+    def function(self, lr: float, steps: int) -> Callable[[int], float]:
+        """``lr_at(t)`` for steps ``t = 0 .. steps-1``."""
+        warm, decay = self.warmup_steps, steps - self.warmup_steps
+
+        def lr_at(t: int) -> float:
+            if t < warm:
+                return lr * (t + 1) / warm
+            u = t - warm
+            if self.kind == "cosine":
+                return self.min_lr + (lr - self.min_lr) * (1 + math.cos(math.pi * u / decay)) / 2
+            if self.kind == "linear":
+                return lr + (self.min_lr - lr) * u / decay
+            if self.kind == "step":
+                return lr * self.gamma ** (u // self.step_size)
+            return lr
+
+        return lr_at
