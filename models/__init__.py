@@ -14,6 +14,7 @@ is generated; ``python -m models.cnn`` / ``models.gpt`` / ``models.digits`` take
 from __future__ import annotations
 
 import importlib
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +45,11 @@ def _torch_spec(module: str, config: str, summary: str, default_rows: int) -> Mo
     """A spec whose generator module (and torch) is imported only when the model is generated."""
 
     def build(seed: int) -> onnx.ModelProto:
+        # Each torch model module offers make_module(config, seed) and export(module, path).
         mod = _torch_module(module)
-        return mod.build_onnx(getattr(mod, config), seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = mod.export(mod.make_module(getattr(mod, config), seed), Path(tmp) / "model.onnx")
+            return onnx.load(str(path))
 
     def make_data(seed: int, rows: int) -> dict[str, np.ndarray]:
         mod = _torch_module(module)

@@ -152,17 +152,6 @@ def make_data(config: CNNConfig, seed: int, rows: int) -> dict[str, np.ndarray]:
     return {"images": images, "labels": labels}
 
 
-def build_onnx(config: CNNConfig, seed: int = 0, dynamo: bool = False):
-    """The exported model as an onnx.ModelProto (for models.generate)."""
-    import tempfile
-
-    import onnx
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = export(make_module(config, seed), Path(tmp) / "model.onnx", dynamo=dynamo)
-        return onnx.load(str(path))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.cnn", description=__doc__.split("\n")[0])
     parser.add_argument("-o", "--out", required=True)

@@ -112,11 +112,6 @@ def export(module: DigitsCNN, path: str | Path, batch: int = 4, dynamo: bool = F
     return export_onnx(module, args, path, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, dynamo=dynamo)
 
 
-def build_onnx(config: DigitsConfig = CONFIG, seed: int = 0, dynamo: bool = False) -> onnx.ModelProto:
-    with tempfile.TemporaryDirectory() as tmp:
-        return onnx.load(str(export(make_module(config, seed), Path(tmp) / "model.onnx", dynamo=dynamo)))
-
-
 LOSS_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 
 

@@ -178,17 +178,6 @@ def export(module: GPT, path: str | Path, batch: int = 2, dynamo: bool = False, 
                        output_names=OUTPUT_NAMES, dynamo=dynamo, opset=opset)
 
 
-def build_onnx(config: GPTConfig, seed: int = 0, dynamo: bool = False):
-    """The exported model as an onnx.ModelProto (for models.generate)."""
-    import tempfile
-
-    import onnx
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = export(make_module(config, seed), Path(tmp) / "model.onnx", dynamo=dynamo)
-        return onnx.load(str(path))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.gpt", description=__doc__.split("\n")[0])
     parser.add_argument("-o", "--out", required=True)
