@@ -119,7 +119,7 @@ class Trainer:
         self._held = []
         # The step graph's loss is the mean over this rank's shard; equal shards make the mean of
         # the ranks' means the mean over the global batch, i.e. what one device reports.
-        return [self.comm.allreduce_scalar(value, "mean") for value in local]
+        return self.comm.allreduce_scalars(local, "mean") if local else []
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Host copies of the state, keyed by state input name."""

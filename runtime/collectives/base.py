@@ -119,8 +119,12 @@ class Communicator(ABC):
         """Return once every rank has called it."""
 
     @abstractmethod
+    def allreduce_scalars(self, values: Sequence[float], reduction: str = "mean") -> list[float]:
+        """Reduce Python floats across ranks elementwise, in float64, in one call (the losses held
+        since the last log line)."""
+
     def allreduce_scalar(self, value: float, reduction: str = "mean") -> float:
-        """Reduce one Python float across ranks (for logging the loss), in float64."""
+        return self.allreduce_scalars([value], reduction)[0]
 
     @abstractmethod
     def abort(self, code: int) -> None:

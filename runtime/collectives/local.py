@@ -126,11 +126,12 @@ class LocalCommunicator(Communicator):
     def barrier(self):
         self.group.exchange(self.rank, ("Barrier",), None, lambda payloads: None)
 
-    def allreduce_scalar(self, value, reduction="mean"):
+    def allreduce_scalars(self, values, reduction="mean"):
         check_reduction(reduction)
-        total = self.group.exchange(self.rank, ("AllReduceScalar", reduction), float(value),
-                                    lambda values: float(np.sum(np.array(values, dtype=np.float64))))
-        return total / self.size if reduction == "mean" else total
+        totals = self.group.exchange(self.rank, ("AllReduceScalars", reduction, len(values)),
+                                     [float(v) for v in values],
+                                     lambda per_rank: np.sum(np.array(per_rank, dtype=np.float64), axis=0))
+        return [float(t) / self.size if reduction == "mean" else float(t) for t in totals]
 
     def abort(self, code):
         self.group.abort()

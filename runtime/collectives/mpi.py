@@ -109,12 +109,11 @@ class MpiCommunicator(Communicator):
     def barrier(self):
         self.comm.Barrier()
 
-    def allreduce_scalar(self, value, reduction="mean"):
+    def allreduce_scalars(self, values, reduction="mean"):
         check_reduction(reduction)
-        buf = np.array([value], dtype=np.float64)
+        buf = np.array(values, dtype=np.float64)
         self.comm.Allreduce(self._mpi.IN_PLACE, buf, op=self._mpi.SUM)
-        total = float(buf[0])
-        return total / self.size if reduction == "mean" else total
+        return [float(t) / self.size if reduction == "mean" else float(t) for t in buf]
 
     def abort(self, code):
         # Flush first: MPI_Abort kills this process without running Python's exit handlers.

@@ -250,11 +250,11 @@ class NcclCommunicator(Communicator):
         if self.host is not None:
             self.host.barrier()
 
-    def allreduce_scalar(self, value, reduction="mean"):
+    def allreduce_scalars(self, values, reduction="mean"):
         if self.host is None:
             check_reduction(reduction)
-            return float(value)
-        return self.host.allreduce_scalar(value, reduction)
+            return [float(v) for v in values]
+        return self.host.allreduce_scalars(values, reduction)
 
     def abort(self, code):
         self._stop.set()
