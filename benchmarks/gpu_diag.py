@@ -1,9 +1,12 @@
 """Run plans on the nccl backend and check them against the CPU backend (used by
 tests/test_gpu_equivalence.py, and by hand to diagnose).
 
-    mpirun -n N python benchmarks/gpu_diag.py --data DATA.npz --batch B --steps K [--save DIR] [--compare] OUT [OUT ...]
+    mpirun -n N python benchmarks/gpu_diag.py --data DATA.npz --batch B --steps K [--save DIR] [--compare]
+        [--backend nccl|cpu] OUT [OUT ...]
 
-For each OUT (a plan for N ranks): the init graph and K steps on the GPUs (TF32 off). ``--save DIR``
+For each OUT (a plan for N ranks): the init graph and K steps on the GPUs (TF32 off), or with
+``--backend cpu`` on CPU ranks with MPI collectives (the same driver, so CI runs the harness of the
+GPU equality test without a GPU). ``--save DIR``
 writes every rank's final parameters to DIR/<OUT name>.rank<r>.npz. ``--compare`` also compares, after
 every step, every rank's parameters with the CPU backend's in-process simulation of the same number
 of steps (slow: one simulation per step) and prints the error and whether the replicas agree. Set
@@ -20,7 +23,7 @@ import numpy as np
 from runtime import simulate
 from runtime.collectives.mpi import MpiCommunicator
 from runtime.data import Dataset
-from runtime.gpu import GpuBackend, NcclCommunicator
+from runtime.executor import CpuBackend
 from runtime.plan import load_plan
 from runtime.trainer import Trainer
 
@@ -32,9 +35,15 @@ def max_rel(a: dict, b: dict) -> float:
 def run_plan(host: MpiCommunicator, out: str, data: dict, args: argparse.Namespace) -> None:
     plan = load_plan(out)
     dataset = Dataset(data, plan.data_inputs, args.data)
-    comm = NcclCommunicator(host, host.rank)
-    trainer = Trainer(plan, comm, rank=host.rank, backend=GpuBackend(host.rank, tf32=False))
-    comm.connect()
+    if args.backend == "nccl":
+        from runtime.gpu import GpuBackend, NcclCommunicator
+
+        comm = NcclCommunicator(host, host.rank)
+        trainer = Trainer(plan, comm, rank=host.rank, backend=GpuBackend(host.rank, tf32=False))
+        comm.connect()
+    else:
+        comm = host
+        trainer = Trainer(plan, comm, rank=host.rank, backend=CpuBackend(threads=1))
     trainer.initialize()
     rows = []
     for step in range(args.steps):
@@ -51,10 +60,12 @@ def run_plan(host: MpiCommunicator, out: str, data: dict, args: argparse.Namespa
     if args.save:
         np.savez(Path(args.save) / f"{Path(out).name}.rank{host.rank}.npz", **trainer.parameters())
     if host.rank == 0:
-        print(f"{out}: {args.steps} steps on {host.size} GPU(s), final loss {loss:.6f}", flush=True)
+        where = "GPU(s)" if args.backend == "nccl" else "CPU rank(s)"
+        print(f"{out}: {args.steps} steps on {host.size} {where}, final loss {loss:.6f}", flush=True)
         if rows:
             print("\n".join(rows), flush=True)
-    comm.close()
+    if comm is not host:
+        comm.close()
     host.barrier()
 
 
@@ -66,6 +77,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--save")
     p.add_argument("--compare", action="store_true")
+    p.add_argument("--backend", choices=("nccl", "cpu"), default="nccl")
     args = p.parse_args()
     host = MpiCommunicator()
     data = dict(np.load(args.data))

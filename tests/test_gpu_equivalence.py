@@ -1,10 +1,12 @@
 """GPU backend: 1, 2 and 4 GPUs (NCCL) equal one device on the CPU backend, for every strategy, and
 the replicas are bit-identical.
 
-Marked ``gpu``: skipped without CUDA GPUs, CuPy and onnxruntime-gpu (CI). Each case is one
-``mpiexec -n W`` of benchmarks/gpu_diag.py (the plans of one world size and model run in one job),
-which saves every rank's final parameters. TF32 is off: the tolerance is the one of fp32 sums
-taken in another order, 1e-5 of each parameter's scale after 20 steps.
+The GPU cases are marked ``gpu``: skipped without CUDA GPUs, CuPy and onnxruntime-gpu (CI). Each case
+is one ``mpiexec -n W`` of benchmarks/gpu_diag.py (the plans of one world size and model run in one
+job), which saves every rank's final parameters. TF32 is off: the tolerance is the one of fp32 sums
+taken in another order, 1e-5 of each parameter's scale after 20 steps. The same harness also runs
+with ``--backend cpu`` (CPU ranks, MPI collectives), unmarked, so CI checks the driver, the models
+and the comparison that the GPU machine relies on.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _gpus() -> int:
 
 
 GPUS = _gpus()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU with CuPy and onnxruntime-gpu")]
+needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU with CuPy and onnxruntime-gpu")]
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -56,9 +58,10 @@ def _model(name: str, tmp: Path) -> tuple[Path, int]:
     return directory, 16
 
 
-@pytest.mark.parametrize("world", [w for w in (1, 2, 4) if w <= max(GPUS, 1)])
-@pytest.mark.parametrize("model", ["perceptron", "gpt"])
-def test_n_gpus_equal_the_cpu_backend(model, world, tmp_path):
+def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path: Path) -> None:
+    """Transpile ``model`` for ``world`` ranks with every strategy, train STEPS steps in one
+    ``mpiexec -n world`` of gpu_diag.py on ``backend``, and compare every rank's parameters with
+    the CPU backend's single device."""
     from runtime import simulate
     from runtime.launcher import child_environment, find_mpiexec, mpiexec_command, mpiexec_flavor
     from transpiler import OptimizerConfig, Options, transpile
@@ -76,17 +79,30 @@ def test_n_gpus_equal_the_cpu_backend(model, world, tmp_path):
     saved.mkdir()
     mpiexec = find_mpiexec()
     command = mpiexec_command(mpiexec, mpiexec_flavor(mpiexec), world, [])
-    command = command[:command.index("-m")] + [str(REPO / "benchmarks" / "gpu_diag.py"), "--data",
-                                               str(directory / "data.npz"), "--batch", str(batch), "--steps",
-                                               str(STEPS), "--save", str(saved), *map(str, outs)]
+    command = command[:command.index("-m")] + [str(REPO / "benchmarks" / "gpu_diag.py"), "--backend", backend,
+                                               "--data", str(directory / "data.npz"), "--batch", str(batch),
+                                               "--steps", str(STEPS), "--save", str(saved), *map(str, outs)]
     done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     reference = simulate(outs[0], data, batch=batch, steps=STEPS, single_device=True).parameters[0]
     for out in outs:
         ranks = [dict(np.load(saved / f"{out.name}.rank{r}.npz")) for r in range(world)]
+        assert ranks[0].keys() == reference.keys(), out.name
         error = _max_rel(ranks[0], reference)
-        print(f"{out.name}: max relative error vs the CPU backend on one device {error:.3g}")
+        print(f"{out.name} ({backend}): max relative error vs the CPU backend on one device {error:.3g}")
         assert error <= TOLERANCE, out.name
         for r, params in enumerate(ranks[1:], start=1):
             for name, value in ranks[0].items():
                 np.testing.assert_array_equal(params[name], value, err_msg=f"{out.name} rank {r} {name}")
+
+
+@pytest.mark.parametrize("world", [pytest.param(w, marks=needs_gpu) for w in (1, 2, 4) if w <= max(GPUS, 1)])
+@pytest.mark.parametrize("model", ["perceptron", "gpt"])
+def test_n_gpus_equal_the_cpu_backend(model, world, tmp_path):
+    _check_ranks_equal_one_device(model, world, "nccl", tmp_path)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_harness_on_cpu_ranks(world, tmp_path):
+    """The GPU test's driver on CPU ranks: the small GPT on 1, 2 and 4 MPI ranks equals one device."""
+    _check_ranks_equal_one_device("gpt", world, "cpu", tmp_path)
