@@ -216,7 +216,7 @@ def test_configuration_accessors():
     assert OptimizerConfig("adamw").uses_step() and not OptimizerConfig("momentum").uses_step()
     assert OptimizerConfig("adamw", lr=1e-3).to_json() == {
         "name": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
-        "weight_decay": 0.01, "momentum": 0.0, "nesterov": False,
+        "weight_decay": 0.01, "momentum": 0.0, "nesterov": False, "max_grad_norm": None,
     }  # fmt: skip
     assert OptimizerConfig("momentum", nesterov=True).to_json()["momentum"] == 0.9
 
@@ -233,6 +233,8 @@ def test_configuration_accessors():
         (OptimizerConfig("sgd", nesterov=True), "--nesterov"),
         (OptimizerConfig("adam", nesterov=True), "--nesterov"),
         (OptimizerConfig("momentum", momentum=0.0), "--momentum"),
+        (OptimizerConfig("sgd", max_grad_norm=0.0), "--clip-grad-norm"),
+        (OptimizerConfig("adamw", max_grad_norm=float("inf")), "--clip-grad-norm"),
         (OptimizerConfig("momentum", momentum=-0.5), "--momentum"),
         (OptimizerConfig("adamw", weight_decay=-1e-2), "--weight-decay"),
         (OptimizerConfig("adam", eps=-1.0), "--eps"),

@@ -52,6 +52,8 @@ def transpile_parser() -> argparse.ArgumentParser:
     o.add_argument("--weight-decay", type=float, default=None)
     o.add_argument("--betas", type=_floats, default=None, help="adam betas, e.g. 0.9,0.999")
     o.add_argument("--eps", type=float, default=None)
+    o.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the gradients to global L2 norm MAX before the update (torch.nn.utils.clip_grad_norm_)")
     return p
 
 
@@ -64,6 +66,7 @@ def optimizer_config(args: argparse.Namespace):
         "weight_decay": args.weight_decay,
         "betas": args.betas,
         "eps": args.eps,
+        "max_grad_norm": args.clip_grad_norm,
     }
     if args.betas is not None and len(args.betas) != 2:
         raise TranspileError(f"--betas takes two numbers (got {len(args.betas)})")

@@ -6,6 +6,10 @@ Public surface:
 - ``emit_step_increment(graph, step)``: the shared float32 step counter plus one.
 - ``emit_update(graph, config, param=, grad=, lr=, step=, state=, name=)``: appends one parameter's
   update and returns its new value and new optimizer state.
+- ``emit_squared_norm(graph, grads)`` and ``emit_clip(graph, config, squared_norm, grads)``: gradient
+  clipping by the global L2 norm (``config.max_grad_norm``), torch.nn.utils.clip_grad_norm_'s formula.
+  The squared norm is a sum, so a rank holding part of the gradients (sharded, zero) contributes its
+  part and the caller sums the parts over the ranks in between.
 
 The update formulas are those of torch 2.13's single-tensor (``foreach=False``) implementations in
 ``torch/optim/sgd.py`` and ``torch/optim/adam.py`` (AdamW is Adam with ``decoupled_weight_decay``),
@@ -39,7 +43,7 @@ from onnx_ir import tape as ir_tape
 
 from transpiler.errors import TranspileError
 
-__all__ = ["OPTIMIZERS", "OptimizerConfig", "emit_step_increment", "emit_update"]
+__all__ = ["OPTIMIZERS", "OptimizerConfig", "emit_clip", "emit_squared_norm", "emit_step_increment", "emit_update"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 
@@ -69,6 +73,8 @@ class OptimizerConfig:
     ``weight_decay=None`` means torch's default for that optimizer (0.01 for adamw, 0 otherwise); it is
     resolved on construction, so ``config.weight_decay`` is always a float. ``momentum`` and
     ``nesterov`` apply to "momentum" only; ``betas`` and ``eps`` to "adam" and "adamw" only.
+    ``max_grad_norm`` (any optimizer; None: no clipping) scales the gradients, before the update, by
+    ``min(1, max_grad_norm / (total_norm + 1e-6))``, total_norm being the L2 norm of all of them.
     """
 
     name: str = "sgd"
@@ -78,6 +84,7 @@ class OptimizerConfig:
     weight_decay: float | None = None
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if self.weight_decay is None and self.name in _DEFAULT_WEIGHT_DECAY:
@@ -106,6 +113,10 @@ class OptimizerConfig:
             raise TranspileError(f"--betas: expected two numbers (beta1, beta2), got {self.betas!r}")
         for index, beta in enumerate(self.betas):
             _check_number("--betas", beta, low=0.0, high=1.0, what=f"beta{index + 1}")
+        if self.max_grad_norm is not None:
+            _check_number("--clip-grad-norm", self.max_grad_norm, low=0.0)
+            if self.max_grad_norm == 0:
+                raise TranspileError("--clip-grad-norm: must be > 0 (leave it out for no clipping)")
         return self
 
     def slots(self) -> tuple[str, ...]:
@@ -126,6 +137,7 @@ class OptimizerConfig:
             "weight_decay": self.weight_decay,
             "momentum": self.momentum if self.name == "momentum" else 0.0,
             "nesterov": self.nesterov,
+            "max_grad_norm": self.max_grad_norm,
         }
 
 
@@ -194,6 +206,36 @@ def emit_update(
     for slot, value in new_state.items():
         value.name = emitter.unique_value_name(f"{name}.{slot}.next")
     return new_param, new_state
+
+
+def emit_squared_norm(graph: ir.Graph, grads: list[ir.Value], *, name: str = "grad_norm") -> ir.Value:
+    """Append the float32 sum of the squares of every element of ``grads`` (0 for no gradients)."""
+    emitter = _Emitter(graph, prefix=name)
+    squares = []
+    for index, grad in enumerate(grads):
+        if grad.dtype != _FLOAT:
+            raise TranspileError(f"--clip-grad-norm: gradient {grad.name!r} is {grad.dtype}; only float32 is supported")
+        squares.append(emitter.op("ReduceSumSquare", [grad], f"square{index}", _FLOAT, _SCALAR, {"keepdims": 0}))
+    if not squares:
+        return emitter.constant(0.0, _FLOAT, "squared")
+    if len(squares) == 1:
+        return squares[0]
+    return emitter.op("Sum", squares, "squared", _FLOAT, _SCALAR)
+
+
+def emit_clip(graph: ir.Graph, config: OptimizerConfig, squared_norm: ir.Value, grads: list[ir.Value],
+              *, name: str = "grad_norm") -> list[ir.Value]:
+    """Append torch.nn.utils.clip_grad_norm_ (L2, float32): every gradient times
+    ``min(1, max_norm / (sqrt(squared_norm) + 1e-6))``; return the clipped gradients."""
+    assert config.max_grad_norm is not None
+    emitter = _Emitter(graph, prefix=name)
+    norm = emitter.op("Sqrt", [squared_norm], "total", _FLOAT, _SCALAR)
+    denominator = emitter.op("Add", [norm, emitter.constant32(1e-6, "eps")], "total_eps", _FLOAT, _SCALAR)
+    coef = emitter.op("Div", [emitter.constant32(config.max_grad_norm, "max_norm"), denominator], "coef", _FLOAT,
+                      _SCALAR)
+    clamped = emitter.op("Min", [coef, emitter.constant32(1.0, "one")], "coef_clamped", _FLOAT, _SCALAR)
+    return [emitter.op("Mul", [grad, clamped], f"clipped{index}", grad.dtype, grad.shape, output_name=f"{grad.name}.clipped")
+            for index, grad in enumerate(grads)]
 
 
 def _sgd(emitter, config, param, grad, lr, state):

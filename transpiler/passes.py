@@ -31,13 +31,20 @@ from transpiler.bucketing import Bucket, make_buckets
 from transpiler.collectives import DOMAIN, VERSION, append_collective, check_same_sequence, collective_nodes
 from transpiler.errors import TranspileError
 from transpiler.load import Problem
-from transpiler.optimizer import OptimizerConfig, emit_step_increment, emit_update
+from transpiler.optimizer import (
+    OptimizerConfig,
+    emit_clip,
+    emit_squared_norm,
+    emit_step_increment,
+    emit_update,
+)
 from transpiler.placement import Placement, place
 
 STRATEGIES = ("sharded", "allreduce", "zero")
 LR_INPUT = "lr"
 STEP_STATE = "optimizer.step"
 NEXT = ".next"  # suffix of a state input's updated output
+AFTER_GRADIENTS = -2  # order of a collective that follows every gradient collective (the clip norm)
 
 
 @dataclass(frozen=True)
@@ -334,30 +341,35 @@ class _RankBuilder:
         order = 0
         buckets = job.buckets
         if self.strategy == "local":
-            for bucket in buckets:
-                for name, value in zip(bucket.params, update_bucket(bucket, [grads[p] for p in bucket.params])):
+            clipped = self._clip(graph, [[grads[p] for p in bucket.params] for bucket in buckets])
+            for bucket, bucket_grads in zip(buckets, clipped):
+                for name, value in zip(bucket.params, update_bucket(bucket, bucket_grads)):
                     add_state(params[name], value, "param", name)
         elif self.strategy == "zero":
-            for bucket in buckets:
-                self._zero_bucket(graph, bucket, params, grads, update, add_state, updates)
+            slices = [self._zero_scatter(graph, bucket, params, grads) for bucket in buckets]
+            clipped = self._clip(graph, [[grad_slice] for grad_slice in slices])
+            for bucket, (grad_slice,) in zip(buckets, clipped):
+                self._zero_update(graph, bucket, params, grad_slice, update, add_state, updates)
         elif self.strategy == "allreduce":
+            reduced = []
             for bucket in buckets:
-                reduced = append_collective(
+                reduced.append(append_collective(
                     graph, "AllReduce", [grads[p] for p in bucket.params],
                     like=[params[p] for p in bucket.params],
                     output_names=[f"{job.grad_names[p]}.mean" for p in bucket.params],
                     order=order, bucket=bucket.id, phase="step", reduction="mean",
-                )
+                ))
                 order += 1
-                for name, value in zip(bucket.params, update_bucket(bucket, reduced)):
+            for bucket, bucket_grads in zip(buckets, self._clip(graph, reduced)):
+                for name, value in zip(bucket.params, update_bucket(bucket, bucket_grads)):
                     add_state(params[name], value, "param", name)
         else:
             # Sharded: all Reduces in backward order first (each can start as soon as its bucket's
             # gradients exist), then the Broadcasts of the updated values, in the same bucket order.
-            updated: dict[str, ir.Value] = {}
+            owned, reduced = [], []
             for bucket in buckets:
                 root = bucket.root == self.rank
-                reduced = append_collective(
+                bucket_grads = append_collective(
                     graph, "Reduce", [grads[p] for p in bucket.params],
                     like=[params[p] for p in bucket.params],
                     output_names=[f"{job.grad_names[p]}.mean" for p in bucket.params] if root else None,
@@ -365,9 +377,13 @@ class _RankBuilder:
                 )
                 order += 1
                 if root:
-                    for name, value in zip(bucket.params, update_bucket(bucket, reduced)):
-                        value.name = f"{name}.updated"
-                        updated[name] = value
+                    owned.append(bucket)
+                    reduced.append(bucket_grads)
+            updated: dict[str, ir.Value] = {}
+            for bucket, bucket_grads in zip(owned, self._clip(graph, reduced)):
+                for name, value in zip(bucket.params, update_bucket(bucket, bucket_grads)):
+                    value.name = f"{name}.updated"
+                    updated[name] = value
             for bucket in buckets:
                 root = bucket.root == self.rank
                 new_values = append_collective(
@@ -386,33 +402,57 @@ class _RankBuilder:
         _number_collectives(graph)
         return model, state, updates
 
-    def _zero_bucket(self, graph, bucket, params, grads, update, add_state, updates) -> None:
-        """ReduceScatter the bucket's gradients, update this rank's 1/N slice, AllGather the values.
+    def _clip(self, graph: ir.Graph, grads: list[list[ir.Value]]) -> list[list[ir.Value]]:
+        """--clip-grad-norm: the reduced gradients this rank holds (per bucket), scaled by
+        clip_grad_norm_'s coefficient. The global norm needs every gradient: in the sharded and zero
+        strategies a rank holds only some (its buckets, its slices), so the squared norms of the parts
+        are summed over the ranks by one scalar AllReduce, after the gradient collectives."""
+        if self.config.max_grad_norm is None:
+            return grads
+        squared = emit_squared_norm(graph, [g for bucket_grads in grads for g in bucket_grads])
+        if self.strategy in ("sharded", "zero"):
+            squared = append_collective(
+                graph, "AllReduce", [squared], like=[squared], output_names=["grad_norm.squared.sum"],
+                order=AFTER_GRADIENTS, bucket=-1, phase="step", reduction="sum",
+            )[0]
+        flat = iter(emit_clip(graph, self.config, squared, [g for bucket_grads in grads for g in bucket_grads]))
+        return [[next(flat) for _ in bucket_grads] for bucket_grads in grads]
 
-        The flat layout (contracts.md): parameters flattened and concatenated in bucket order,
-        zero-padded to N*S elements; rank r owns [r*S, (r+1)*S). The optimizer state of a bucket is
-        one [S] vector per slot, on this rank only. Padding stays zero: its gradient is zero, so is
-        its update.
-        """
+    def _zero_layout(self, bucket, params) -> tuple[list[int], int, int, ir.DataType]:
+        """(element count of each parameter, bucket total, slice length S, dtype) of a zero bucket."""
         names = bucket.params
         dtypes = {params[p].dtype for p in names}
         if len(dtypes) != 1:
             raise TranspileError(f"--strategy zero: bucket {bucket.id} mixes dtypes {sorted(map(str, dtypes))}")
         sizes = [int(np.prod(params[p].shape.numpy(), dtype=np.int64)) for p in names]
         total = sum(sizes)
-        per_rank = -(-total // self.world)
+        return sizes, total, -(-total // self.world), params[names[0]].dtype
+
+    def _zero_scatter(self, graph, bucket, params, grads) -> ir.Value:
+        """ReduceScatter the bucket's gradients; returns this rank's [S] slice of their mean.
+
+        The flat layout (contracts.md): parameters flattened and concatenated in bucket order,
+        zero-padded to N*S elements; rank r owns [r*S, (r+1)*S). Padding stays zero: its gradient
+        is zero, so is its update.
+        """
+        _, _, per_rank, dtype = self._zero_layout(bucket, params)
+        return append_collective(
+            graph, "ReduceScatter", [grads[p] for p in bucket.params],
+            like=[ir.val("", dtype, [per_rank])], output_names=[f"bucket{bucket.id}.grad.slice"],
+            order=0, bucket=bucket.id, phase="step", reduction="mean",
+        )[0]
+
+    def _zero_update(self, graph, bucket, params, grad_slice, update, add_state, updates) -> None:
+        """Update this rank's 1/N slice of the bucket, AllGather the values. The optimizer state of
+        a bucket is one [S] vector per slot, on this rank only."""
+        names = bucket.params
+        sizes, total, per_rank, dtype = self._zero_layout(bucket, params)
         start = self.rank * per_rank
-        dtype = params[names[0]].dtype
         tape = Tape(graph)
 
         def const(array: np.ndarray) -> ir.Value:
             return tape.op("Constant", [], {"value": ir.tensor(array)})
 
-        grad_slice = append_collective(
-            graph, "ReduceScatter", [grads[p] for p in names],
-            like=[ir.val("", dtype, [per_rank])], output_names=[f"bucket{bucket.id}.grad.slice"],
-            order=0, bucket=bucket.id, phase="step", reduction="mean",
-        )[0]
         flat = _flatten(tape, [params[p] for p in names], total)
         if per_rank * self.world > total:
             flat = tape.op("Pad", [flat, const(np.array([0, per_rank * self.world - total], np.int64))])
@@ -523,6 +563,8 @@ def _number_collectives(graph: ir.Graph) -> None:
     - a gradient collective (appended afterwards, in the strategy's sequence) by the position of
       the last of its input gradients, so a bucket's collective comes as early as its gradients
       allow and never waits behind a later part of the backward;
+    - the sum of the ranks' squared gradient norms (--clip-grad-norm; created with order
+      AFTER_GRADIENTS) after every gradient collective, since it reads all their results;
     - collectives that follow optimizer updates (Broadcast, AllGather) come last, in their appended
       sequence.
     The result is a topological order of the collectives, so issuing them in it cannot deadlock.
@@ -531,7 +573,9 @@ def _number_collectives(graph: ir.Graph) -> None:
     position = {out: i for i, node in enumerate(nodes) for out in node.outputs}
     ranked = []
     for sequence, node in enumerate(n for n in nodes if n.domain == DOMAIN):
-        if node.attributes["order"].as_int() < 0:
+        if node.attributes["order"].as_int() == AFTER_GRADIENTS:
+            key = (len(nodes), -1)
+        elif node.attributes["order"].as_int() < 0:
             key = (nodes.index(node), sequence)
         elif node.op_type in ("Broadcast", "AllGather"):
             key = (len(nodes), sequence)
