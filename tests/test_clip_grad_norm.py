@@ -111,9 +111,16 @@ def test_a_bad_max_norm_is_a_one_line_error(perceptron, tmp_path, value):
     assert not out.exists()
 
 
-def test_the_cli_flag_reaches_the_plan(perceptron, tmp_path):
+def test_the_cli_flag_reaches_the_plan_and_inspect(perceptron, tmp_path):
     path, _, _ = perceptron
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "transpiler.cli", str(path), "-o", str(out), "--gpus", "2",
                     "--clip-grad-norm", "0.5"], check=True, capture_output=True)
     assert json.loads((out / "plan.json").read_text())["optimizer"]["max_grad_norm"] == 0.5
+    shown = subprocess.run([sys.executable, "-m", "transpiler.cli", "inspect", str(out), "--json"], check=True,
+                           capture_output=True, text=True)
+    assert json.loads(shown.stdout)["plan"]["max_grad_norm"] == 0.5
+    text = subprocess.run([sys.executable, "-m", "transpiler.cli", "inspect", str(out)], check=True,
+                          capture_output=True, text=True).stdout
+    assert "optimizer sgd (gradients clipped to norm 0.5)" in text
+    assert "grad_norm.squared.sum" in text  # the scalar AllReduce, listed with the step collectives
