@@ -11,16 +11,14 @@ plan.json), allreduce needs none.
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-import torch
 from conftest import max_rel_error
-from test_torch_oracle import BATCH, STEPS, export, make_data, make_module, torch_optimizer
+from test_torch_oracle import BATCH, STEPS, export, make_data, make_module, train_torch
 
 from runtime import simulate
 from transpiler import OptimizerConfig, Options, transpile
@@ -39,24 +37,6 @@ def perceptron(tmp_path_factory):
     path = tmp_path_factory.mktemp("perceptron") / "model.onnx"
     export(module, data, path, "torchscript")
     return path, module, data
-
-
-def train_torch(module, data, config: OptimizerConfig):
-    """(losses, total norms before clipping, parameters) of torch with clip_grad_norm_."""
-    module = copy.deepcopy(module)
-    optimizer = torch_optimizer(config, list(module.parameters()), float(np.float32(config.lr)))
-    rows = len(data[0])
-    losses, norms = [], []
-    for step in range(STEPS):
-        index = np.arange(step * BATCH, (step + 1) * BATCH) % rows
-        x, y = (torch.from_numpy(a[index]) for a in data)
-        optimizer.zero_grad()
-        loss = module(x, y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), config.max_grad_norm, foreach=False)))
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses, norms, {name: p.detach().numpy().copy() for name, p in module.named_parameters()}
 
 
 @pytest.mark.parametrize("strategy,world", [("local", 1), ("allreduce", 4), ("sharded", 2), ("sharded", 4),
@@ -80,7 +60,8 @@ def test_clipped_training_equals_torch(perceptron, tmp_path, opt, strategy, worl
         assert norm_sums == []
     feeds = dict(zip([d["name"] for d in plan["data_inputs"]], data, strict=True))
     result = simulate(tmp_path / "out", feeds, batch=BATCH, steps=STEPS, single_device=world == 1)
-    torch_losses, norms, torch_params = train_torch(module, data, config)
+    norms: list[float] = []
+    torch_losses, torch_params = train_torch(module, data, config, config.lr, norms)
     clipped = sum(n > config.max_grad_norm for n in norms)
     assert 3 <= clipped <= STEPS - 3, norms  # both branches of min(1, max_norm / norm) are taken
 

@@ -143,8 +143,11 @@ def torch_optimizer(config: OptimizerConfig, params, lr: float) -> torch.optim.O
     return cls(params, lr=lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, foreach=False)
 
 
-def train_torch(module: torch.nn.Module, data: list[np.ndarray], config: OptimizerConfig, lr: float):
-    """A deepcopy of ``module`` trained on global batch b = rows [b*B, (b+1)*B) modulo the data."""
+def train_torch(module: torch.nn.Module, data: list[np.ndarray], config: OptimizerConfig, lr: float,
+                norms: list[float] | None = None):
+    """A deepcopy of ``module`` trained on global batch b = rows [b*B, (b+1)*B) modulo the data.
+    With ``config.max_grad_norm``, clip_grad_norm_ runs between backward and step; the total norms
+    it returns are appended to ``norms``."""
     module = copy.deepcopy(module)
     # The graph's lr input is float32: give torch the same value (docs/optimizers.md).
     optimizer = torch_optimizer(config, list(module.parameters()), float(np.float32(lr)))
@@ -156,6 +159,10 @@ def train_torch(module: torch.nn.Module, data: list[np.ndarray], config: Optimiz
         optimizer.zero_grad()
         loss = module(x, y)
         loss.backward()
+        if config.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), config.max_grad_norm, foreach=False)
+            if norms is not None:
+                norms.append(float(norm))
         optimizer.step()
         losses.append(float(loss.detach()))
     return losses, {name: p.detach().numpy().copy() for name, p in module.named_parameters()}
