@@ -47,6 +47,20 @@ def plan_hash(plan: Plan) -> str:
     return hashlib.sha256(plan.path.read_bytes()).hexdigest()
 
 
+def check_target(directory: Path) -> Path:
+    """The resolved --checkpoint DIR, or a RunError if saving there would destroy something else:
+    DIR is replaced as a whole, so it must be new, empty or an earlier checkpoint (meta.json)."""
+    directory = directory.resolve()
+    blocker = next((a for a in (directory, *directory.parents) if a.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        what = "exists and is not a directory" if blocker == directory else f"{blocker} is a file, not a directory"
+        raise RunError(f"--checkpoint {directory}: {what}")
+    if directory.is_dir() and not (directory / "meta.json").is_file() and any(directory.iterdir()):
+        raise RunError(f"--checkpoint {directory}: a non-empty directory that is not a checkpoint (no meta.json); "
+                       "it is replaced as a whole, so give a new or empty directory")
+    return directory
+
+
 def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int, comm: Communicator) -> None:
     """Every rank calls this at the same step (it holds two barriers)."""
     partial = directory.with_name(directory.name + ".partial")

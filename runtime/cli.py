@@ -66,11 +66,12 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
         raise RunError(f"--seed must be >= 0, got {args.seed}")
     if args.log_every < 0:
         raise RunError(f"--log-every must be >= 0, got {args.log_every}")
-    export = None
-    if args.export is not None:
-        export = Path(args.export).resolve()
-        if not export.parent.is_dir():
-            raise RunError(f"--export {args.export}: directory {export.parent} does not exist")
+    # Output paths are checked now, not after training: a bad one would lose the run's result.
+    export = _output_file("--export", args.export)
+    if export is not None and not plan.model.is_file():
+        raise RunError(f"--export {args.export}: {plan.model} (the user's model in OUT) is missing")
+    timings = _output_file("--timings", args.timings)
+    ckpt = None if args.checkpoint is None else checkpoint.check_target(Path(args.checkpoint))
     if args.checkpoint_every < 0:
         raise RunError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.checkpoint_every and args.checkpoint is None:
@@ -85,10 +86,20 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     schedule.validate(steps)
     config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed, schedule=schedule,
                        log_every=args.log_every, export=export,
-                       checkpoint=None if args.checkpoint is None else Path(args.checkpoint).resolve(),
-                       checkpoint_every=args.checkpoint_every, resume=resume,
-                       timings=None if args.timings is None else Path(args.timings).resolve())
+                       checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume, timings=timings)
     return plan, dataset, config
+
+
+def _output_file(option: str, value: str | None) -> Path | None:
+    """The resolved path of an output file, or a RunError if it cannot be written there."""
+    if value is None:
+        return None
+    path = Path(value).resolve()
+    if value.strip() == "" or path.is_dir():
+        raise RunError(f"{option} {value}: is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise RunError(f"{option} {value}: directory {path.parent} does not exist")
+    return path
 
 
 def worker_arguments(args: argparse.Namespace) -> list[str]:

@@ -8,8 +8,10 @@ returns its exit status (mpiexec tears all ranks down when one exits non-zero).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -108,10 +110,44 @@ def child_environment() -> dict[str, str]:
 
 
 def spawn(n: int, worker_args: Sequence[str]) -> int:
-    """Run N rank processes of ``runtime.worker`` under mpiexec; returns mpiexec's exit status."""
+    """Run N rank processes of ``runtime.worker`` under mpiexec; returns mpiexec's exit status.
+
+    mpiexec runs in its own session (process group). Ctrl-C (SIGINT) or SIGTERM on ``transpile run``
+    kills that whole group at once: the ranks, however blocked (a rank waiting in a collective for a
+    peer that has gone never runs a Python handler), and mpiexec, whose own Ctrl-C handling would
+    print a banner per rank. The run then ends with one line and status 128 + the signal; nothing
+    is left running.
+    """
     mpiexec = find_mpiexec()
     command = mpiexec_command(mpiexec, mpiexec_flavor(mpiexec), n, worker_args)
     try:
-        return subprocess.run(command, env=child_environment()).returncode
+        job = subprocess.Popen(command, env=child_environment(), start_new_session=True)
     except OSError as exc:
         raise RunError(f"cannot start {mpiexec}: {exc.strerror or exc}") from None
+    received: list[int] = []
+
+    def stop(signum, _frame) -> None:
+        received.append(signum)
+        _kill_group(job)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = job.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if job.poll() is None:  # an exception in here, not a signal: leave nothing running either
+            _kill_group(job)
+            job.wait()
+    if received or code != 0:
+        _kill_group(job)  # stragglers of a failed job, if any
+    if received:
+        name = signal.Signals(received[0]).name
+        print(f"transpile: interrupted by {name}: the {n} rank(s) were stopped", file=sys.stderr, flush=True)
+        return 128 + received[0]
+    return code
+
+
+def _kill_group(job: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(job.pid, signal.SIGKILL)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 
@@ -67,6 +68,9 @@ def _make_backend(args: argparse.Namespace, comm: MpiCommunicator):
 
 def run_as_rank(args: argparse.Namespace) -> int:
     """Run this process as the rank its launcher gave it; returns the exit status."""
+    # Ctrl-C ends a rank at once, with no traceback: Python's handler would only run once the call
+    # in progress returns, and a rank blocked in a collective whose peer has gone never returns.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     comm = MpiCommunicator()
     trainer = error = None
     rank_comm = comm

@@ -13,7 +13,7 @@ from transpiler.errors import TranspileError, UnsupportedOpsError
 from transpiler.load import Problem, load_problem, validate_freeze
 from transpiler.optimizer import OptimizerConfig
 from transpiler.passes import Job, Options, run_passes
-from transpiler.plan import write_out
+from transpiler.plan import check_out_dir, write_out
 
 __all__ = [
     "Job",
@@ -47,5 +47,6 @@ def transpile(
     freeze: str | None = None,
 ) -> dict:
     """Transpile ``model_path`` into ``out_dir``; returns the plan (also written as plan.json)."""
+    check_out_dir(out_dir)  # before minutes of work, not after
     job = build(model_path, options or Options(), loss=loss, freeze=freeze)
     return write_out(job, out_dir)

@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transpile: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("transpile: interrupted", file=sys.stderr)
         return 130
 
 

@@ -159,14 +159,31 @@ def plan_json(job: Job) -> dict:
     }
 
 
+def check_out_dir(out_dir: str | Path) -> Path:
+    """The resolved OUT, or a TranspileError if writing it would destroy something else.
+
+    OUT is replaced as a whole, so it must be new, empty, or an earlier OUT (it holds plan.json):
+    never the user's project directory, the model's folder or ".".
+    """
+    if str(out_dir).strip() == "":
+        raise TranspileError("-o: empty path; give the output directory")
+    out = Path(out_dir).resolve()
+    blocker = next((a for a in (out, *out.parents) if a.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        what = "exists and is not a directory" if blocker == out else f"{blocker} is a file, not a directory"
+        raise TranspileError(f"-o {out_dir}: {what}")
+    if out.is_dir() and not (out / "plan.json").is_file() and any(out.iterdir()):
+        raise TranspileError(f"-o {out_dir}: {out} is a non-empty directory that is not a transpiler output (no "
+                             "plan.json); OUT is replaced as a whole, so give a new or empty directory")
+    return out
+
+
 def write_out(job: Job, out_dir: str | Path) -> dict:
     """Write every file into a temporary sibling of OUT, then swap it into place.
 
     A failure leaves no OUT behind (and an existing OUT untouched until the new one is complete).
     """
-    out_dir = Path(out_dir).resolve()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise TranspileError(f"-o {out_dir}: exists and is not a directory")
+    out_dir = check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
