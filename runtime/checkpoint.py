@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,12 +90,17 @@ def read_meta(directory: Path, plan: Plan, *, batch: int, shuffle: bool, seed: i
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise RunError(f"{path}: not valid JSON ({exc})") from None
-    if raw.get("format") != FORMAT:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise RunError(f"{path}: not a graph-transpiler checkpoint")
     missing = [k for k in Meta.__dataclass_fields__ if k not in raw]
     if missing:
         raise RunError(f"{path}: incomplete checkpoint metadata (missing {', '.join(missing)})")
     meta = Meta(**{k: raw[k] for k in Meta.__dataclass_fields__})
+    types = {"step": int, "plan_sha256": str, "world_size": int, "batch": int, "shuffle": bool, "seed": int}
+    for key, kind in types.items():
+        value = getattr(meta, key)
+        if type(value) is not kind or (kind is int and value < 0):
+            raise RunError(f"{path}: '{key}' is {value!r}, expected {'a non-negative integer' if kind is int else kind.__name__}")
     if meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
         raise RunError(f"--resume {directory}: the checkpoint was written for another plan than {plan.path}"
                        " (transpile again with the same model and options, or start without --resume)")
@@ -108,5 +114,10 @@ def read_meta(directory: Path, plan: Plan, *, batch: int, shuffle: bool, seed: i
 
 
 def load(directory: Path, rank: int) -> dict[str, np.ndarray]:
-    with np.load(directory / f"rank{rank}.npz") as npz:
-        return {name: npz[name] for name in npz.files}
+    path = directory / f"rank{rank}.npz"
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise RunError(f"--resume {path}: unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                       "the checkpoint is damaged") from None

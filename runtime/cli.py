@@ -62,6 +62,8 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
         raise RunError(f"--steps must be >= 1, got {args.steps}")
     steps = args.steps if args.steps is not None else dataset.steps_for_epochs(args.epochs, args.batch)
     lr = plan.lr if args.lr is None else args.lr
+    if not 0 <= lr < float("inf"):
+        raise RunError(f"--lr must be a finite number >= 0, got {lr:g}")
     if args.seed < 0:
         raise RunError(f"--seed must be >= 0, got {args.seed}")
     if args.log_every < 0:

@@ -61,7 +61,11 @@ class Dataset:
         if not path.is_file():
             raise RunError(f"{path}: no such data file")
         try:
-            with np.load(path, allow_pickle=False) as npz:
+            loaded = np.load(path, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise RunError(f"{path}: a single array (.npy), not an .npz archive of named arrays; save the "
+                               "data with np.savez(path, **{input_name: array})")
+            with loaded as npz:
                 arrays = {name: npz[name] for name in npz.files}
         except (OSError, ValueError, zipfile.BadZipFile) as exc:
             raise RunError(f"{path}: not a readable .npz file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
@@ -69,8 +73,8 @@ class Dataset:
 
     def steps_for_epochs(self, epochs: float, batch: int) -> int:
         """Steps that read every row ``epochs`` times (the last batch may run into the next epoch)."""
-        if epochs <= 0:
-            raise RunError(f"--epochs must be > 0, got {epochs:g}")
+        if not 0 < epochs < float("inf"):
+            raise RunError(f"--epochs must be a positive finite number, got {epochs:g}")
         return max(1, math.ceil(epochs * self.rows / batch))
 
     def positions_to_rows(self, positions: np.ndarray, *, shuffle: bool, seed: int) -> np.ndarray:

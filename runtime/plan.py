@@ -115,11 +115,14 @@ def _type_names(types: type | tuple[type, ...]) -> str:
 
 def load_plan(out_dir: str | Path) -> Plan:
     """Read ``out_dir/plan.json`` (or a plan.json path) and validate the fields the runtime uses."""
-    path = Path(out_dir)
-    if path.is_dir():
-        path = path / "plan.json"
+    given = Path(out_dir)
+    if not given.exists():
+        raise RunError(f"{given}: no such directory (give the -o directory of 'transpile')")
+    if given.is_file() and given.name != "plan.json":
+        raise RunError(f"{given}: a file; give the -o directory of 'transpile' (it holds plan.json)")
+    path = given / "plan.json" if given.is_dir() else given
     if not path.is_file():
-        raise RunError(f"{path}: no such file (is {path.parent} a transpiler output directory?)")
+        raise RunError(f"{given}: no plan.json here; is it the -o directory of 'transpile'?")
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

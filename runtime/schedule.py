@@ -36,8 +36,10 @@ class Schedule:
             raise RunError(f"--lr-schedule '{self.kind}' is not one of: {', '.join(SCHEDULES)}")
         if not 0 <= self.warmup_steps < max(steps, 1):
             raise RunError(f"--warmup-steps must be in [0, steps) = [0, {steps}), got {self.warmup_steps}")
-        if self.min_lr < 0:
-            raise RunError(f"--min-lr must be >= 0, got {self.min_lr}")
+        if not 0 <= self.min_lr < float("inf"):
+            raise RunError(f"--min-lr must be a finite number >= 0, got {self.min_lr}")
+        if not 0 <= self.gamma < float("inf"):
+            raise RunError(f"--lr-gamma must be a finite number >= 0, got {self.gamma}")
         if self.kind == "step" and self.step_size < 1:
             raise RunError("--lr-schedule step needs --lr-step-size N (N >= 1)")
 

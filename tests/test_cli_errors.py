@@ -128,7 +128,7 @@ def test_loss_not_reachable_from_a_parameter(tmp_path):
 @pytest.mark.parametrize(
     "args, fragments",
     [
-        (["--gpus", "0"], ["--gpus", "at least 1"]),
+        (["--gpus", "0"], ["--gpus", "[1, 4096]", "got 0"]),
         (["--strategy", "ring"], ["--strategy 'ring'"]),
         (["--placement", "random"], ["--placement 'random'"]),
         (["--optimizer", "lion"], ["lion"]),
@@ -196,3 +196,132 @@ def test_run_without_plan(tmp_path):
 def test_inspect_without_plan(tmp_path):
     done = transpile_cli("inspect", tmp_path, cwd=tmp_path)
     assert_clean_error(done, "plan.json")
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--gpus", "100000"], ["--gpus", "4096"]),
+        (["--bucket-mb", "inf"], ["--bucket-mb", "inf"]),
+        (["--bucket-mb", "nan"], ["--bucket-mb", "nan"]),
+        (["--clip-grad-norm", "-1"], ["--clip-grad-norm", "> 0"]),
+    ],
+)
+def test_out_of_range_options(perceptron, tmp_path, args, fragments):
+    done = transpile_cli(perceptron / "model.onnx", *args, "-o", tmp_path / "out", cwd=tmp_path)
+    assert_clean_error(done, *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unnamed_unsupported_node_is_named_by_position_and_output(tmp_path):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Atan", ["h"], ["pred"]), *mse_tail("pred")]
+    model = save_model(tmp_path / "m.onnx", nodes, [float_input("x", ["batch", 3]), float_input("y", ["batch", 1])],
+                       [float_input("loss", [])], [weight("w", [3, 1])])
+    assert_clean_error(transpile_cli(model, "-o", tmp_path / "out", cwd=tmp_path), "'Atan'", "'#1 -> pred'")
+
+
+def test_a_model_without_data_inputs(tmp_path):
+    nodes = [helper.make_node("Mul", ["w", "w"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    model = save_model(tmp_path / "m.onnx", nodes, [], [float_input("loss", [])], [weight("w", [3])])
+    assert_clean_error(transpile_cli(model, "-o", tmp_path / "out", cwd=tmp_path), "m.onnx", "no data inputs")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_value_named_like_the_learning_rate_input(tmp_path):
+    nodes = [helper.make_node("MatMul", ["lr", "w"], ["pred"]), *mse_tail("pred")]
+    model = save_model(tmp_path / "m.onnx", nodes, [float_input("lr", ["batch", 3]), float_input("y", ["batch", 1])],
+                       [float_input("loss", [])], [weight("w", [3, 1])])
+    assert_clean_error(transpile_cli(model, "-o", tmp_path / "out", cwd=tmp_path), "m.onnx", "'lr'", "rename")
+
+
+@pytest.mark.parametrize("damage", ["missing", "short"])
+def test_external_data_that_cannot_be_read(perceptron, tmp_path, damage):
+    model = onnx.load(perceptron / "model.onnx")
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.bin", size_threshold=0)
+    data = tmp_path / "m.bin"
+    if damage == "missing":
+        data.unlink()
+    else:
+        data.write_bytes(data.read_bytes()[:100])
+    assert_clean_error(transpile_cli(tmp_path / "m.onnx", "-o", tmp_path / "out", cwd=tmp_path), "m.onnx",
+                       "external data")
+
+
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--lr", "nan"], ["--lr", "nan"]),
+        (["--lr", "-1"], ["--lr", "-1"]),
+        (["--lr", "inf"], ["--lr", "inf"]),
+        (["--lr-schedule", "cosine", "--min-lr", "nan"], ["--min-lr"]),
+        (["--lr-schedule", "step", "--lr-step-size", "2", "--lr-gamma", "-1"], ["--lr-gamma"]),
+    ],
+)
+def test_bad_learning_rates_are_refused(transpiled, perceptron, extra, fragments):
+    assert_clean_error(run_cli(transpiled, perceptron / "data.npz", "--batch", "8", *extra), *fragments)
+
+
+@pytest.mark.parametrize("epochs", ["nan", "inf"])
+def test_bad_epochs(transpiled, perceptron, epochs):
+    done = transpile_cli("run", transpiled, "--data", perceptron / "data.npz", "--batch", "8", "--epochs", epochs,
+                         cwd=transpiled.parent)
+    assert_clean_error(done, "--epochs")
+
+
+def test_data_saved_as_npy(transpiled, tmp_path):
+    np.save(tmp_path / "d.npy", np.ones((8, 10), np.float32))
+    assert_clean_error(run_cli(transpiled, tmp_path / "d.npy", "--batch", "8"), "d.npy", "np.savez")
+
+
+def test_run_names_what_it_was_given(transpiled, perceptron, tmp_path):
+    assert_clean_error(run_cli(tmp_path / "nope", perceptron / "data.npz", "--batch", "8"), "nope: no such directory")
+    assert_clean_error(run_cli(perceptron / "model.onnx", perceptron / "data.npz", "--batch", "8"), "model.onnx: a file")
+
+
+@pytest.mark.parametrize("meta", ["[]", "step -5", "step x"])
+def test_resume_from_damaged_metadata(transpiled, perceptron, tmp_path, meta):
+    import json
+
+    data = perceptron / "data.npz"
+    ck = tmp_path / "ck"
+    assert run_cli(transpiled, data, "--batch", "8", "--checkpoint", ck).returncode == 0
+    if meta == "[]":
+        (ck / "meta.json").write_text("[]")
+    else:
+        raw = json.loads((ck / "meta.json").read_text())
+        raw["step"] = -5 if meta == "step -5" else "x"
+        (ck / "meta.json").write_text(json.dumps(raw))
+    done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--resume", ck,
+                         cwd=tmp_path)
+    assert_clean_error(done, "meta.json")
+
+
+def test_resume_from_a_truncated_rank_file(transpiled, perceptron, tmp_path):
+    data = perceptron / "data.npz"
+    ck = tmp_path / "ck"
+    assert run_cli(transpiled, data, "--batch", "8", "--checkpoint", ck).returncode == 0
+    (ck / "rank2.npz").write_bytes((ck / "rank2.npz").read_bytes()[:50])
+    done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--resume", ck,
+                         cwd=tmp_path)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "rank2.npz: unreadable" in done.stderr and "damaged" in done.stderr
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda plan: [], "not a graph-transpiler plan"),
+    (lambda plan: {k: v for k, v in plan.items() if k != "parameters"}, "'parameters' is missing"),
+    (lambda plan: {**plan, "world_size": 3}, "world_size 3 but 4 rank"),
+    (lambda plan: {**plan, "world_size": "two"}, "'world_size' is str"),
+    (lambda plan: {**plan, "format_version": 99}, "format_version 99"),
+])
+def test_inspect_and_view_refuse_a_damaged_plan(transpiled, edit, fragment):
+    import json
+
+    path = transpiled / "plan.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    for command in ("inspect", "view"):
+        assert_clean_error(transpile_cli(command, transpiled, cwd=transpiled.parent), "plan.json", fragment)
+
+
+def test_view_port_out_of_range(transpiled):
+    assert_clean_error(transpile_cli("view", transpiled, "--port", "70000", cwd=transpiled.parent), "--port")

@@ -44,7 +44,7 @@ def test_errors_name_file_and_field(tmp_path, change, message):
 
 
 def test_missing_and_broken_plans(tmp_path):
-    with pytest.raises(RunError, match="no such file"):
+    with pytest.raises(RunError, match="no plan.json here"):
         load_plan(tmp_path)
     (tmp_path / "plan.json").write_text("{")
     with pytest.raises(RunError, match="not readable as JSON"):

@@ -12,7 +12,7 @@ from pathlib import Path
 from transpiler.errors import TranspileError, UnsupportedOpsError
 from transpiler.load import Problem, load_problem, validate_freeze
 from transpiler.optimizer import OptimizerConfig
-from transpiler.passes import Job, Options, run_passes
+from transpiler.passes import LR_INPUT, STEP_STATE, Job, Options, run_passes
 from transpiler.plan import check_out_dir, write_out
 
 __all__ = [
@@ -33,6 +33,7 @@ def build(model_path: str | Path, options: Options, *, loss: str | None = None, 
     options.validate()
     validate_freeze(freeze)
     problem = load_problem(model_path, loss=loss, freeze=freeze)
+    _check_reserved_names(problem)
     job = Job(problem=problem, options=options)
     run_passes(job)
     return job
@@ -50,3 +51,14 @@ def transpile(
     check_out_dir(out_dir)  # before minutes of work, not after
     job = build(model_path, options or Options(), loss=loss, freeze=freeze)
     return write_out(job, out_dir)
+
+
+def _check_reserved_names(problem: Problem) -> None:
+    """The training graphs add an input for the learning rate and one for the step counter."""
+    graph = problem.model.graph
+    names = {v.name for v in graph.inputs} | {v.name for v in graph.outputs} | set(graph.initializers)
+    names |= {out.name for node in graph for out in node.outputs}
+    for reserved, what in ((LR_INPUT, "learning-rate input"), (STEP_STATE, "optimizer step counter")):
+        if reserved in names:
+            raise TranspileError(f"{problem.path}: the model has a value named '{reserved}', the name of the training "
+                                 f"graph's {what}; rename it in the model")

@@ -31,7 +31,7 @@ from onnx import helper
 
 from transpiler.collectives import DOMAIN
 from transpiler.errors import TranspileError
-from transpiler.plan import FORMAT
+from transpiler.plan import FORMAT, FORMAT_VERSION
 
 REPORT_FORMAT = "graph-transpiler/inspect"
 REPORT_VERSION = 1
@@ -66,9 +66,33 @@ def load_plan(out: Path) -> dict:
         plan = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise TranspileError(f"{path}: not valid JSON ({exc})") from None
-    if plan.get("format") != FORMAT:
-        raise TranspileError(f"{path}: not a graph-transpiler plan (format {plan.get('format')!r})")
+    if not isinstance(plan, dict) or plan.get("format") != FORMAT:
+        found = plan.get("format") if isinstance(plan, dict) else type(plan).__name__
+        raise TranspileError(f"{path}: not a graph-transpiler plan (format {found!r})")
+    _check_plan_fields(plan, path)
     return plan
+
+
+# What inspect and view read from plan.json, with the JSON types it must have.
+_PLAN_FIELDS = {"format_version": int, "world_size": int, "strategy": str, "optimizer": dict, "loss": str,
+                "lr_input": str, "parameters": list, "frozen": list, "placement": dict, "buckets": list,
+                "graphs": dict, "collectives": dict, "source_model": dict}
+
+
+def _check_plan_fields(plan: dict, path: Path) -> None:
+    """One-line errors for a damaged or hand-edited plan.json, before anything indexes into it."""
+    for key, kind in _PLAN_FIELDS.items():
+        if key not in plan:
+            raise TranspileError(f"{path}: field '{key}' is missing")
+        if type(plan[key]) is not kind:
+            raise TranspileError(f"{path}: field '{key}' is {type(plan[key]).__name__}, expected {kind.__name__}")
+    if plan["format_version"] != FORMAT_VERSION:
+        raise TranspileError(f"{path}: format_version {plan['format_version']} is not supported (this version reads "
+                             f"{FORMAT_VERSION}); transpile the model again")
+    ranks = plan["graphs"].get("ranks")
+    if not isinstance(ranks, list) or plan["world_size"] < 1 or len(ranks) != plan["world_size"]:
+        count = len(ranks) if isinstance(ranks, list) else "no"
+        raise TranspileError(f"{path}: world_size {plan['world_size']} but {count} rank graph entries")
 
 
 def load_model(path: Path) -> onnx.ModelProto:

@@ -44,6 +44,8 @@ def view_main(argv: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     p.add_argument("--no-browser", action="store_true", help="never open a browser")
     args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise TranspileError(f"--port must be in [0, 65535] (0: a free one), got {args.port}")
     path = resolve(Path(args.path), args.rank)
     try:
         import netron
@@ -55,8 +57,8 @@ def view_main(argv: list[str]) -> int:
     browse = has_display() and not args.no_browser
     try:
         address = netron.start(str(path), address=(args.host, args.port), browse=browse)
-    except OSError as exc:
-        raise TranspileError(f"cannot serve on {args.host}:{args.port} ({exc.strerror or exc})") from None
+    except (OSError, OverflowError) as exc:
+        raise TranspileError(f"cannot serve on {args.host}:{args.port} ({getattr(exc, 'strerror', None) or exc})") from None
     url = f"http://{address[0]}:{address[1]}"
     print(f"serving {path} at {url}" + ("" if browse else " (no display: open it in a browser, "
                                         "e.g. through 'ssh -L {0}:localhost:{0}')".format(address[1])), flush=True)

@@ -74,7 +74,10 @@ def read_model(path: str | Path) -> tuple[onnx.ModelProto, bytes, bool]:
         raise TranspileError(f"{path}: not an ONNX model (no graph or no nodes)")
     external = any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer)
     if external:
-        onnx.load_external_data_for_model(proto, str(path.parent))
+        try:
+            onnx.load_external_data_for_model(proto, str(path.parent))
+        except Exception as exc:  # a missing or short data file, or a location outside the model's folder
+            raise TranspileError(f"{path}: cannot read its external data ({_one_line(exc)})") from None
     return proto, raw, external
 
 
@@ -220,6 +223,10 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
             continue
         dtype = value.dtype.numpy().name if value.dtype is not None else "float32"
         data_inputs.append(DataInput(value.name, dtype, _shape_of(value)))
+
+    if not data_inputs:
+        raise TranspileError(f"{path}: the model has no data inputs (every graph input is an initializer); "
+                             "data parallelism splits the inputs' batch axis, so the data must be graph inputs")
 
     reachable = differentiable_values(graph, loss_value)
     pattern = re.compile(freeze) if freeze else None

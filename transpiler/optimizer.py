@@ -114,9 +114,10 @@ class OptimizerConfig:
         for index, beta in enumerate(self.betas):
             _check_number("--betas", beta, low=0.0, high=1.0, what=f"beta{index + 1}")
         if self.max_grad_norm is not None:
-            _check_number("--clip-grad-norm", self.max_grad_norm, low=0.0)
-            if self.max_grad_norm == 0:
-                raise TranspileError("--clip-grad-norm: must be > 0 (leave it out for no clipping)")
+            value = self.max_grad_norm
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+                raise TranspileError(f"--clip-grad-norm: must be > 0, got {value!r} (leave it out for no clipping)")
+            _check_number("--clip-grad-norm", value, low=0.0)
         return self
 
     def slots(self) -> tuple[str, ...]:

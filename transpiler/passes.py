@@ -45,6 +45,7 @@ LR_INPUT = "lr"
 STEP_STATE = "optimizer.step"
 NEXT = ".next"  # suffix of a state input's updated output
 AFTER_GRADIENTS = -2  # order of a collective that follows every gradient collective (the clip norm)
+MAX_WORLD_SIZE = 4096  # OUT holds two ONNX files per rank; beyond this, transpiling is the bottleneck
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,12 @@ class Options:
     flat_update: bool = False
 
     def validate(self) -> None:
-        if self.world_size < 1:
-            raise TranspileError(f"--gpus must be at least 1 (got {self.world_size})")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise TranspileError(f"--gpus must be in [1, {MAX_WORLD_SIZE}] (got {self.world_size})")
         if self.strategy not in STRATEGIES:
             raise TranspileError(f"--strategy '{self.strategy}' is not one of: {', '.join(STRATEGIES)}")
-        if not self.bucket_mb > 0:
-            raise TranspileError(f"--bucket-mb must be positive (got {self.bucket_mb})")
+        if not 0 < self.bucket_mb < float("inf"):
+            raise TranspileError(f"--bucket-mb must be a positive finite number (got {self.bucket_mb})")
         self.optimizer.validate()
 
 

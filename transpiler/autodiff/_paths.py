@@ -83,11 +83,13 @@ def check_supported(graph: ir.Graph, loss: ir.Value, wrt: Sequence[ir.Value]) ->
     to ``loss``, all at once, so the user sees the whole list in one run."""
     on_path = path_values(graph, loss, wrt)
     unsupported = []
-    for node in graph:
+    for index, node in enumerate(graph):
         if rule_for(node) is not None or is_non_differentiable(node):
             continue
         if any(v in on_path for v in gradient_inputs(node)) and any(v in on_path for v in node.outputs):
             op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
-            unsupported.append((op, node.name or ""))
+            # Exporters often leave nodes unnamed: then the node's position and first output say where.
+            first = node.outputs[0].name if node.outputs else "?"
+            unsupported.append((op, node.name or f"#{index} -> {first}"))
     if unsupported:
         raise UnsupportedOpsError(nodes=unsupported)
