@@ -218,6 +218,9 @@ def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path
         old.CopyFrom(numpy_helper.from_array(value, name))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; the export is an ordinary new file
         with os.fdopen(fd, "wb") as f:
             f.write(model.SerializeToString())
         os.replace(tmp, path)

@@ -108,3 +108,15 @@ def test_an_interrupted_run_stops_every_rank(project, sig):
     assert err.strip().splitlines() == [f"transpile: interrupted by {sig.name}: the 2 rank(s) were stopped"], err
     assert elapsed < 20
     assert _alive(str(out)) == []  # no mpiexec, proxy or rank left
+
+
+def test_out_and_export_get_ordinary_permissions(project):
+    """Written through private temp files, then given the permissions of any new file (umask)."""
+    mask = os.umask(0o022)
+    try:
+        assert transpile_cli("model.onnx", "--gpus", "2", "-o", "out", cwd=project).returncode == 0
+        assert _run(project, "--export", "trained.onnx").returncode == 0
+    finally:
+        os.umask(mask)
+    assert (project / "out").stat().st_mode & 0o777 == 0o755
+    assert (project / "trained.onnx").stat().st_mode & 0o777 == 0o644

@@ -187,6 +187,7 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; OUT gets the permissions of any new directory
         if job.problem.external_data:  # one self-contained copy, so OUT does not depend on the data file
             onnx.save_model(job.problem.source, tmp / "model.onnx")
         else:
@@ -209,3 +210,9 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return plan
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
