@@ -104,9 +104,12 @@ def read_meta(directory: Path, plan: Plan, *, batch: int, shuffle: bool, seed: i
     if meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
         raise RunError(f"--resume {directory}: the checkpoint was written for another plan than {plan.path}"
                        " (transpile again with the same model and options, or start without --resume)")
-    if (meta.batch, meta.shuffle, meta.seed) != (batch, shuffle, seed):
-        raise RunError(f"--resume {directory}: the checkpoint was written with --batch {meta.batch}"
-                       f"{' --shuffle --seed ' + str(meta.seed) if meta.shuffle else ''}; resume with the same data order")
+    if (meta.batch, meta.shuffle, meta.seed if meta.shuffle else 0) != (batch, shuffle, seed if shuffle else 0):
+        def order(b: int, shuffled: bool, s: int) -> str:
+            return f"--batch {b}" + (f" --shuffle --seed {s}" if shuffled else " without --shuffle")
+
+        raise RunError(f"--resume {directory}: the checkpoint was written with {order(meta.batch, meta.shuffle, meta.seed)}, "
+                       f"this run has {order(batch, shuffle, seed)}; resume with the same data order")
     for rank in range(meta.world_size):
         if not (directory / f"rank{rank}.npz").is_file():
             raise RunError(f"--resume {directory}: rank{rank}.npz is missing")

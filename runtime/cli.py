@@ -58,6 +58,9 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     plan = load_plan(args.out)
     dataset = Dataset.load(args.data, plan.data_inputs)
     shard_size(args.batch, plan.world_size)
+    if args.batch > dataset.rows:
+        raise RunError(f"--batch {args.batch} is larger than the {dataset.rows} rows of {args.data}: every batch would "
+                       "repeat rows")
     if args.steps is not None and args.steps < 1:
         raise RunError(f"--steps must be >= 1, got {args.steps}")
     steps = args.steps if args.steps is not None else dataset.steps_for_epochs(args.epochs, args.batch)

@@ -133,6 +133,9 @@ def test_loss_not_reachable_from_a_parameter(tmp_path):
         (["--placement", "random"], ["--placement 'random'"]),
         (["--optimizer", "lion"], ["lion"]),
         (["--freeze", "("], ["--freeze"]),
+        (["--freeze", "nomatch"], ["--freeze 'nomatch'", "matches no initializer", "fc1.weight"]),
+        (["--optimizer", "adam", "--momentum", "0.5"], ["--momentum", "'adam'"]),
+        (["--eps", "1e-6"], ["--eps", "adam", "'sgd'"]),
     ],
 )
 def test_bad_options(perceptron, tmp_path, args, fragments):
@@ -325,3 +328,17 @@ def test_inspect_and_view_refuse_a_damaged_plan(transpiled, edit, fragment):
 
 def test_view_port_out_of_range(transpiled):
     assert_clean_error(transpile_cli("view", transpiled, "--port", "70000", cwd=transpiled.parent), "--port")
+
+
+def test_batch_larger_than_the_data(transpiled, tmp_path):
+    data = write_data(tmp_path / "d.npz", X=np.ones((8, 10), np.float32), Y=np.ones((8, 1), np.float32))
+    assert_clean_error(run_cli(transpiled, data, "--batch", "16"), "--batch 16", "8 rows", "d.npz")
+
+
+def test_resume_with_another_data_order_says_both(transpiled, perceptron, tmp_path):
+    data = perceptron / "data.npz"
+    ck = tmp_path / "ck"
+    assert run_cli(transpiled, data, "--batch", "8", "--checkpoint", ck).returncode == 0
+    done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--shuffle", "--resume", ck,
+                         cwd=tmp_path)
+    assert_clean_error(done, "written with --batch 8 without --shuffle", "this run has --batch 8 --shuffle --seed 0")

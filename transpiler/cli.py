@@ -70,6 +70,11 @@ def optimizer_config(args: argparse.Namespace):
     }
     if args.betas is not None and len(args.betas) != 2:
         raise TranspileError(f"--betas takes two numbers (got {len(args.betas)})")
+    # An option the chosen optimizer does not read is a mistake, not something to ignore silently.
+    users = {"momentum": ("momentum",), "betas": ("adam", "adamw"), "eps": ("adam", "adamw")}
+    for option, optimizers in users.items():
+        if given[option] is not None and args.optimizer not in optimizers:
+            raise TranspileError(f"--{option}: only used by --optimizer {' or '.join(optimizers)}, not {args.optimizer!r}")
     kwargs = {k: v for k, v in given.items() if v is not None}
     if args.nesterov:
         kwargs["nesterov"] = True

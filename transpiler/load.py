@@ -238,6 +238,9 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
             params.append(name)
         else:
             frozen.append(name)
+    if pattern and not any(pattern.search(name) for name in graph.initializers):
+        some = ", ".join(list(graph.initializers)[:5])
+        raise TranspileError(f"{path}: --freeze '{freeze}' matches no initializer (the names look like: {some})")
     if not params:
         why = f" after --freeze '{freeze}'" if freeze else ""
         raise TranspileError(
