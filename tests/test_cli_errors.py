@@ -342,3 +342,17 @@ def test_resume_with_another_data_order_says_both(transpiled, perceptron, tmp_pa
     done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--shuffle", "--resume", ck,
                          cwd=tmp_path)
     assert_clean_error(done, "written with --batch 8 without --shuffle", "this run has --batch 8 --shuffle --seed 0")
+
+
+def test_float16_parameters_name_the_file(tmp_path):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Cast", ["h"], ["pred"], to=TensorProto.FLOAT),
+             *mse_tail("pred")]
+    w = numpy_helper.from_array(np.full((3, 1), 0.5, np.float16), "w")
+    model = save_model(tmp_path / "m.onnx", nodes,
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 3]), float_input("y", ["batch", 1])],
+                       [float_input("loss", [])], [w])
+    assert_clean_error(transpile_cli(model, "-o", tmp_path / "out", cwd=tmp_path), "m.onnx", "'w'", "float32")
+
+
+def test_a_directory_given_as_the_model(tmp_path):
+    assert_clean_error(transpile_cli(tmp_path, "-o", tmp_path / "out", cwd=tmp_path), "a directory")

@@ -120,3 +120,21 @@ def test_out_and_export_get_ordinary_permissions(project):
         os.umask(mask)
     assert (project / "out").stat().st_mode & 0o777 == 0o755
     assert (project / "trained.onnx").stat().st_mode & 0o777 == 0o644
+
+
+def test_sigterm_while_writing_out_leaves_nothing_behind(model_dir, tmp_path):
+    """OUT is written into a temporary sibling; SIGTERM in the middle removes it and exits 143."""
+    source = model_dir("gpt")
+    job = subprocess.Popen([sys.executable, "-m", "transpiler.cli", str(source / "model.onnx"), "--gpus", "4", "-o",
+                            str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while job.poll() is None and not any(p.name.startswith(".out.") for p in tmp_path.iterdir()):
+        assert time.monotonic() < deadline, "the transpile never started writing"
+        time.sleep(0.005)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    if job.returncode == 0:
+        pytest.skip("the write finished before the signal arrived")
+    assert job.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "transpile: terminated", err
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor its temporary directory

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from transpiler.errors import TranspileError
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     # onnx-ir warns, per value, when serializing a value that has a shape but no dtype yet; ours are
     # typed by the shape inference that runs right after, so the warnings would only be noise.
     logging.getLogger("onnx_ir.serde").setLevel(logging.ERROR)
+    # SIGTERM unwinds like Ctrl-C, so a transpile being written removes its temporary directory.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         if argv and argv[0] == "run":
             return cmd_run(argv[1:])
@@ -147,6 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("transpile: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("transpile: terminated", file=sys.stderr)
+        return 143
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def _terminate(_signum, _frame) -> None:
+    raise _Terminated()
 
 
 if __name__ == "__main__":

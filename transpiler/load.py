@@ -63,6 +63,8 @@ def _one_line(exc: BaseException) -> str:
 def read_model(path: str | Path) -> tuple[onnx.ModelProto, bytes, bool]:
     """The model with its external data loaded, the file's bytes, and whether it had external data."""
     path = Path(path)
+    if path.is_dir():
+        raise TranspileError(f"{path}: a directory, not an ONNX model file")
     if not path.is_file():
         raise TranspileError(f"{path}: no such file")
     raw = path.read_bytes()
@@ -246,6 +248,11 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         raise TranspileError(
             f"{path}: loss '{loss_value.name}' is not reachable from any float parameter{why}; nothing to train"
         )
+    not_fp32 = [p for p in params if graph.initializers[p].dtype != ir.DataType.FLOAT]
+    if not_fp32:
+        first = graph.initializers[not_fp32[0]]
+        raise TranspileError(f"{path}: trained parameters must be float32, '{first.name}' is {first.dtype} "
+                             f"({len(not_fp32)} such); convert the model to float32, or --freeze them")
     try:
         check_supported(graph, loss_value, [graph.initializers[p] for p in params])
     except UnsupportedOpsError as exc:
