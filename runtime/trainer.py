@@ -63,7 +63,13 @@ class Trainer:
         self.state_entries = files.state
         role = 0 if rank is None else rank
         split = self.backend.split_tail()
-        step_cut = cut_graph(load_graph(files.step), role, files.step.name, split_tail=split)
+        step_model = load_graph(files.step)
+        # Declared (dtype, shape) of every state input, to check state loaded from a checkpoint.
+        self._state_types = {vi.name: (onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type),
+                                       tuple(d.dim_value if d.HasField("dim_value") else None
+                                             for d in vi.type.tensor_type.shape.dim))
+                             for vi in step_model.graph.input if vi.type.HasField("tensor_type")}
+        step_cut = cut_graph(step_model, role, files.step.name, split_tail=split)
         init_cut = cut_graph(load_graph(files.init), role, files.init.name)
         self._check_signature(step_cut.inputs, step_cut.outputs, init_cut.outputs, files.step.name, files.init.name)
         self.step_program = self.backend.make_program(step_cut, comm)
@@ -96,6 +102,11 @@ class Trainer:
         expected = {s.input for s in self.state_entries}
         if set(arrays) != expected:
             raise RunError(f"{where}: holds state {sorted(set(arrays) ^ expected)} that this rank's graph does not match")
+        for name, array in arrays.items():
+            dtype, shape = self._state_types.get(name, (array.dtype, array.shape))
+            if array.dtype != dtype or len(shape) != array.ndim or any(d is not None and d != n for d, n in zip(shape, array.shape)):
+                raise RunError(f"{where}: '{name}' is {array.dtype} {list(array.shape)}, this rank's graph expects "
+                               f"{dtype} {[d if d is not None else '?' for d in shape]}")
         self.state = {name: self.backend.from_host(array) for name, array in arrays.items()}
 
     def step(self, data: dict[str, np.ndarray], lr: float) -> float:

@@ -356,3 +356,17 @@ def test_float16_parameters_name_the_file(tmp_path):
 
 def test_a_directory_given_as_the_model(tmp_path):
     assert_clean_error(transpile_cli(tmp_path, "-o", tmp_path / "out", cwd=tmp_path), "a directory")
+
+
+def test_resume_with_state_of_the_wrong_shape(transpiled, perceptron, tmp_path):
+    data = perceptron / "data.npz"
+    ck = tmp_path / "ck"
+    assert run_cli(transpiled, data, "--batch", "8", "--checkpoint", ck).returncode == 0
+    state = dict(np.load(ck / "rank1.npz"))
+    name = next(n for n, a in state.items() if a.ndim == 2)
+    state[name] = state[name][:, :3]
+    np.savez(ck / "rank1.npz", **state)
+    done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--resume", ck,
+                         cwd=tmp_path)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert f"rank1.npz: '{name}' is float32 [" in done.stderr and "this rank's graph expects float32" in done.stderr
