@@ -58,6 +58,10 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     plan = load_plan(args.out)
     dataset = Dataset.load(args.data, plan.data_inputs)
     shard_size(args.batch, plan.world_size)
+    k = plan.grad_accumulation
+    if k > 1 and args.batch % (plan.world_size * k):
+        raise RunError(f"global batch {args.batch} does not split into {plan.world_size} rank(s) x {k} micro-batches "
+                       f"(--grad-accumulation {k}); use a multiple of {plan.world_size * k}")
     if args.batch > dataset.rows:
         raise RunError(f"--batch {args.batch} is larger than the {dataset.rows} rows of {args.data}: every batch would "
                        "repeat rows")

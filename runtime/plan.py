@@ -39,10 +39,23 @@ class StateEntry:
 
 
 @dataclass(frozen=True)
+class Accumulator:
+    """A gradient accumulator of --grad-accumulation: zeros before a step's first micro-batch."""
+
+    input: str
+    output: str
+    param: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
 class GraphFiles:
     step: Path
     init: Path
     state: tuple[StateEntry, ...]
+    accum: Path | None = None  # the graph of the first K-1 micro-batches (grad_accumulation K > 1)
+    accumulators: tuple[Accumulator, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,7 @@ class Plan:
     parameters: tuple[Parameter, ...]
     single: GraphFiles
     ranks: tuple[GraphFiles, ...]  # ranks[r] is rank r's
+    grad_accumulation: int = 1  # micro-batches per optimizer step
 
     @property
     def out_dir(self) -> Path:
@@ -160,8 +174,11 @@ def _parse(raw: dict, r: _Reader) -> Plan:
 
     parameters = tuple(_parameter(p, r, f"parameters[{i}]", world_size) for i, p in enumerate(r.get(raw, "parameters", list, "")))
 
+    accumulation = r.get(raw, "grad_accumulation", int, "", optional=True) or 1  # absent in older plans
+    if accumulation < 1:
+        raise r.fail("grad_accumulation", f"is {accumulation}, must be >= 1")
     graphs = r.get(raw, "graphs", dict, "")
-    single = _graph_files(r.get(graphs, "single", dict, "graphs"), r, "graphs.single")
+    single = _graph_files(r.get(graphs, "single", dict, "graphs"), r, "graphs.single", accumulation)
     ranks_raw = r.get(graphs, "ranks", list, "graphs")
     if len(ranks_raw) != world_size:
         raise r.fail("graphs.ranks", f"has {len(ranks_raw)} entries, world_size is {world_size}")
@@ -172,7 +189,7 @@ def _parse(raw: dict, r: _Reader) -> Plan:
             raise r.fail(where, "must be an object")
         if r.get(entry, "rank", int, where) != i:
             raise r.fail(f"{where}.rank", f"is {entry['rank']}, expected {i} (ranks must be listed in order)")
-        ranks.append(_graph_files(entry, r, where))
+        ranks.append(_graph_files(entry, r, where, accumulation))
 
     return Plan(
         path=r.path,
@@ -186,6 +203,7 @@ def _parse(raw: dict, r: _Reader) -> Plan:
         parameters=parameters,
         single=single,
         ranks=tuple(ranks),
+        grad_accumulation=accumulation,
     )
 
 
@@ -217,9 +235,9 @@ def _parameter(p: Any, r: _Reader, where: str, world_size: int) -> Parameter:
     )
 
 
-def _graph_files(g: dict, r: _Reader, where: str) -> GraphFiles:
+def _graph_files(g: dict, r: _Reader, where: str, accumulation: int) -> GraphFiles:
     files = {}
-    for key in ("step", "init"):
+    for key in ("step", "init", *(("accum",) if accumulation > 1 else ())):
         path = r.path.parent / r.get(g, key, str, where)
         if not path.is_file():
             raise r.fail(f"{where}.{key}", f"names {path.name}, which is not in {r.path.parent}")
@@ -234,4 +252,14 @@ def _graph_files(g: dict, r: _Reader, where: str) -> GraphFiles:
         kind = r.get(s, "kind", str, sw)
         state.append(StateEntry(r.get(s, "input", str, sw), r.get(s, "output", str, sw), kind,
                                 r.get(s, "param", str, sw, optional=True)))
-    return GraphFiles(files["step"], files["init"], tuple(state))
+    accumulators = []
+    for i, a in enumerate(r.get(g, "accumulators", list, where) if accumulation > 1 else []):
+        aw = f"{where}.accumulators[{i}]"
+        if not isinstance(a, dict):
+            raise r.fail(aw, "must be an object")
+        shape = r.get(a, "shape", list, aw)
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise r.fail(f"{aw}.shape", f"must list non-negative integers, got {shape!r}")
+        accumulators.append(Accumulator(r.get(a, "input", str, aw), r.get(a, "output", str, aw),
+                                        r.get(a, "param", str, aw), tuple(shape), r.get(a, "dtype", str, aw)))
+    return GraphFiles(files["step"], files["init"], tuple(state), files.get("accum"), tuple(accumulators))

@@ -60,6 +60,7 @@ class Trainer:
         self.comm = comm
         self.backend = backend or CpuBackend()
         files = plan.graphs(rank)
+        self.role = rank
         self.state_entries = files.state
         role = 0 if rank is None else rank
         split = self.backend.split_tail()
@@ -76,10 +77,20 @@ class Trainer:
         self.init_program = self.backend.make_program(init_cut, comm)
         self.state: dict[str, object] = {}
         self._held: list = []  # losses of steps not yet read (on the device for the GPU backend)
+        # --grad-accumulation K: the first K-1 micro-batches of a step run the accumulate graph.
+        self.accumulation = plan.grad_accumulation
+        self.accumulators = files.accumulators
+        if self.accumulation > 1:
+            if self.backend.name != "cpu":
+                raise RunError(f"{plan.path}: transpiled with --grad-accumulation {self.accumulation}, which the "
+                               f"{self.backend.name} backend does not run yet; use --backend cpu, or transpile without it")
+            self.accum_program = self.backend.make_program(cut_graph(load_graph(files.accum), role, files.accum.name), comm)
+            self._zeros = {a.input: self.backend.from_host(np.zeros(a.shape, a.dtype)) for a in self.accumulators}
 
     def _check_signature(self, step_inputs, step_outputs, init_outputs, step_file: str, init_file: str) -> None:
         plan = self.plan
         expected = [d.name for d in plan.data_inputs] + [plan.lr_input] + [s.input for s in self.state_entries]
+        expected += [a.input for a in plan.graphs(self.role).accumulators]
         if sorted(step_inputs) != sorted(expected):
             extra = sorted(set(step_inputs) - set(expected))
             lacking = sorted(set(expected) - set(step_inputs))
@@ -115,7 +126,22 @@ class Trainer:
         return self.collect_losses()[-1]
 
     def step_async(self, data: dict[str, np.ndarray], lr: float) -> None:
-        """Run one step; its loss is kept (on the device on GPU) until ``collect_losses``."""
+        """Run one step; its loss is kept (on the device on GPU) until ``collect_losses``. With
+        gradient accumulation, ``data`` (this rank's shard) is cut into K equal micro-batches: the
+        accumulate graph adds the gradients of the first K-1, the step graph those of the last and
+        updates with their mean."""
+        if self.accumulation > 1:
+            *firsts, data = self._micro_batches(data)
+            accumulated = dict(self._zeros)
+            for micro in firsts:
+                feeds = {name: self.backend.feed(name, array) for name, array in micro.items()}
+                outputs = self.accum_program.run({**feeds, **self.state, **accumulated})
+                accumulated = {a.input: outputs[a.output] for a in self.accumulators}
+                for s in self.state_entries:
+                    if s.kind == "buffer":  # BatchNorm statistics move on with every micro-batch
+                        self.state[s.input] = outputs[s.output]
+                self._held.append(self.backend.hold_scalar(outputs[self.plan.loss]))
+            self.state = {**self.state, **accumulated}
         feeds = {name: self.backend.feed(name, array) for name, array in data.items()}
         feeds[self.plan.lr_input] = self.backend.feed(self.plan.lr_input, np.array(lr, dtype=np.float32))
         feeds.update(self.state)
@@ -123,11 +149,26 @@ class Trainer:
         self.state = {s.input: outputs[s.output] for s in self.state_entries}
         self._held.append(self.backend.hold_scalar(outputs[self.plan.loss]))
 
+    def _micro_batches(self, data: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        k = self.accumulation
+        parts: list[dict[str, np.ndarray]] = [{} for _ in range(k)]
+        for spec in self.plan.data_inputs:
+            array = data[spec.name]
+            rows = array.shape[spec.batch_axis]
+            if rows % k:
+                raise RunError(f"a shard of {rows} rows does not split into --grad-accumulation {k} equal micro-batches")
+            for part, piece in zip(parts, np.split(array, k, axis=spec.batch_axis)):
+                part[spec.name] = piece
+        return parts
+
     def collect_losses(self) -> list[float]:
         """The losses of the steps since the last call, each averaged over all ranks (every rank
         must call this at the same steps: it is a collective on the host)."""
         local = self.backend.scalars_to_host(self._held)
         self._held = []
+        if self.accumulation > 1:  # one loss per micro-batch: a step's is their mean (equal sizes)
+            k = self.accumulation
+            local = [sum(local[i:i + k]) / k for i in range(0, len(local), k)]
         # The step graph's loss is the mean over this rank's shard; equal shards make the mean of
         # the ranks' means the mean over the global batch, i.e. what one device reports.
         return self.comm.allreduce_scalars(local, "mean") if local else []

@@ -43,6 +43,9 @@ def transpile_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze", metavar="REGEX", help="initializers whose name matches are not trained")
     p.add_argument("--flat-update", action="store_true",
                    help="update each gradient bucket as one flat vector (fewer, larger ops: meant for GPUs)")
+    p.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
+                   help="micro-batches per optimizer step: each rank's shard is cut into K, their gradients are "
+                        "averaged before the collectives (default 1)")
     p.add_argument("--sync-bn", action="store_true",
                    help="BatchNormalization statistics over the global batch (all-reduced), so N ranks equal one device")
     o = p.add_argument_group("optimizer (torch.optim formulas, docs/optimizers.md)")
@@ -95,6 +98,7 @@ def cmd_transpile(argv: list[str]) -> int:
         bucket_mb=args.bucket_mb,
         sync_bn=args.sync_bn,
         flat_update=args.flat_update,
+        grad_accumulation=args.grad_accumulation,
     )
     plan = transpile(args.model, args.out, options, loss=args.loss, freeze=args.freeze)
     n_bytes = sum(p["bytes"] for p in plan["parameters"])

@@ -69,7 +69,9 @@ def out_sections(rep: dict) -> list[Section]:
     summary = Section(f"plan: {rep['source']}")
     summary.notes += [
         f"world size {p['world_size']}, strategy {p['strategy']}, optimizer {p['optimizer']}"
-        + (f" (gradients clipped to norm {p['max_grad_norm']:g})" if p.get("max_grad_norm") else "") + f", loss '{p['loss']}', "
+        + (f" (gradients clipped to norm {p['max_grad_norm']:g})" if p.get("max_grad_norm") else "")
+        + (f", {p['grad_accumulation']} micro-batches per step" if p.get("grad_accumulation", 1) > 1 else "")
+        + f", loss '{p['loss']}', "
         f"learning-rate input '{p['lr_input']}'",
         f"trained parameters: {p['parameters']} ({p['parameter_bytes']:,} bytes, {_human(p['parameter_bytes'])}); "
         f"frozen: {len(p['frozen'])}",

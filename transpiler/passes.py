@@ -45,6 +45,8 @@ LR_INPUT = "lr"
 STEP_STATE = "optimizer.step"
 NEXT = ".next"  # suffix of a state input's updated output
 AFTER_GRADIENTS = -2  # order of a collective that follows every gradient collective (the clip norm)
+MAX_GRAD_ACCUMULATION = 1024
+ACC = ".acc"  # suffix of a gradient accumulator (gradient name + ACC)
 MAX_WORLD_SIZE = 4096  # OUT holds two ONNX files per rank; beyond this, transpiling is the bottleneck
 
 
@@ -59,12 +61,19 @@ class Options:
     # Update each bucket of several parameters as one flat vector (fewer, larger ops: for GPUs,
     # where ~25 small kernels per parameter cost launches; on CPU the copies make it slower).
     flat_update: bool = False
+    # Micro-batches per optimizer step: K-1 accumulate-graph runs, then the step graph, whose
+    # gradients are the mean over the K micro-batches (DDP's no_sync, Horovod's backward_passes_per_step).
+    grad_accumulation: int = 1
 
     def validate(self) -> None:
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
             raise TranspileError(f"--gpus must be in [1, {MAX_WORLD_SIZE}] (got {self.world_size})")
         if self.strategy not in STRATEGIES:
             raise TranspileError(f"--strategy '{self.strategy}' is not one of: {', '.join(STRATEGIES)}")
+        if isinstance(self.grad_accumulation, bool) or not isinstance(self.grad_accumulation, int) or not (
+                1 <= self.grad_accumulation <= MAX_GRAD_ACCUMULATION):
+            raise TranspileError(f"--grad-accumulation must be an integer in [1, {MAX_GRAD_ACCUMULATION}] "
+                                 f"(got {self.grad_accumulation})")
         if not 0 < self.bucket_mb < float("inf"):
             raise TranspileError(f"--bucket-mb must be a positive finite number (got {self.bucket_mb})")
         self.optimizer.validate()
@@ -94,6 +103,10 @@ class RankGraphs:
     init: ir.Model
     state: list[StateEntry]
     updates: list[str]  # parameters whose optimizer update runs here
+    # --grad-accumulation K > 1: the graph run on the first K-1 micro-batches, and its accumulators
+    # (kind "accum": fed zeros before the first micro-batch, never saved).
+    accum: ir.Model | None = None
+    accumulators: list[StateEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -110,6 +123,13 @@ class Job:
     # Forward + backward with gradient (and buffer-update) outputs: "single" for the single-device
     # graphs, "ranks" for the rank graphs (they differ when --sync-bn puts collectives in the forward).
     fwd_bwd: dict[str, onnx.ModelProto] = field(default_factory=dict)
+
+
+def reduced_gradient_name(job: Job, param: str) -> str:
+    """The value a gradient collective sends for ``param``: its gradient, or with
+    --grad-accumulation the mean of the micro-batches' gradients."""
+    grad = job.grad_names[param]
+    return grad + ".mean_of_micro_batches" if job.options.grad_accumulation > 1 else grad
 
 
 def _nbytes(value: ir.Value) -> int:
@@ -207,6 +227,8 @@ class SplitRanksPass(InPlacePass):
         job = self.job
         check_same_sequence([r.step.graph for r in job.ranks], "step")
         check_same_sequence([r.init.graph for r in job.ranks], "init")
+        if job.options.grad_accumulation > 1:
+            check_same_sequence([r.accum.graph for r in job.ranks], "accum")
         if job.options.world_size == 1:
             return
         updates = Counter(p for r in job.ranks for p in r.updates)
@@ -227,8 +249,9 @@ class SplitRanksPass(InPlacePass):
                 v.name for n in collective_nodes(r.step.graph) if n.op_type == "Broadcast" for v in n.outputs
             )
             for p in job.problem.params:
-                if grads_sent[job.grad_names[p]] != 1:
-                    raise PostconditionError(f"rank {r.rank}: gradient of '{p}' is reduced {grads_sent[job.grad_names[p]]} times")
+                sent = grads_sent[reduced_gradient_name(job, p)]
+                if sent != 1:
+                    raise PostconditionError(f"rank {r.rank}: gradient of '{p}' is reduced {sent} times")
                 if job.options.strategy == "sharded" and bcast[p + NEXT] != 1:
                     raise PostconditionError(f"rank {r.rank}: '{p}' is broadcast {bcast[p + NEXT]} times per step")
 
@@ -247,27 +270,95 @@ class _RankBuilder:
     def build(self) -> RankGraphs:
         step, state, updates = self._step_graph()
         init = self._init_graph(state)
-        return RankGraphs(self.rank, step, init, state, updates)
+        graphs = RankGraphs(self.rank, step, init, state, updates)
+        if self.job.options.grad_accumulation > 1:
+            graphs.accum, graphs.accumulators = self._accum_graph()
+        return graphs
+
+    def _forward_backward(self, name: str) -> tuple[ir.Model, dict[str, ir.Value], dict[str, ir.Value]]:
+        """The forward + backward graph of this rank with the parameters and buffers turned from
+        initializers into inputs (the runtime owns them as state); returns the model, its outputs
+        by name, and the parameter inputs by name."""
+        job = self.job
+        model = ir.serde.deserialize_model(job.fwd_bwd["single" if self.rank is None else "ranks"])
+        graph = model.graph
+        graph.opset_imports[DOMAIN] = VERSION
+        graph.name = name
+        values = {v.name: v for v in graph.outputs}
+        params = {}
+        for param in job.problem.params:
+            value = graph.initializers.pop(param)
+            value.const_value = None
+            graph.inputs.append(value)
+            params[param] = value
+        for buffer in job.problem.buffers:
+            value = graph.initializers.pop(buffer)
+            value.const_value = None
+            graph.inputs.append(value)
+        return model, values, params
+
+    def _accumulator(self, graph: ir.Graph, param: ir.Value, grad: ir.Value) -> ir.Value:
+        acc = ir.val(grad.name + ACC, grad.dtype, ir.Shape(param.shape))
+        graph.inputs.append(acc)
+        return acc
+
+    def _accum_graph(self) -> tuple[ir.Model, list[StateEntry]]:
+        """The graph of the first K-1 micro-batches: forward and backward, every gradient added to its
+        accumulator, buffers (BatchNorm statistics) updated as the step graph updates them. No
+        optimizer, no gradient collective (a --sync-bn forward keeps its statistics AllReduce)."""
+        job, problem = self.job, self.job.problem
+        model, values, params = self._forward_backward("train_accum" if self.rank is None else f"rank{self.rank}_accum")
+        graph = model.graph
+        tape = Tape(graph)
+        outputs, accumulators = [values[problem.loss]], []
+        for name in problem.params:
+            grad = values[job.grad_names[name]]
+            acc = self._accumulator(graph, params[name], grad)
+            total = tape.op("Add", [acc, grad])
+            total.name, total.dtype, total.shape = acc.name + NEXT, grad.dtype, ir.Shape(params[name].shape)
+            outputs.append(total)
+            accumulators.append(StateEntry(acc.name, total.name, "accum", name,
+                                           tuple(int(d) for d in params[name].shape.numpy()), grad.dtype))
+        outputs += [values[b + NEXT] for b in problem.buffers]
+        graph.outputs.clear()
+        graph.outputs.extend(outputs)
+        _remove_unused(graph)
+        _number_collectives(graph)
+        return model, accumulators
+
+    def _mean_of_micro_batches(self, graph: ir.Graph, params: dict[str, ir.Value], grads: dict[str, ir.Value]) -> None:
+        """--grad-accumulation K: each gradient becomes (accumulator + gradient) / K, right after the
+        node that computes it, so the gradient collectives keep their backward order."""
+        k = self.job.options.grad_accumulation
+        first = next(iter(graph))
+        inverse = ir.node("Constant", [], {"value": ir.tensor(np.array(1.0 / k, dtype=np.float32))}, name="grad_accum/inverse_k")
+        inverse.outputs[0].name = "grad_accum.inverse_k"
+        inverse.outputs[0].dtype, inverse.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([])
+        graph.insert_before(first, inverse)
+        for name, grad in list(grads.items()):
+            acc = self._accumulator(graph, params[name], grad)
+            shape = ir.Shape(params[name].shape)
+            add = ir.node("Add", [acc, grad], name=f"grad_accum/{name}/add")
+            mul = ir.node("Mul", [add.outputs[0], inverse.outputs[0]], name=f"grad_accum/{name}/mean")
+            for node, suffix in ((add, ".sum"), (mul, ".mean_of_micro_batches")):
+                node.outputs[0].name, node.outputs[0].dtype, node.outputs[0].shape = grad.name + suffix, grad.dtype, shape
+            producer = grad.producer()
+            if producer is None:
+                graph.insert_before(first, [add, mul])
+            else:
+                graph.insert_after(producer, [add, mul])
+            grads[name] = mul.outputs[0]
 
     # -- the step graph ------------------------------------------------------------------------
 
     def _step_graph(self) -> tuple[ir.Model, list[StateEntry], list[str]]:
         job, problem = self.job, self.job.problem
-        model = ir.serde.deserialize_model(job.fwd_bwd["single" if self.rank is None else "ranks"])
+        model, values, params = self._forward_backward("train_step" if self.rank is None else f"rank{self.rank}_step")
         graph = model.graph
-        graph.opset_imports[DOMAIN] = VERSION
-        graph.name = "train_step" if self.rank is None else f"rank{self.rank}_step"
-        values = {v.name: v for v in graph.outputs}
         loss = values[problem.loss]
         grads = {p: values[job.grad_names[p]] for p in problem.params}
-
-        # Parameters stop being constants: the runtime owns them as state.
-        params = {}
-        for name in problem.params:
-            value = graph.initializers.pop(name)
-            value.const_value = None
-            graph.inputs.append(value)
-            params[name] = value
+        if job.options.grad_accumulation > 1:
+            self._mean_of_micro_batches(graph, params, grads)
         lr = ir.val(LR_INPUT, ir.DataType.FLOAT, [])
         graph.inputs.append(lr)
         graph.outputs.clear()
@@ -284,11 +375,9 @@ class _RankBuilder:
 
         # Running statistics: every rank updates its own (from its shard, or from the synchronized
         # statistics with --sync-bn).
+        inputs = {v.name: v for v in graph.inputs}
         for name in problem.buffers:
-            value = graph.initializers.pop(name)
-            value.const_value = None
-            graph.inputs.append(value)
-            add_state(value, values[name + NEXT], "buffer", name)
+            add_state(inputs[name], values[name + NEXT], "buffer", name)
 
         step = None
         if self.config.uses_step():

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from transpiler.collectives import bucket_tensors, collective_nodes
 from transpiler.errors import TranspileError
-from transpiler.passes import LR_INPUT, Job, RankGraphs
+from transpiler.passes import LR_INPUT, Job, RankGraphs, reduced_gradient_name
 from transpiler.placement import METHODS, place
 from transpiler.weights import attach_weights, detach_weights
 
@@ -72,7 +72,8 @@ def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
     by_param = {}
     for p in job.problem.params:
         slots = [f"{p}.{slot}" for slot in job.options.optimizer.slots()]
-        for name in (p, p + ".next", p + ".updated", job.grad_names[p], job.grad_names[p] + ".mean", *slots):
+        for name in (p, p + ".next", p + ".updated", job.grad_names[p], job.grad_names[p] + ".mean",
+                     reduced_gradient_name(job, p), *slots):
             by_param[name] = p
     out = []
     for node in sorted(collective_nodes(model.graph), key=lambda n: n.attributes["order"].as_int()):
@@ -127,6 +128,10 @@ def plan_json(job: Job) -> dict:
         entry = {"step": f"{stem}.onnx", "init": f"{stem}_init.onnx", "state": [s.to_json() for s in g.state]}
         entry["optimizer_state_bytes"] = sum(s.bytes for s in g.state if s.kind == "optimizer")
         entry["updates"] = list(g.updates)
+        if g.accum is not None:
+            entry["accum"] = f"{stem}_accum.onnx"
+            entry["accumulators"] = [{**a.to_json(), "shape": list(a.shape), "dtype": a.dtype.numpy().name}
+                                     for a in g.accumulators]
         return entry
 
     return {
@@ -143,6 +148,7 @@ def plan_json(job: Job) -> dict:
         "lr_input": LR_INPUT,
         "optimizer": opts.optimizer.to_json(),
         "bucket_mb": opts.bucket_mb,
+        "grad_accumulation": opts.grad_accumulation,
         "parameters": params_json,
         "frozen": list(problem.frozen),
         "placement": {**placement.to_json(), "other_methods": others},
@@ -197,6 +203,9 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
         for g in job.ranks:
             _save(g.step, tmp / f"rank{g.rank}.onnx")
             _save(g.init, tmp / f"rank{g.rank}_init.onnx")
+        for g, stem in ((job.single, "train"), *((g, f"rank{g.rank}") for g in job.ranks)):
+            if g.accum is not None:
+                _save(g.accum, tmp / f"{stem}_accum.onnx")
         plan = plan_json(job)
         (tmp / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
         if out_dir.exists():
