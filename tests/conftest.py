@@ -43,6 +43,14 @@ def max_rel_error(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]
     return worst
 
 
+def assert_replicas_identical(parameters: list[dict[str, np.ndarray]]) -> None:
+    """Every rank's trained values equal rank 0's bit for bit (``SimResult.parameters``, one dict per rank)."""
+    for r, values in enumerate(parameters[1:], start=1):
+        assert values.keys() == parameters[0].keys(), f"rank {r}"
+        for name, value in parameters[0].items():
+            np.testing.assert_array_equal(values[name], value, err_msg=f"rank {r} {name}")
+
+
 def initial_parameters(model_path: Path) -> dict[str, np.ndarray]:
     """The float initializers of an ONNX model, by name."""
     import onnx

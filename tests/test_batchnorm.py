@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import max_rel_error
+from conftest import assert_replicas_identical, max_rel_error
 from onnx import numpy_helper
 
 from runtime import simulate
@@ -96,9 +96,7 @@ def test_sync_bn_four_ranks_equal_one_device(exported, tmp_path, strategy):
     plan = transpile(path, tmp_path / "four", Options(world_size=4, strategy=strategy, sync_bn=True, **opts))
     ref = simulate(tmp_path / "one", data, batch=BATCH, steps=STEPS, single_device=True)
     result = simulate(tmp_path / "four", data, batch=BATCH, steps=STEPS)
-    for r in range(1, 4):
-        for name, value in result.parameters[0].items():
-            np.testing.assert_array_equal(result.parameters[r][name], value, err_msg=f"rank {r} {name}")
+    assert_replicas_identical(result.parameters)
     assert max_rel_error(result.parameters[0], ref.parameters[0]) <= 1e-5
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-5)
 

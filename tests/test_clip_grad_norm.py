@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import max_rel_error
+from conftest import assert_replicas_identical, max_rel_error
 from test_torch_oracle import BATCH, STEPS, export, make_data, make_module, train_torch
 
 from runtime import simulate
@@ -65,9 +65,7 @@ def test_clipped_training_equals_torch(perceptron, tmp_path, opt, strategy, worl
     clipped = sum(n > config.max_grad_norm for n in norms)
     assert 3 <= clipped <= STEPS - 3, norms  # both branches of min(1, max_norm / norm) are taken
 
-    for r in range(1, len(result.parameters)):
-        for name, value in result.parameters[0].items():
-            np.testing.assert_array_equal(result.parameters[r][name], value, err_msg=f"rank {r} {name}")
+    assert_replicas_identical(result.parameters)
     error = max_rel_error(result.parameters[0], torch_params)
     assert error <= TOLERANCE, f"max relative parameter error {error:.3g} vs torch"
     np.testing.assert_allclose(result.losses, torch_losses, rtol=TOLERANCE)

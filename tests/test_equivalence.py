@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import initial_parameters, load_data, max_rel_error
+from conftest import assert_replicas_identical, initial_parameters, load_data, max_rel_error
 
 from runtime import simulate
 from transpiler import OptimizerConfig, Options, transpile
@@ -59,9 +59,7 @@ def test_ranks_equal_one_device(model, opt, world, strategy, placement, model_di
 
     # Replicas are bit-identical: in the sharded strategy every rank receives the root's values,
     # in the all-reduce one every rank applies the same update to the same all-reduced gradient.
-    for r in range(1, world):
-        for name, value in result.parameters[0].items():
-            np.testing.assert_array_equal(result.parameters[r][name], value, err_msg=f"rank {r} {name}")
+    assert_replicas_identical(result.parameters)
     error = max_rel_error(result.parameters[0], ref.parameters[0])
     assert error <= TOLERANCE, f"max relative error {error:.3g} vs one device"
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-5)

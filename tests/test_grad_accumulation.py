@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import test_models_real  # noqa: E402
-from conftest import max_rel_error  # noqa: E402
+from conftest import assert_replicas_identical, max_rel_error  # noqa: E402
 from test_models_real import BATCH, LR, STEPS, TOLERANCE, batch_of, torch_state  # noqa: E402
 
 from runtime import simulate  # noqa: E402
@@ -49,9 +49,7 @@ def train_torch(module, data: dict[str, np.ndarray], batch: int, k: int) -> tupl
 
 def check(result, module, data, batch: int, k: int) -> None:
     torch_losses, expected = train_torch(module, data, batch, k)
-    for r in range(1, len(result.parameters)):
-        for name, value in result.parameters[0].items():
-            np.testing.assert_array_equal(result.parameters[r][name], value, err_msg=f"rank {r} {name}")
+    assert_replicas_identical(result.parameters)
     ours = result.parameters[0]
     assert sorted(ours) == sorted(expected)
     error = max_rel_error(ours, expected)

@@ -29,7 +29,7 @@ import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
-from conftest import max_rel_error  # noqa: E402
+from conftest import assert_replicas_identical, max_rel_error  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -240,9 +240,7 @@ def run_ranks(path: Path, data, batch: int, tmp_path: Path, **options):
     one = simulate(tmp_path / "one", data, batch=batch, steps=STEPS, single_device=True)
     transpile(path, tmp_path / "four", Options(world_size=4, optimizer=opt, **options))
     four = simulate(tmp_path / "four", data, batch=batch, steps=STEPS)
-    for r in range(1, 4):
-        for name, value in four.parameters[0].items():
-            np.testing.assert_array_equal(four.parameters[r][name], value, err_msg=f"rank {r} {name}")
+    assert_replicas_identical(four.parameters)
     return one, four
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import max_rel_error
+from conftest import assert_replicas_identical, max_rel_error
 from onnx import numpy_helper
 
 import models
@@ -181,9 +181,7 @@ def run_case(model, exporter, opt, world, exported, tmp_path) -> None:
     result = simulate(tmp_path / "out", feeds, batch=BATCH, steps=STEPS, lr=lr, single_device=single)
     torch_losses, torch_params = train_torch(module, data, config, lr)
 
-    for r in range(1, len(result.parameters)):
-        for name, value in result.parameters[0].items():
-            np.testing.assert_array_equal(result.parameters[r][name], value, err_msg=f"rank {r} {name}")
+    assert_replicas_identical(result.parameters)
     params = result.parameters[0]
     assert sorted(params) == sorted(torch_params)
     param_error = max_rel_error(params, torch_params)
