@@ -37,45 +37,78 @@ from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner, _first_line
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
 from runtime.segments import CutGraph, Segment
+from runtime.specialize import specialize
 
 LOSS_RING = 4096  # device slots for losses not yet read; Trainer flushes long before it wraps
 
 
 class OrtCudaSegment(SegmentRunner):
-    """One segment as a CUDA EP session on the backend's compute stream."""
+    """One segment as a CUDA EP session on the backend's compute stream.
+
+    The session is made on the first call, when the shapes of the segment's inputs are known: the
+    segment is specialized to them (runtime/specialize.py), so no shape computation is left to run
+    on the host, and then, unless the backend's ``cuda_graphs`` is off, onnxruntime captures each
+    step parity's run as a CUDA graph (``gpu_graph_id`` = parity) and replays it: a step launches one
+    graph per segment instead of one kernel per node. A graph needs every node on the CUDA EP and
+    the same buffers on every replay, which the parity bindings give (GpuProgram); a segment that
+    onnxruntime will not capture runs as before, and ``graph_refused`` says why.
+    """
 
     def __init__(self, segment: Segment, where: str, backend: GpuBackend):
-        ort = backend.ort
         self.backend = backend
+        self.segment = segment
         self.where = f"{where}: segment {segment.index}" + (f" part {segment.part}" if segment.part else "")
         self.inputs = list(segment.inputs)
         self.outputs = list(segment.outputs)
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
+        self.session = None
+        self.graphs = False  # whether runs from the second call on are CUDA graph replays
+        self.graph_refused: str | None = None
+        self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
+        self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
+
+    def _compile(self, feeds) -> None:
+        backend, ort = self.backend, self.backend.ort
+        model = self.segment.model
+        if backend.static_shapes:
+            model = specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs})
+        serialized = model.SerializeToString()
         cuda = {"device_id": str(backend.device_id), "user_compute_stream": str(backend.compute.ptr),
                 "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0"}
-        try:
-            self.session = ort.InferenceSession(segment.model.SerializeToString(), options,
-                                                providers=[("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])
-        except Exception as exc:
-            raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
+
+        def session(graph: bool):
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            return ort.InferenceSession(serialized, options, providers=[
+                ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"])
+
+        if backend.cuda_graphs and backend.static_shapes:
+            try:
+                self.session, self.graphs = session(True), True
+            except Exception as exc:  # onnxruntime refuses graphs when a node is not on the CUDA EP
+                self.graph_refused = _first_line(exc)
+        if self.session is None:
+            try:
+                self.session = session(False)
+            except Exception as exc:
+                raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
         if self.session.get_providers()[0] != "CUDAExecutionProvider":
             raise RunError(f"{self.where}: onnxruntime did not enable the CUDA execution provider (CUDA or cuDNN "
                            "libraries not found? onnxruntime-gpu must match the installed CUDA major version)")
-        self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
-        self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
 
     def _bind_input(self, io, name: str, value) -> None:
         io.bind_input(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
 
     def run(self, feeds):
-        """First-call path: onnxruntime allocates the outputs; they are wrapped as CuPy arrays."""
+        """First-call path: onnxruntime allocates the outputs; they are wrapped as CuPy arrays. Never
+        captured: these buffers are not the ones later runs use."""
+        if self.session is None:
+            self._compile(feeds)
         io = self.session.io_binding()
         for name in self.inputs:
             self._bind_input(io, name, feeds[name])
         for name in self.outputs:
             io.bind_output(name, "cuda", self.backend.device_id)
-        self._run(io)
+        self._run(io, self.backend.run_options_uncaptured if self.graphs else self.backend.run_options)
         return [self.backend.wrap(v) for v in io.get_outputs()]
 
     def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
@@ -92,11 +125,11 @@ class OrtCudaSegment(SegmentRunner):
             if bound.get(name) != value.data.ptr:
                 self._bind_input(io, name, value)
                 bound[name] = value.data.ptr
-        self._run(io)
+        self._run(io, self.backend.run_options_graph[parity] if self.graphs else self.backend.run_options)
 
-    def _run(self, io) -> None:
+    def _run(self, io, run_options) -> None:
         try:
-            self.session.run_with_iobinding(io, self.backend.run_options)
+            self.session.run_with_iobinding(io, run_options)
         except Exception as exc:
             raise RunError(f"{self.where}: onnxruntime failed on device {self.backend.device_id}: {_first_line(exc)}") from None
 
@@ -311,7 +344,8 @@ class GpuBackend(Backend):
 
     name = "nccl"
 
-    def __init__(self, device_id: int = 0, *, tf32: bool = False, skip_collectives: bool = False):
+    def __init__(self, device_id: int = 0, *, tf32: bool = False, skip_collectives: bool = False,
+                 static_shapes: bool | None = None, cuda_graphs: bool | None = None):
         self.cp = cp = import_cupy()
         self.ort = load_onnxruntime()
         self.device_id = device_id
@@ -334,9 +368,26 @@ class GpuBackend(Backend):
         self.debug_sync = os.environ.get("GRAPH_TRANSPILER_DEBUG_SYNC") == "1"
         if self.async_runs:
             self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        # Segments specialized to their first call's shapes, and replayed as CUDA graphs (see
+        # OrtCudaSegment); GRAPH_TRANSPILER_STATIC_SHAPES=0 / GRAPH_TRANSPILER_CUDA_GRAPHS=0 turn them off.
+        env_flag = lambda name: os.environ.get(name, "1") != "0"  # noqa: E731
+        self.static_shapes = env_flag("GRAPH_TRANSPILER_STATIC_SHAPES") if static_shapes is None else static_shapes
+        self.cuda_graphs = env_flag("GRAPH_TRANSPILER_CUDA_GRAPHS") if cuda_graphs is None else cuda_graphs
+        self.run_options_uncaptured = self._run_options(graph_id=-1)
+        self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
         self._staging: dict[str, tuple[Any, np.ndarray, Any]] = {}
         self._ring = cp.zeros(LOSS_RING, dtype=np.float64)
         self._ring_next = 0
+
+    def _run_options(self, *, graph_id: int):
+        """Run options for a CUDA-graph session: which captured graph a run uses (-1: none).
+        A replay only enqueues work on the compute stream, so it never needs onnxruntime's
+        synchronization after the run."""
+        options = self.ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        if self.async_runs or graph_id >= 0:
+            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        return options
 
     def wait(self, event) -> None:
         """Order onnxruntime's next work after ``event`` (a collective's completion). Async runs:
