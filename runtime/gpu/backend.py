@@ -65,6 +65,8 @@ class OrtCudaSegment(SegmentRunner):
         self.graph_refused: str | None = None
         self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
         self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
+        self.seen = [False, False]  # per parity: bound runs made with the current pointers
+        self.captured = [False, False]  # per parity: whether its graph is captured (pointers frozen)
 
     def _compile(self, feeds) -> None:
         backend, ort = self.backend, self.backend.ort
@@ -120,12 +122,27 @@ class OrtCudaSegment(SegmentRunner):
 
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:
         io, bound = self.bindings[parity], self.bound[parity]
+        changed = False
         for name in self.inputs:
             value = env[name]
             if bound.get(name) != value.data.ptr:
                 self._bind_input(io, name, value)
                 bound[name] = value.data.ptr
-        self._run(io, self.backend.run_options_graph[parity] if self.graphs else self.backend.run_options)
+                changed = True
+        if not self.graphs:
+            self._run(io, self.backend.run_options)
+            return
+        # A captured graph replays with the pointers it was captured with. The first runs of a
+        # parity still read buffers that later steps no longer use (the first call's outputs), so
+        # a parity is captured only once its inputs were bound to the same buffers twice in a row.
+        if self.captured[parity] and changed:
+            raise RunError(f"{self.where}: an input moved to another buffer after its CUDA graph was captured")
+        if changed or not self.seen[parity]:
+            self.seen[parity] = True
+            self._run(io, self.backend.run_options_uncaptured)
+            return
+        self.captured[parity] = True
+        self._run(io, self.backend.run_options_graph[parity])
 
     def _run(self, io, run_options) -> None:
         try:
