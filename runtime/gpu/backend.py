@@ -75,7 +75,10 @@ class OrtCudaSegment(SegmentRunner):
             model = specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs})
         serialized = model.SerializeToString()
         cuda = {"device_id": str(backend.device_id), "user_compute_stream": str(backend.compute.ptr),
-                "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0"}
+                "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0",
+                # Grow the arena by what is asked, not to the next power of two: a training step
+                # allocates a few large activations, and doubling can reserve up to twice what it uses.
+                "arena_extend_strategy": "kSameAsRequested"}
 
         def session(graph: bool):
             options = ort.SessionOptions()
