@@ -75,8 +75,9 @@ def log(message: str) -> None:
 def parse_ours_variant(spec: str, default_path: str | None) -> dict:
     """``LABEL``, ``LABEL=FLAGS`` or ``LABEL[=FLAGS]@DIR``: transpile flags (space-separated) and
     the source tree whose transpiler and runtime run it (DIR is put first on PYTHONPATH).
-    A preset label (default, flat-update, allreduce, zero, balanced) needs no flags."""
-    spec = spec.strip()
+    A preset label (default, flat-update, allreduce, zero, balanced) needs no flags; so does any
+    label with @DIR (that tree's defaults)."""
+    spec = original = spec.strip()
     path = default_path
     if "@" in spec:
         spec, path = spec.rsplit("@", 1)
@@ -85,10 +86,10 @@ def parse_ours_variant(spec: str, default_path: str | None) -> dict:
         flags = flags.split()
     else:
         label = spec
-        if label not in OURS_PRESETS:
+        if label not in OURS_PRESETS and "@" not in original:
             raise ValueError(f"--ours-variants: unknown preset {label!r} (presets: {', '.join(OURS_PRESETS)}; "
                              "or LABEL=--transpile-flags[@DIR])")
-        flags = OURS_PRESETS[label]
+        flags = OURS_PRESETS.get(label, [])  # LABEL@DIR: that tree with no extra flags
     if not label:
         raise ValueError(f"--ours-variants: empty label in {spec!r}")
     if path:
