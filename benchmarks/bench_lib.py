@@ -245,6 +245,8 @@ def plot(records: Sequence[dict], path: str | Path) -> Path:
     r_of = ratios(records)
     groups = list(dict.fromkeys((r["model"], r["gpus"]) for r in records))
     series = list(dict.fromkeys((r["system"], r["variant"]) for r in records))
+    series.sort(key=lambda sv: SYSTEMS.index(sv[0]) if sv[0] in SYSTEMS else 9)  # stable: PyTorch rows first
+    unit = "GPU" if _on_gpu(records) else "rank"
     width = 0.8 / max(len(series), 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups) * max(1, len(series) / 3)), 4))
     for i, (system, variant) in enumerate(series):
@@ -265,7 +267,7 @@ def plot(records: Sequence[dict], path: str | Path) -> Path:
                         fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points")
     ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{m}\n{g} GPU" if g == 1 else f"{m}\n{g} GPUs" for m, g in groups])
+    ax.set_xticklabels([f"{m}\n{g} {unit}" + ("s" if g > 1 else "") for m, g in groups])
     ax.set_ylabel("step time / PyTorch eager (lower is faster)")
     ax.set_title("median step time, labels in ms" + (f" ({records[0].get('device_name') or records[0].get('device')})" if records else ""))
     ax.legend(fontsize=7, ncol=2)

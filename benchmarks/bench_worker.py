@@ -298,7 +298,10 @@ def run_torch(spec: dict) -> dict:
         if spec["profile_steps"] > 0:
             result.update(kernel_profile(step, sync, spec["profile_steps"]))
     result["first_loss"] = losses[0]
-    return finish(ranks, result)
+    out = finish(ranks, result)
+    if ranks.world > 1:
+        torch.distributed.destroy_process_group()
+    return out
 
 
 def run_ours(spec: dict) -> dict:
@@ -332,6 +335,7 @@ def run_ours(spec: dict) -> dict:
         def sync():
             cupy.cuda.Device(ranks.local).synchronize()
         result["device_name"] = cupy.cuda.runtime.getDeviceProperties(ranks.local)["name"].decode()
+        result["ort_async"] = getattr(backend, "async_runs", None)
     else:
         from runtime.collectives import LocalGroup
         from runtime.executor import CpuBackend
@@ -400,6 +404,9 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         Path(spec["result"] + f".error{os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMI_RANK', ''))}").write_text(
             f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+        if spec.get("gpus", 1) > 1 and "mpi4py" in sys.modules:  # peers would wait in a collective
+            sys.stderr.flush()
+            sys.modules["mpi4py"].MPI.COMM_WORLD.Abort(1)
         return 1
     if result is not None:
         Path(spec["result"]).write_text(json.dumps(result))
