@@ -136,7 +136,7 @@ def describe(m: dict) -> str:
     opt = ("AdamW" if o["name"] == "adamw" else "SGD") + f" lr {o['lr']:g}"
     opt += f" momentum {o['momentum']:g}" if o.get("momentum") else ""
     opt += f" wd {o['weight_decay']:g}" if o.get("weight_decay") else ""
-    return f"{shape}; batch {m["batch"]} per rank; {opt}; {m['windows']} windows x {m['steps']} steps after {m['warmup']} warm-up"
+    return f"{shape}; batch {m['batch']} per rank; {opt}; {m['windows']} windows x {m['steps']} steps after {m['warmup']} warm-up"
 
 
 def transpile_flags(opt: dict) -> list[str]:
