@@ -119,8 +119,8 @@ def load_jsonl(paths: Iterable[str | Path]) -> list[dict]:
 def latest_run(records: Sequence[dict]) -> str:
     if not records:
         raise ValueError("no records")
-    # run ids start with the UTC time (YYYYmmddTHHMMSSZ), so the greatest is the latest
-    return max(r["run"] for r in records)
+    # The run of the newest record ("time", UTC ISO); default run ids start with the UTC time too.
+    return max(records, key=lambda r: (r.get("time") or "", r["run"]))["run"]
 
 
 def select_run(records: Sequence[dict], run: str | None = None) -> list[dict]:
@@ -128,7 +128,9 @@ def select_run(records: Sequence[dict], run: str | None = None) -> list[dict]:
     chosen = [r for r in records if r["run"] == run]
     if not chosen:
         raise ValueError(f"no records of run {run!r} (runs: {', '.join(sorted({r['run'] for r in records}))})")
-    return chosen
+    # a row measured again within the run (same --run-id) replaces the earlier one
+    last = {(r["system"], r["variant"], r["model"], r["gpus"]): r for r in chosen}
+    return [r for r in chosen if last[(r["system"], r["variant"], r["model"], r["gpus"])] is r]
 
 
 def ratios(records: Sequence[dict]) -> dict[tuple, float | None]:

@@ -261,7 +261,7 @@ class Session:
         now = dt.datetime.now(dt.timezone.utc)
         self.host = args.host or platform.node().split(".")[0] or "host"
         self.date = now.strftime("%Y-%m-%d")
-        self.run_id = now.strftime("%Y%m%dT%H%M%SZ") + "-" + self.host
+        self.run_id = args.run_id or (now.strftime("%Y%m%dT%H%M%SZ") + "-" + self.host)
         self.results = Path(args.results or (HERE / "results" / f"{self.date}-{self.host}.jsonl"))
         self.commit = git_commit(ROOT)
         self.logs = self.work / "logs" / self.run_id
@@ -336,7 +336,8 @@ class Session:
         return errors
 
     def measure(self, system: str, variant: str, m: dict, gpus: int, ours: dict | None, error: str | None) -> dict:
-        base = {"run": self.run_id, "date": self.date, "host": self.host, "system": system, "variant": variant,
+        base = {"run": self.run_id, "date": self.date, "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "host": self.host, "system": system, "variant": variant,
                 "model": m["name"], "gpus": gpus, "device": self.device, "batch": m["batch"],
                 "dtype": "float32, TF32 matmul/conv" if self.device == "cuda" else "float32",
                 "config": describe(m), "commit": self.commit, "mem_method": "device used (cudaMemGetInfo) after the "
@@ -414,7 +415,9 @@ class Session:
                     self.measure("graph-transpiler", o["label"], m, g, o, errors.get((m["name"], o["label"], g)))
         log(f"results appended to {self.results}")
         if self.records and not self.args.no_docs:
-            render(self.records, Path(self.args.docs), Path(self.args.image))
+            # every row of this run id, earlier calls with the same --run-id included
+            render(bench_lib.select_run(bench_lib.load_jsonl([self.results]), self.run_id),
+                   Path(self.args.docs), Path(self.args.image))
         print(bench_lib.render_table(self.records), flush=True)
         print(bench_lib.render_summary(self.records), flush=True)
         return 0 if all(not r.get("error") for r in self.records) else 1
@@ -463,6 +466,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--child-timeout", type=float, default=300, help="seconds per measured process (default 300)")
     p.add_argument("--prepare-timeout", type=float, default=900, help="seconds per export/transpile (default 900)")
     p.add_argument("--results", help="JSONL to append to (default benchmarks/results/<date>-<host>.jsonl)")
+    p.add_argument("--run-id", help="run id of the records (default: UTC time and host); give the same id to "
+                                     "several calls to render their rows together")
     p.add_argument("--host", help="host name in the records (default: this machine's)")
     p.add_argument("--docs", default=str(DEFAULT_DOC), help="markdown file to render into (default docs/benchmarks.md)")
     p.add_argument("--image", default=str(DEFAULT_IMAGE), help="chart PNG (default docs/images/benchmarks.png)")

@@ -112,6 +112,9 @@ def test_load_and_select_latest_run(jsonl, tmp_path):
     assert len(bench_lib.select_run(records, "20261123T010000Z-h200")) == 1
     with pytest.raises(ValueError, match="no records of run"):
         bench_lib.select_run(records, "nope")
+    again = dict(FIXTURE[0], step_ms=49.0)  # the same row measured again in the run replaces it
+    chosen = bench_lib.select_run(records + [again])
+    assert len(chosen) == 6 and [r["step_ms"] for r in chosen if r["variant"] == "eager" and r["model"] == "gpt2_small"] == [49.0]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"run": 1}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
@@ -248,12 +251,15 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     losses = [r["first_loss"] for r in records]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
     assert "graph-transpiler | flat-update" in doc.read_text() and image.exists()
-    # a rerun reuses the exported model and the OUTs
-    again = subprocess.run(cmd + ["--variants", "", "--ours-variants", "default", "--no-docs"], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=120)
+    # a rerun with the same --run-id reuses the exported model and the OUTs; its row replaces the earlier one
+    again = subprocess.run(cmd + ["--variants", "", "--ours-variants", "default", "--run-id", records[0]["run"]],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "exporting" not in again.stdout and "transpiling" not in again.stdout
-    assert len(bench_lib.load_jsonl([results])) == 4
+    every = bench_lib.load_jsonl([results])
+    assert len(every) == 4 and every[3]["variant"] == "default" and every[3]["run"] == records[0]["run"]
+    table = [line for line in doc.read_text().splitlines() if line.startswith("| perceptron")]
+    assert len(table) == 3 and f"| {every[3]['step_ms']:.3f} |" in [line for line in table if "| default |" in line][0]
 
 
 def test_ratio_uses_the_baseline_of_the_same_world_size():
@@ -265,3 +271,11 @@ def test_ratio_uses_the_baseline_of_the_same_world_size():
     assert r[("graph-transpiler", "default", "m", 1)] == 1.5
     assert r[("graph-transpiler", "default", "m", 4)] == 0.5
     assert bench_lib.best_ratio(recs, "m", 4) == 0.5
+
+
+def test_latest_run_is_the_newest_record_by_time():
+    recs = [{"run": "zzz-custom", "time": "2026-11-24T01:00:00+00:00"},
+            {"run": "aaa-custom", "time": "2026-11-24T02:00:00+00:00"},
+            {"run": "aaa-custom", "time": "2026-11-24T01:30:00+00:00"}]
+    assert bench_lib.latest_run(recs) == "aaa-custom"
+    assert bench_lib.latest_run([{"run": "20261124T01"}, {"run": "20261124T02"}]) == "20261124T02"  # no times
