@@ -9,6 +9,7 @@ docs/benchmarks.md (table + docs/images/benchmarks.png). From the repository roo
     export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0
     python -m benchmarks prepare --work /tmp/bench-work       # export + transpile (CPU, parallel)
     python -m benchmarks compare --work /tmp/bench-work       # time every row, write JSONL + docs
+    # or split into calls rendered as one run: --run-id ID --models gpt2_small, then --run-id ID --models ...
 
     # before/after of another checkout in the same session (rows LABEL[=FLAGS][@DIR])
     python -m benchmarks compare --work /tmp/bench-work --models gpt2_small --variants eager \
