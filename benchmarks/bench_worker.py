@@ -19,9 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-
 import bench_lib  # sibling file: sys.path[0] is this directory when run as a script
+import numpy as np
 
 # ---------------------------------------------------------------------------------------------
 # models
