@@ -231,7 +231,8 @@ def _batch_norm(ctx: RuleContext) -> list[ir.Value | None]:
             else:
                 centered = ctx.op("Sub", [x, channel(ctx.inputs[3])], like=x)
                 var = channel(ctx.inputs[4])
-            cache["inv"] = ctx.op("Reciprocal", [ctx.op("Sqrt", [ctx.op("Add", [var, epsilon])])])
+            cache["var_eps"] = ctx.op("Add", [var, epsilon])
+            cache["inv"] = ctx.op("Reciprocal", [ctx.op("Sqrt", [cache["var_eps"]])])
             cache["sum_dy"] = channel_sum(dy)
             cache["sum_dyc"] = channel_sum(ctx.op("Mul", [dy, centered], like=x))
             cache["centered"] = centered
@@ -252,10 +253,12 @@ def _batch_norm(ctx: RuleContext) -> list[ir.Value | None]:
         if stats.synced:
             mean_dy = _all_reduce_mean(ctx, mean_dy, x, stats.mean)
             mean_dyc = _all_reduce_mean(ctx, mean_dyc, x, stats.mean)
-        k2 = ctx.op("Neg", [ctx.op("Mul", [ctx.op("Mul", [k1, ctx.op("Mul", [inv, inv])]), mean_dyc])])
-        k3 = ctx.op("Neg", [ctx.op("Mul", [k1, mean_dy])])
-        scaled = ctx.op("Add", [ctx.op("Mul", [dy, k1]), k3])
-        return ctx.op("Add", [scaled, ctx.op("Mul", [cache["centered"], k2])], like=x)
+        # dx = dy * k1 - k3 - (x - mean) * k2, k1 = scale * inv, k3 = k1 * mean(dy),
+        # k2 = k1 * inv^2 * mean(dy * (x - mean)): per-channel factors, then 4 elementwise passes.
+        k2 = ctx.op("Mul", [k1, ctx.op("Div", [mean_dyc, cache["var_eps"]])])
+        k3 = ctx.op("Mul", [k1, mean_dy])
+        scaled = ctx.op("Sub", [ctx.op("Mul", [dy, k1]), k3])
+        return ctx.op("Sub", [scaled, ctx.op("Mul", [cache["centered"], k2])], like=x)
 
     def grad_scale() -> ir.Value:
         _, sum_dyc, inv = sums()
