@@ -41,6 +41,16 @@ def _rows(ctx: RuleContext, value: ir.Value, width: Any) -> ir.Value:
     return ctx.op("Reshape", [value, shape])
 
 
+def _target_shape(ctx: RuleContext, value: ir.Value) -> ir.Value:
+    """``value``'s shape as a Reshape target: a constant when at most one dim is unknown (-1 stands
+    for it, e.g. a symbolic batch), else computed by Shape."""
+    dims = list(value.shape)
+    unknown = [i for i, d in enumerate(dims) if not isinstance(d, int)]
+    if len(unknown) <= 1 and 0 not in dims:
+        return ctx.const([-1 if i in unknown else d for i, d in enumerate(dims)])
+    return ctx.shape_of(value)
+
+
 @register("MatMul")
 def _matmul(ctx: RuleContext) -> list[ir.Value | None]:
     # numpy matmul semantics: a 1-D operand is promoted to a matrix (a row for the left, a column
@@ -84,8 +94,9 @@ def _matmul(ctx: RuleContext) -> list[ir.Value | None]:
 def _matmul_by_matrix(ctx: RuleContext, a: ir.Value, b: ir.Value) -> list[ir.Value | None]:
     """Y = A @ W with A (..., K) and a 2-D W (K, N): a Linear layer on (batch, time, features).
 
-    dA = dY @ W^T: one MatMul, which onnxruntime runs as a single GEMM over the flattened rows
-    when its right operand is 2-D. dW = A^T dY summed over every leading dim: the rows of A and dY
+    dA = dY @ W^T: a MatMul with W itself when the forward's W is ``Transpose(W0)`` (exporters'
+    ``x @ W0.T``), else one Gemm with transB=1 over the rows of dY; no transpose kernel either way,
+    and onnxruntime runs each as one GEMM over the flattened rows. dW = A^T dY summed over every leading dim: the rows of A and dY
     flattened to (M, K) and (M, N) by free Reshapes and ONE Gemm with transA=1 (cuBLAS reads A
     transposed in place), instead of a batched product per leading index and a ReduceSum over them.
     """
@@ -98,7 +109,10 @@ def _matmul_by_matrix(ctx: RuleContext, a: ir.Value, b: ir.Value) -> list[ir.Val
             return ctx.op("MatMul", [dy, w], like=a)
         if ctx.rank(a) == 2:
             return ctx.op("Gemm", [dy, b], {"transB": 1}, like=a)
-        return ctx.op("MatMul", [dy, _swap_last_two(ctx, b, 2)], like=a)
+        # Rows of dY times W^T (transB: no transpose kernel), back to A's shape.
+        rows = ctx.op("Gemm", [_rows(ctx, dy, n_dim), b], {"transB": 1})
+        # allowzero: a literal 0 dim (empty batch) stays 0 rather than copying a dim of `rows`.
+        return ctx.op("Reshape", [rows, _target_shape(ctx, a)], {"allowzero": 1}, like=a)
 
     def grad_b() -> ir.Value:
         if ctx.rank(a) == 2:
