@@ -172,8 +172,8 @@ def _weight_grad_by_gemm(
     cuBLAS runs these long-K products at full speed (split-K), where the Conv formulation makes
     cuDNN run an "fprop" whose kernel is the whole output gradient. X is transposed to
     (Cin, N, ...) and padded once, dY transposed to (Cout, N*P) once; each tap costs a strided
-    Slice of X (a copy of X's size) and a Gemm with transB=1. A 1x1 kernel at stride 1 needs no
-    Slice. None where it does not apply (groups, dynamic spatial dims or pads): the Conv form then.
+    Slice of X (a copy of X's size) and a Gemm with transB=1; a tap that reads exactly the unpadded
+    input (a 1x1 kernel at stride 1, the centre tap of a 'same' convolution) needs no Slice. None where it does not apply (groups, dynamic spatial dims or pads): the Conv form then.
     """
     begin, end = pads
     kernel = None if w.shape is None else _static(list(w.shape)[2:])
@@ -187,16 +187,18 @@ def _weight_grad_by_gemm(
     # Padded length each tap's window must fit in: (O - 1) * s + (kernel - 1) * d + 1.
     need = [(o - 1) * s + (kk - 1) * d + 1 for o, s, kk, d in zip(outs, strides, kernel, dilations)]
     end = [max(e, n - i - b) for e, n, i, b in zip(end, need, ins, begin)]
-    xt = ctx.op("Transpose", [x], {"perm": [1, 0, *spatial]})  # (Cin, N, D...)
+    unpadded = ctx.op("Transpose", [x], {"perm": [1, 0, *spatial]})  # (Cin, N, D...)
+    xt = unpadded
     if any(begin) or any(end):
         xt = ctx.op("Pad", [xt, ctx.const([0, 0, *begin, 0, 0, *end])])
     rows = ctx.const([0, -1])  # (C, N, ...) -> (C, N*P); 0 copies C, -1 takes the rest
     dyt = ctx.op("Reshape", [ctx.op("Transpose", [dy], {"perm": [1, 0, *spatial]}), rows])  # (Cout, N*P)
-    whole = all(kk == 1 for kk in kernel) and all(s == 1 for s in strides) and list(ins) == list(outs)
+    same_size = all(s == 1 for s in strides) and list(ins) == list(outs)
     taps = []
     for tap in itertools.product(*(range(kk) for kk in kernel)):
-        if whole:
-            window = xt
+        if same_size and all(t * d == b for t, d, b in zip(tap, dilations, begin)):
+            # This tap reads exactly the unpadded input (the centre of a 'same' conv, or a 1x1).
+            window = unpadded
         else:
             starts = [t * d for t, d in zip(tap, dilations)]
             ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, outs, strides)]
