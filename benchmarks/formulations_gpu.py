@@ -276,7 +276,7 @@ def _time(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], args) -> tuple[d
         started = time.perf_counter()
         session.run_with_iobinding(binding)  # returns when the device is done
         times.append((time.perf_counter() - started) * 1e3)
-    outputs = [v.numpy() for v in binding.get_outputs()]
+    outputs = binding.copy_outputs_to_cpu()
     times.sort()
     stats = {
         "median_ms": round(statistics.median(times), 4),
