@@ -35,7 +35,6 @@ of the case (the same math: expect ~1e-6 in float32, ~1e-3 with TF32).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
