@@ -248,6 +248,10 @@ SPECS = [
     Spec("LayerNormalization", [(2, 3, 4), (3, 4)], {"axis": 1, "epsilon": 0.1}, name="-axis1-no-bias"),
     Spec("LayerNormalization", [(2, 3, 4), (4,), (1,)], outputs=3, loss_outputs=(0,), name="-stats-given"),
     Spec("LayerNormalization", [(4, 6), (6,), (6,)], dtype=np.float32, eps=1e-2, rtol=2e-3, name="-float32"),
+    # BatchNormalization in inference mode (transpiler/batchnorm.py feeds it the batch statistics;
+    # that pattern's training-mode gradient is checked in tests/test_batchnorm_formulation.py).
+    Spec("BatchNormalization", [(2, 3, 4, 5), (3,), (3,), (3,), (3,)], ranges={4: POSITIVE}),
+    Spec("BatchNormalization", [(4, 3), (3,), (3,), (3,), (3,)], {"epsilon": 0.1}, ranges={4: POSITIVE}),
     Spec("Dropout", [(3, 4)], name="-inference"),
     Spec("Dropout", [(3, 4), np.array(0.0), np.array(True)], outputs=2, name="-ratio0-training"),
     Spec("Dropout", [(3, 4), np.array(0.5), np.array(False)], name="-training-off"),

@@ -8,6 +8,16 @@ Why decompose rather than differentiate the BatchNormalization op:
   all-reduce-mean is an all-reduce-mean of the cotangents);
 - the gradient comes from the primitive rules, each finite-difference checked.
 
+The default ("fused") form keeps the statistics as primitives (ReduceMean of x; ReduceMean of the
+squared centered x: the exact two-pass variance) and normalizes with ONE BatchNormalization node in
+inference mode fed those statistics, which onnxruntime runs as one kernel on CPU and CUDA (cuDNN)
+at any opset. Its gradient rule (autodiff/rules/normalization.py) recognizes that pattern and
+writes PyTorch's training-mode backward: two reductions (sum dy, sum dy * (x - mean)) and
+elementwise ops, all-reducing the two per-channel means with ``--sync-bn``. The "primitive" form
+(normalization as Sub/Mul/Add too; its backward has about four reductions and two Expands per BN)
+is kept for epsilon below cuDNN's minimum, which onnxruntime's CUDA kernel would clamp, and for
+benchmarks/formulations_gpu.py.
+
 Semantics are PyTorch's ``model.train()`` whatever mode the exporter used: normalize with the batch
 mean and biased variance; update the running statistics as
 ``running = momentum_onnx * running + (1 - momentum_onnx) * batch_stat`` where the running variance
@@ -42,6 +52,9 @@ class Buffer:
     update: ir.Value
 
 
+_FUSED_SUFFIX = "/batch_statistics"
+
+
 class _Emitter:
     def __init__(self, node: ir.Node):
         self.node = node
@@ -49,8 +62,9 @@ class _Emitter:
         self.prefix = f"{node.name or 'BatchNormalization'}/decomposed"
 
     def op(self, op_type: str, inputs, attributes=None, *, domain: str = "", num_outputs: int = 1) -> ir.Value:
+        suffix = _FUSED_SUFFIX if op_type == "BatchNormalization" else ""
         node = ir.node(op_type, inputs, attributes, domain=domain, num_outputs=num_outputs,
-                       name=f"{self.prefix}/{op_type}_{len(self.nodes)}")
+                       name=f"{self.prefix}/{op_type}_{len(self.nodes)}{suffix}")
         self.nodes.append(node)
         return node.outputs[0]
 
@@ -65,21 +79,38 @@ def _attr(node: ir.Node, name: str, default):
     return default if attr is None else attr.value
 
 
-def decompose_batchnorm(model: ir.Model, *, world_size: int = 1) -> tuple[ir.Model, list[Buffer]]:
-    """Replace every BatchNormalization node by primitives; ``world_size > 1`` all-reduces the statistics.
+# onnxruntime's CUDA BatchNormalization clamps epsilon up to cuDNN's minimum (CUDNN_BN_MIN_EPSILON):
+# a smaller epsilon keeps the primitive normalization, which computes it as given.
+CUDNN_MIN_EPSILON = 1e-5
+FORMULATIONS = ("fused", "primitive")
+
+
+def decompose_batchnorm(
+    model: ir.Model, *, world_size: int = 1, formulation: str = "fused"
+) -> tuple[ir.Model, list[Buffer]]:
+    """Replace every BatchNormalization node by its training form; ``world_size > 1`` all-reduces the statistics.
+
+    ``formulation``: "fused" (default) computes the batch statistics with primitives and
+    normalizes with an inference-mode BatchNormalization node fed those statistics (one kernel;
+    its gradient rule needs two reductions); "primitive" (the former form, kept for comparison
+    and benchmarks/formulations_gpu.py) normalizes with primitives too.
 
     Returns the model (re-typed by shape inference when anything changed: autodiff needs the types
     of the new values) and the running-statistics updates, for the caller to wire as state.
     """
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     graph = model.graph
-    nodes = [n for n in graph if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
+    # (Nodes this function wrote, on a model it already decomposed, are not training BNs again.)
+    nodes = [n for n in graph if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")
+             and not (n.name or "").endswith(_FUSED_SUFFIX)]
     if not nodes:
         return model, []
     names = []
     if world_size > 1:
         graph.opset_imports[DOMAIN] = VERSION
     for node in nodes:
-        names.extend((b.name, b.update.name) for b in _decompose(graph, node, world_size))
+        names.extend((b.name, b.update.name) for b in _decompose(graph, node, world_size, formulation))
     # Shape inference through a proto round trip; the collectives' outputs carry explicit types.
     proto = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(model), data_prop=True)
     model = ir.serde.deserialize_model(proto)
@@ -87,7 +118,7 @@ def decompose_batchnorm(model: ir.Model, *, world_size: int = 1) -> tuple[ir.Mod
     return model, [Buffer(name, values[update]) for name, update in names]
 
 
-def _decompose(graph: ir.Graph, node: ir.Node, world_size: int) -> list[Buffer]:
+def _decompose(graph: ir.Graph, node: ir.Node, world_size: int, formulation: str) -> list[Buffer]:
     x, scale, bias, running_mean, running_var = node.inputs[:5]
     if node.outputs[0].is_graph_output():
         raise TranspileError(f"node '{node.name}' (BatchNormalization): its output is a graph output; not supported")
@@ -118,10 +149,21 @@ def _decompose(graph: ir.Graph, node: ir.Node, world_size: int) -> list[Buffer]:
     mean = synced(e.op("ReduceMean", [x, axes], {"keepdims": 1}))
     centered = e.op("Sub", [x, mean])
     var = synced(e.op("ReduceMean", [e.op("Mul", [centered, centered]), axes], {"keepdims": 1}))
-    inv_std = e.op("Div", [e.const(np.array(1, dtype)), e.op("Sqrt", [e.op("Add", [var, e.const(np.array(eps, dtype))])])])
-    shape = e.const(np.array(stat_shape, dtype=np.int64))
-    y = e.op("Add", [e.op("Mul", [e.op("Mul", [centered, inv_std]), e.op("Reshape", [scale, shape])]),
-                     e.op("Reshape", [bias, shape])])
+    # (Compared in float32: the attribute is a float32, and float32(1e-5) < 1e-5.)
+    if formulation == "fused" and np.float32(eps) >= np.float32(CUDNN_MIN_EPSILON):
+        # Normalize and scale in one kernel: BatchNormalization in inference mode, fed the batch
+        # statistics. Its gradient rule (autodiff/rules/normalization.py) recognizes this pattern
+        # and differentiates through the statistics with two reductions (sum dy, sum dy*(x-mean)).
+        flat = e.const(np.array([channels], dtype=np.int64))
+        y = e.op("BatchNormalization", [x, scale, bias, e.op("Reshape", [mean, flat]), e.op("Reshape", [var, flat])],
+                 {"epsilon": eps})
+    else:
+        # Primitives only; the primitives' rules give the gradient (more reductions and kernels).
+        inv_std = e.op("Div", [e.const(np.array(1, dtype)),
+                               e.op("Sqrt", [e.op("Add", [var, e.const(np.array(eps, dtype))])])])
+        shape = e.const(np.array(stat_shape, dtype=np.int64))
+        y = e.op("Add", [e.op("Mul", [e.op("Mul", [centered, inv_std]), e.op("Reshape", [scale, shape])]),
+                         e.op("Reshape", [bias, shape])])
 
     buffers = []
     if running_mean is not None and running_var is not None:

@@ -103,9 +103,21 @@ class _Backward:
         for value in self.wrt:
             if value not in self.published:  # off the path: its gradient is zero
                 self._publish(value, None)
+        self._drop_superseded()
         positions = {node: i for i, node in enumerate(self.graph)}
         order = sorted(self.wrt, key=lambda v: positions[self.published[v].producer()])
         return Gradients(grads={v: self.published[v] for v in self.wrt}, order=order)
+
+    def _drop_superseded(self) -> None:
+        """Remove backward nodes nothing reads: ones a later rule replaced by a cheaper equivalent
+        (``RuleContext.backward_producer``). Published gradients and graph outputs are kept."""
+        published = set(self.published.values())
+        for node in reversed(list(self.graph)):
+            if node in self.emitter.created and not any(
+                out.uses() or out.is_graph_output() or out in published for out in node.outputs
+            ):
+                self.graph.remove(node, safe=True)
+                self.emitter.created.discard(node)
 
     def _apply_rule(self, node: ir.Node, dys: list[ir.Value | None], slots: list[int]) -> None:
         ctx = RuleContext(self.emitter, node, dys, slots)

@@ -244,6 +244,17 @@ class RuleContext:
                 value.shape = ir.Shape(list(shape))
         return value
 
+    def backward_producer(self, value: ir.Value) -> ir.Node | None:
+        """The backward node that computed ``value`` when no other node reads it yet, else None.
+
+        A rule may then compute ``value``'s consumer in a cheaper equivalent form (the transpose of
+        a Gemm as a Gemm with swapped operands); the superseded node is dropped at the end.
+        """
+        producer = value.producer()
+        if producer is None or producer not in self._emitter.created or value.uses() or value.is_graph_output():
+            return None
+        return producer
+
     def const_input(self, index: int) -> np.ndarray | None:
         """Input ``index`` as a numpy array when it is a constant (initializer or Constant), else None."""
         if index >= len(self.node.inputs) or self.node.inputs[index] is None:
@@ -293,9 +304,16 @@ def unbroadcast(ctx: RuleContext, grad: ir.Value, like: ir.Value) -> ir.Value:
     if axes is None:
         return _dynamic_unbroadcast(ctx, grad, like)
     lead, keep = axes
-    if keep:
+    if lead and keep:
+        # One reduction over every broadcast axis (one kernel, one pass over grad), then a Reshape
+        # (free: it only relabels the dims) drops the leading ones.
+        summed = ctx.op("ReduceSum", [grad, ctx.const(lead + keep)], {"keepdims": 1})
+        grad = ctx.op("Reshape", [summed, ctx.shape_of(like)], like=like)
+    elif keep:
         grad = ctx.op("ReduceSum", [grad, ctx.const(keep)], {"keepdims": 1})
-    if lead:
+    elif lead:
+        # Leading axes only (a bias [C] of a [B, T, C] sum): onnxruntime runs this as one
+        # reduction over the B*T rows of a [B*T, C] matrix.
         grad = ctx.op("ReduceSum", [grad, ctx.const(lead)], {"keepdims": 0})
     annotate(grad, like)
     return grad

@@ -42,12 +42,18 @@ def _claim(op_type: str) -> None:
         raise ValueError(f"op type {op_type!r} already has a gradient rule or is marked non-differentiable")
 
 
-def register(*op_types: str, inputs: Sequence[int] | None = None) -> Callable[[Rule], Rule]:
+def register(
+    *op_types: str, inputs: Sequence[int] | Callable[[ir.Node], Sequence[int]] | None = None
+) -> Callable[[Rule], Rule]:
     """Register ``fn(ctx) -> [grad of input 0, grad of input 1, ...]`` for ``op_types``.
 
-    ``inputs`` lists the input indices that can receive a gradient; ``None`` means all of them.
+    ``inputs`` lists the input indices that can receive a gradient; ``None`` means all of them; a
+    callable decides per node (BatchNormalization fed with its own batch statistics differentiates
+    through them itself, so those inputs pass nothing).
     """
-    if inputs is None:
+    if callable(inputs):
+        selector = inputs
+    elif inputs is None:
 
         def selector(node: ir.Node) -> Sequence[int]:
             return range(len(node.inputs))

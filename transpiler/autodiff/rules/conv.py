@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -143,6 +144,86 @@ def _weight_grad(
     group: int,
 ) -> ir.Value:
     """dW of Y = Conv(X, W): X (N, Cin, ...), dY (N, Cout, ...), W (Cout, Cin/g, k...)."""
+    if WEIGHT_GRAD == "gemm":
+        by_gemm = _weight_grad_by_gemm(ctx, x, dy, w, strides, dilations, pads, group)
+        if by_gemm is not None:
+            return by_gemm
+    return _weight_grad_by_conv(ctx, x, dy, w, strides, dilations, pads, group)
+
+
+# "gemm": one GEMM per kernel tap where it applies (group 1, static shapes), else "conv"; "conv":
+# always the Conv over transposed tensors. A module setting for benchmarks/formulations_gpu.py.
+WEIGHT_GRAD = "gemm"
+
+
+def _weight_grad_by_gemm(
+    ctx: RuleContext,
+    x: ir.Value,
+    dy: ir.Value,
+    w: ir.Value,
+    strides: list[int],
+    dilations: list[int],
+    pads: tuple[list[int] | ir.Value, list[int] | ir.Value],
+    group: int,
+) -> ir.Value | None:
+    """dW[o, c, t] = sum over (n, p) of dY[n, o, p] * Xpad[n, c, p*s + t*d]: for each kernel tap t,
+    one GEMM (Cout, N*P) x (N*P, Cin) of dY with the strided window of X that tap reads.
+
+    cuBLAS runs these long-K products at full speed (split-K), where the Conv formulation makes
+    cuDNN run an "fprop" whose kernel is the whole output gradient. X is transposed to
+    (Cin, N, ...) and padded once, dY transposed to (Cout, N*P) once; each tap costs a strided
+    Slice of X (a copy of X's size) and a Gemm with transB=1; a tap that reads exactly the unpadded
+    input (a 1x1 kernel at stride 1, the centre tap of a 'same' convolution) needs no Slice. None where it does not apply (groups, dynamic spatial dims or pads): the Conv form then.
+    """
+    begin, end = pads
+    kernel = None if w.shape is None else _static(list(w.shape)[2:])
+    ins, outs = _spatial(x), _spatial(dy)
+    if group != 1 or kernel is None or ins is None or outs is None:
+        return None
+    if not (isinstance(begin, list) and isinstance(end, list)):
+        return None
+    k = len(strides)
+    spatial = list(range(2, k + 2))
+    # Padded length each tap's window must fit in: (O - 1) * s + (kernel - 1) * d + 1.
+    need = [(o - 1) * s + (kk - 1) * d + 1 for o, s, kk, d in zip(outs, strides, kernel, dilations)]
+    end = [max(e, n - i - b) for e, n, i, b in zip(end, need, ins, begin)]
+    unpadded = ctx.op("Transpose", [x], {"perm": [1, 0, *spatial]})  # (Cin, N, D...)
+    xt = unpadded
+    if any(begin) or any(end):
+        xt = ctx.op("Pad", [xt, ctx.const([0, 0, *begin, 0, 0, *end])])
+    rows = ctx.const([0, -1])  # (C, N, ...) -> (C, N*P); 0 copies C, -1 takes the rest
+    dyt = ctx.op("Reshape", [ctx.op("Transpose", [dy], {"perm": [1, 0, *spatial]}), rows])  # (Cout, N*P)
+    same_size = all(s == 1 for s in strides) and list(ins) == list(outs)
+    taps = []
+    for tap in itertools.product(*(range(kk) for kk in kernel)):
+        if same_size and all(t * d == b for t, d, b in zip(tap, dilations, begin)):
+            # This tap reads exactly the unpadded input (the centre of a 'same' conv, or a 1x1).
+            window = unpadded
+        else:
+            starts = [t * d for t, d in zip(tap, dilations)]
+            ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, outs, strides)]
+            window = ctx.op(
+                "Slice", [xt, ctx.const(starts), ctx.const(ends), ctx.const(spatial), ctx.const(strides)]
+            )
+        gemm = ctx.op("Gemm", [dyt, ctx.op("Reshape", [window, rows])], {"transB": 1})  # (Cout, Cin)
+        taps.append(gemm)
+    if len(taps) == 1:
+        return ctx.op("Reshape", [taps[0], ctx.shape_of(w)], like=w)
+    last = ctx.const([2])
+    stacked = ctx.op("Concat", [ctx.op("Unsqueeze", [t, last]) for t in taps], {"axis": 2})  # (Cout, Cin, taps)
+    return ctx.op("Reshape", [stacked, ctx.shape_of(w)], like=w)
+
+
+def _weight_grad_by_conv(
+    ctx: RuleContext,
+    x: ir.Value,
+    dy: ir.Value,
+    w: ir.Value,
+    strides: list[int],
+    dilations: list[int],
+    pads: tuple[list[int] | ir.Value, list[int] | ir.Value],
+    group: int,
+) -> ir.Value:
     k = len(strides)
     spatial = list(range(2, k + 2))
     if group == 1:

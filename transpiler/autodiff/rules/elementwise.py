@@ -115,10 +115,13 @@ def _sqrt(ctx: RuleContext, y: ir.Value) -> ir.Value:
     return ctx.op("Div", [ctx.scalar(0.5, like=y), y])
 
 
-@unary_from_output("Relu")
-def _relu(ctx: RuleContext, y: ir.Value) -> ir.Value:
-    # The subgradient at 0 is taken as 0, as PyTorch does.
-    return ctx.op("Cast", [ctx.op("Greater", [y, ctx.scalar(0, like=y)])], {"to": ctx.dtype(y)})
+@register("Relu", inputs=(0,))
+def _relu(ctx: RuleContext) -> list[ir.Value | None]:
+    # dy where the output is positive, else 0 (the subgradient at 0 is taken as 0, as PyTorch's
+    # threshold_backward does): two kernels (Greater, Where) rather than a mask Cast and a Mul.
+    y = ctx.output
+    zero = ctx.scalar(0, like=y)
+    return ctx.wanted_grads(lambda: ctx.op("Where", [ctx.op("Greater", [y, zero]), ctx.dy, zero], like=y))
 
 
 @unary_from_output("Tanh")

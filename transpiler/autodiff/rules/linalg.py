@@ -19,6 +19,38 @@ def _swap_last_two(ctx: RuleContext, value: ir.Value, rank: int) -> ir.Value:
     return ctx.op("Transpose", [value], {"perm": perm})
 
 
+def _transposed_2d(ctx: RuleContext, value: ir.Value) -> ir.Value | None:
+    """``W`` when the 2-D ``value`` is the forward's ``Transpose(W)`` (how exporters write
+    ``x @ W.T``): its transpose then costs no kernel. None otherwise."""
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Transpose" and producer.domain in ("", "ai.onnx"):
+        perm = producer.attributes.get_ints("perm", None)
+        source = producer.inputs[0]
+        if (perm is None or list(perm) == [1, 0]) and source is not None and source.shape is not None \
+                and source.shape.rank() == 2:
+            return source
+    return None
+
+
+def _rows(ctx: RuleContext, value: ir.Value, width: Any) -> ir.Value:
+    """``value`` (..., width) viewed as a (rows, width) matrix: a Reshape, which copies nothing."""
+    if isinstance(width, int):
+        shape = ctx.const([-1, width])
+    else:
+        shape = ctx.op("Concat", [ctx.const([-1]), ctx.shape_of(value, -1)], {"axis": 0})
+    return ctx.op("Reshape", [value, shape])
+
+
+def _target_shape(ctx: RuleContext, value: ir.Value) -> ir.Value:
+    """``value``'s shape as a Reshape target: a constant when at most one dim is unknown (-1 stands
+    for it, e.g. a symbolic batch), else computed by Shape."""
+    dims = list(value.shape)
+    unknown = [i for i, d in enumerate(dims) if not isinstance(d, int)]
+    if len(unknown) <= 1 and 0 not in dims:
+        return ctx.const([-1 if i in unknown else d for i, d in enumerate(dims)])
+    return ctx.shape_of(value)
+
+
 @register("MatMul")
 def _matmul(ctx: RuleContext) -> list[ir.Value | None]:
     # numpy matmul semantics: a 1-D operand is promoted to a matrix (a row for the left, a column
@@ -26,6 +58,8 @@ def _matmul(ctx: RuleContext) -> list[ir.Value | None]:
     # Differentiate the promoted product, then unbroadcast and drop the promoted axes again.
     a, b = ctx.inputs
     rank_a, rank_b = ctx.rank(a), ctx.rank(b)
+    if rank_b == 2 and rank_a >= 2:
+        return _matmul_by_matrix(ctx, a, b)
     a2 = a if rank_a >= 2 else ctx.op("Unsqueeze", [a, ctx.const([0])], shape=[1, *a.shape])
     b2 = b if rank_b >= 2 else ctx.op("Unsqueeze", [b, ctx.const([-1])], shape=[*b.shape, 1])
 
@@ -53,6 +87,38 @@ def _matmul(ctx: RuleContext) -> list[ir.Value | None]:
         db = ctx.op("MatMul", [_swap_last_two(ctx, a2, max(rank_a, 2)), dy], shape=shape)
         db = unbroadcast(ctx, db, b2)
         return db if rank_b >= 2 else ctx.op("Squeeze", [db, ctx.const([-1])], like=b)
+
+    return ctx.wanted_grads(grad_a, grad_b)
+
+
+def _matmul_by_matrix(ctx: RuleContext, a: ir.Value, b: ir.Value) -> list[ir.Value | None]:
+    """Y = A @ W with A (..., K) and a 2-D W (K, N): a Linear layer on (batch, time, features).
+
+    dA = dY @ W^T: a MatMul with W itself when the forward's W is ``Transpose(W0)`` (exporters'
+    ``x @ W0.T``), else one Gemm with transB=1 over the rows of dY; no transpose kernel either way,
+    and onnxruntime runs each as one GEMM over the flattened rows. dW = A^T dY summed over every leading dim: the rows of A and dY
+    flattened to (M, K) and (M, N) by free Reshapes and ONE Gemm with transA=1 (cuBLAS reads A
+    transposed in place), instead of a batched product per leading index and a ReduceSum over them.
+    """
+    dy = ctx.dy
+    k_dim, n_dim = list(b.shape)
+
+    def grad_a() -> ir.Value:
+        w = _transposed_2d(ctx, b)
+        if w is not None:
+            return ctx.op("MatMul", [dy, w], like=a)
+        if ctx.rank(a) == 2:
+            return ctx.op("Gemm", [dy, b], {"transB": 1}, like=a)
+        # Rows of dY times W^T (transB: no transpose kernel), back to A's shape.
+        rows = ctx.op("Gemm", [_rows(ctx, dy, n_dim), b], {"transB": 1})
+        # allowzero: a literal 0 dim (empty batch) stays 0 rather than copying a dim of `rows`.
+        return ctx.op("Reshape", [rows, _target_shape(ctx, a)], {"allowzero": 1}, like=a)
+
+    def grad_b() -> ir.Value:
+        if ctx.rank(a) == 2:
+            return ctx.op("Gemm", [a, dy], {"transA": 1}, like=b)
+        rows_a, rows_dy = _rows(ctx, a, k_dim), _rows(ctx, dy, n_dim)
+        return ctx.op("Gemm", [rows_a, rows_dy], {"transA": 1}, like=b)
 
     return ctx.wanted_grads(grad_a, grad_b)
 

@@ -21,6 +21,18 @@ def _restore_shape(ctx: RuleContext, dy: ir.Value) -> ir.Value:
 def _transpose(ctx: RuleContext, dy: ir.Value) -> ir.Value:
     x = ctx.inputs[0]
     perm = ctx.node.attributes.get_ints("perm")
+    gemm = ctx.backward_producer(dy)
+    if gemm is not None and gemm.op_type == "Gemm" and len(gemm.inputs) == 2 and ctx.rank(x) == 2:
+        # (op(A) op(B))^T = op(B)^T op(A)^T: the weight gradient of `x @ Transpose(W)` comes out as
+        # dW directly, with no transpose kernel (the trans flags are free in cuBLAS).
+        attributes = gemm.attributes
+        a, b = gemm.inputs
+        flags = {
+            "alpha": attributes.get_float("alpha", 1.0),
+            "transA": 1 - attributes.get_int("transB", 0),
+            "transB": 1 - attributes.get_int("transA", 0),
+        }
+        return ctx.op("Gemm", [b, a], flags, like=x)
     if perm is None:
         # The default perm reverses the axes, and reversing is its own inverse.
         return ctx.op("Transpose", [dy], like=x)

@@ -1,0 +1,227 @@
+"""The fast backward formulations: same gradients as the former ones and as finite differences, and
+the graph shape that makes them fast (one Gemm per Linear weight, two reductions per BatchNorm).
+
+- Linear on (batch, time, features): dW is one Gemm over the flattened rows; with the exporters'
+  ``x @ Transpose(W)`` no transpose kernel is left in the backward.
+- BatchNormalization (transpiler/batchnorm.py "fused"): the inference-mode BatchNormalization fed
+  the batch statistics; its rule gives the training-mode gradient, equal to the gradient of the
+  all-primitive form and to central differences (float64), with two backward reductions.
+- Conv: the per-tap Gemm weight gradient equals the Conv formulation, and is used exactly where it
+  applies (group 1, static shapes).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from transpiler.autodiff import build_gradients
+from transpiler.autodiff.rules import conv as conv_rules
+from transpiler.batchnorm import decompose_batchnorm
+
+
+def _session(proto: onnx.ModelProto) -> ort.InferenceSession:
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _differentiate(proto: onnx.ModelProto, wrt: list[str], *, bn: str | None = None):
+    """(model with loss and grad outputs, backward op counts)."""
+    model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto, strict_mode=True))
+    if bn is not None:
+        model, _ = decompose_batchnorm(model, formulation=bn)
+    graph = model.graph
+    values = {v.name: v for v in [*graph.inputs, *graph.initializers.values()]}
+    forward = set(graph)
+    result = build_gradients(graph, graph.outputs[0], [values[n] for n in wrt])
+    graph.outputs.extend(result.grads[values[n]] for n in wrt)
+    backward = Counter(node.op_type for node in graph if node not in forward)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out)
+    return out, backward, Counter(node.op_type for node in graph)
+
+
+def _check_vjp(proto, feeds, wrt, grads, eps, rtol):
+    """<t, grad> == d/ds loss(x + s t) by central differences, along a random direction t."""
+    session = _session(proto)
+    rng = np.random.default_rng(1)
+    direction = {n: rng.standard_normal(feeds[n].shape) for n in wrt}
+    vjp = sum(float(np.sum(direction[n] * g)) for n, g in zip(wrt, grads))
+
+    def loss(step):
+        moved = {k: (v + step * direction[k]).astype(v.dtype) if k in direction else v for k, v in feeds.items()}
+        return float(session.run([proto.graph.output[0].name], moved)[0])
+
+    np.testing.assert_allclose(vjp, (loss(eps) - loss(-eps)) / (2 * eps), rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["x@W", "x@Transpose(W)"])
+@pytest.mark.parametrize("batch", [3, "batch"], ids=["static", "symbolic"])
+def test_linear_weight_gradient_is_one_gemm(transposed, batch):
+    w_shape = [5, 4] if transposed else [4, 5]
+    nodes = []
+    if transposed:
+        nodes.append(onnx.helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]))
+    nodes += [
+        onnx.helper.make_node("MatMul", ["x", "wt" if transposed else "w"], ["h"]),
+        onnx.helper.make_node("Add", ["h", "b"], ["y"]),
+        onnx.helper.make_node("Mul", ["y", "c"], ["yc"]),
+        onnx.helper.make_node("ReduceSum", ["yc"], ["loss"], keepdims=0),
+    ]
+    f64 = onnx.TensorProto.DOUBLE
+    graph = onnx.helper.make_graph(
+        nodes, "linear",
+        [onnx.helper.make_tensor_value_info("x", f64, [batch, 2, 4]),
+         onnx.helper.make_tensor_value_info("w", f64, w_shape),
+         onnx.helper.make_tensor_value_info("b", f64, [5]),
+         onnx.helper.make_tensor_value_info("c", f64, [batch, 2, 5])],
+        [onnx.helper.make_tensor_value_info("loss", f64, [])],
+    )
+    proto = onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    wrt = ["x", "w", "b"]
+    out, backward, _ = _differentiate(proto, wrt)
+    # dW: one Gemm; dX: one MatMul (with W itself) or Gemm (transB); dB: one ReduceSum (the loss's
+    # ReduceSum transposes to an Expand); no Transpose kernel, no batched product and reduction.
+    assert backward["Gemm"] + backward["MatMul"] == 2 and backward["Gemm"] >= 1
+    assert backward["Transpose"] == 0
+    assert backward["ReduceSum"] == 1
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((3, 2, 4)), "w": rng.standard_normal(w_shape),
+             "b": rng.standard_normal(5), "c": rng.standard_normal((3, 2, 5))}
+    grads = _session(out).run([f"grad.{n}" for n in wrt], feeds)
+    x, w, c = feeds["x"], feeds["w"], feeds["c"]
+    weight = w.T if transposed else w
+    np.testing.assert_allclose(grads[0], c @ weight.T, rtol=1e-12)
+    expected_w = np.einsum("btk,btn->kn", x, c)
+    np.testing.assert_allclose(grads[1], expected_w.T if transposed else expected_w, rtol=1e-12)
+    np.testing.assert_allclose(grads[2], c.sum(axis=(0, 1)), rtol=1e-12)
+    _check_vjp(out, feeds, wrt, grads, 1e-6, 1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# BatchNormalization
+
+
+def _bn_model(shape, dtype=onnx.TensorProto.DOUBLE):
+    channels = shape[1]
+    np_dtype = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    nodes = [
+        onnx.helper.make_node("BatchNormalization", ["x", "scale", "bias", "rm", "rv"], ["y"], name="bn",
+                              epsilon=1e-5, momentum=0.9),
+        onnx.helper.make_node("Mul", ["y", "c"], ["yc"]),
+        onnx.helper.make_node("ReduceSum", ["yc"], ["loss"], keepdims=0),
+    ]
+    inits = [onnx.numpy_helper.from_array(np.zeros(channels, np_dtype), "rm"),
+             onnx.numpy_helper.from_array(np.ones(channels, np_dtype), "rv")]
+    graph = onnx.helper.make_graph(
+        nodes, "bn",
+        [onnx.helper.make_tensor_value_info("x", dtype, ["n", *shape[1:]]),
+         onnx.helper.make_tensor_value_info("scale", dtype, [channels]),
+         onnx.helper.make_tensor_value_info("bias", dtype, [channels]),
+         onnx.helper.make_tensor_value_info("c", dtype, ["n", *shape[1:]])],
+        [onnx.helper.make_tensor_value_info("loss", dtype, [])],
+        inits,
+    )
+    return onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 4)], ids=["2d", "1d"])
+def test_batchnorm_fused_gradient_equals_primitive_and_finite_differences(shape):
+    proto = _bn_model(shape)
+    wrt = ["x", "scale", "bias"]
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal(shape) * 2 + 1, "scale": rng.uniform(0.5, 2, shape[1]),
+             "bias": rng.standard_normal(shape[1]), "c": rng.standard_normal(shape)}
+    fused, backward, everything = _differentiate(proto, wrt, bn="fused")
+    primitive, _, _ = _differentiate(proto, wrt, bn="primitive")
+    assert everything["BatchNormalization"] == 1
+    # Forward: two ReduceMeans (mean, variance); backward: sum(dy), sum(dy * (x - mean)), plus
+    # the loss scaffolding's ReduceSum transpose (an Expand, no reduction).
+    assert everything["ReduceMean"] == 2
+    assert backward["ReduceSum"] == 2 and backward["ReduceMean"] == 0
+    names = ["loss"] + [f"grad.{n}" for n in wrt]
+    got = _session(fused).run(names, feeds)
+    want = _session(primitive).run(names, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    _check_vjp(fused, feeds, wrt, got[1:], 1e-6, 1e-7)
+
+
+def test_batchnorm_small_epsilon_keeps_primitives():
+    """onnxruntime's CUDA kernel clamps epsilon to cuDNN's 1e-5: a smaller one stays exact as primitives."""
+    proto = _bn_model((4, 3, 2, 2))
+    proto.graph.node[0].attribute[0].f = 1e-6
+    _, _, everything = _differentiate(proto, ["x", "scale", "bias"], bn="fused")
+    assert everything["BatchNormalization"] == 0
+
+
+def test_inference_batchnorm_fed_other_statistics_passes_them_gradients():
+    """A BatchNormalization whose mean/var are not its input's batch statistics is an ordinary
+    inference-mode op: its statistics inputs get their gradients (the rule's spec checks the math)."""
+    from transpiler.autodiff.rules.normalization import batch_statistics
+
+    proto = _bn_model((4, 3, 2, 2))
+    model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto))
+    model, _ = decompose_batchnorm(model)
+    node = next(n for n in model.graph if n.op_type == "BatchNormalization")
+    assert batch_statistics(node) is not None
+    sub = next(n for n in model.graph if n.op_type == "Sub")
+    sub.replace_input_with(0, model.graph.inputs[3])  # the variance now is not x's
+    assert batch_statistics(node) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv
+
+
+CONVS = [
+    ([2, 3, 7, 6], [4, 3, 3, 3], {"pads": [1, 1, 1, 1]}),
+    ([2, 3, 8, 8], [5, 3, 3, 3], {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    ([2, 3, 8, 7], [5, 3, 1, 1], {"strides": [2, 2]}),
+    ([2, 3, 5, 6], [4, 3, 1, 1], {}),
+    ([2, 3, 9, 8], [4, 3, 3, 2], {"dilations": [2, 1], "pads": [2, 0, 1, 1], "strides": [1, 3]}),
+    ([2, 2, 10], [3, 2, 4], {"strides": [3], "dilations": [2], "pads": [2, 1]}),
+    ([2, 4, 8, 8], [4, 2, 3, 3], {"group": 2, "pads": [1, 1, 1, 1]}),
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CONVS, ids=[str(i) for i in range(len(CONVS))])
+def test_conv_weight_gradient_gemm_equals_conv(x_shape, w_shape, attrs, monkeypatch):
+    f32 = onnx.TensorProto.FLOAT
+    nodes = [onnx.helper.make_node("Conv", ["x", "w"], ["y"], **attrs),
+             onnx.helper.make_node("Mul", ["y", "c"], ["yc"]),
+             onnx.helper.make_node("ReduceSum", ["yc"], ["loss"], keepdims=0)]
+    probe = onnx.shape_inference.infer_shapes(onnx.helper.make_model(
+        onnx.helper.make_graph(nodes[:1], "p", [onnx.helper.make_tensor_value_info("x", f32, x_shape),
+                                                onnx.helper.make_tensor_value_info("w", f32, w_shape)],
+                               [onnx.helper.make_tensor_value_info("y", f32, None)]),
+        opset_imports=[onnx.helper.make_opsetid("", 18)]))
+    y_shape = [d.dim_value for d in probe.graph.output[0].type.tensor_type.shape.dim]
+    graph = onnx.helper.make_graph(
+        nodes, "conv",
+        [onnx.helper.make_tensor_value_info("x", f32, x_shape), onnx.helper.make_tensor_value_info("w", f32, w_shape),
+         onnx.helper.make_tensor_value_info("c", f32, y_shape)],
+        [onnx.helper.make_tensor_value_info("loss", f32, [])],
+    )
+    proto = onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal(x_shape, dtype=np.float32), "w": rng.standard_normal(w_shape, dtype=np.float32),
+             "c": rng.standard_normal(y_shape, dtype=np.float32)}
+    results = {}
+    for formulation in ("conv", "gemm"):
+        monkeypatch.setattr(conv_rules, "WEIGHT_GRAD", formulation)
+        out, backward, _ = _differentiate(proto, ["w"])
+        results[formulation] = (_session(out).run(["grad.w"], feeds)[0], backward)
+    grouped = attrs.get("group", 1) > 1
+    taps = int(np.prod(w_shape[2:]))
+    assert results["gemm"][1]["Gemm"] == (0 if grouped else taps)
+    assert results["conv"][1]["Gemm"] == 0
+    np.testing.assert_allclose(results["gemm"][0], results["conv"][0], rtol=1e-5, atol=1e-5)
