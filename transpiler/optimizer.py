@@ -42,21 +42,13 @@ import onnx_ir as ir
 from onnx_ir import tape as ir_tape
 
 from transpiler.errors import TranspileError
+from transpiler.optimizer_table import OPTIMIZER_TABLE
 
 __all__ = ["OPTIMIZERS", "OptimizerConfig", "emit_clip", "emit_squared_norm", "emit_step_increment", "emit_update"]
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-
-# Per-parameter optimizer state, in the order plan.json lists it.
-_SLOTS: dict[str, tuple[str, ...]] = {
-    "sgd": (),
-    "momentum": ("momentum_buffer",),
-    "adam": ("exp_avg", "exp_avg_sq"),
-    "adamw": ("exp_avg", "exp_avg_sq"),
-}
-
-# torch's defaults when the user gives no weight decay: AdamW decays by default, the others do not.
-_DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "momentum": 0.0, "adam": 0.0, "adamw": 1e-2}
+# The table (transpiler/optimizer_table.py) says which optimizers exist, their state slots, default
+# weight decay and whether they read the step counter; this module emits their formulas.
+OPTIMIZERS = tuple(OPTIMIZER_TABLE)
 
 _FLOAT = ir.DataType.FLOAT
 _DOUBLE = ir.DataType.DOUBLE
@@ -87,8 +79,8 @@ class OptimizerConfig:
     max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
-        if self.weight_decay is None and self.name in _DEFAULT_WEIGHT_DECAY:
-            object.__setattr__(self, "weight_decay", _DEFAULT_WEIGHT_DECAY[self.name])
+        if self.weight_decay is None and self.name in OPTIMIZER_TABLE:
+            object.__setattr__(self, "weight_decay", OPTIMIZER_TABLE[self.name].default_weight_decay)
         if isinstance(self.betas, list):
             # JSON and argparse give lists; a tuple keeps the frozen config hashable.
             object.__setattr__(self, "betas", tuple(self.betas))
@@ -103,11 +95,11 @@ class OptimizerConfig:
         _check_number("--weight-decay", self.weight_decay, low=0.0)
         _check_number("--momentum", self.momentum, low=0.0)
         _check_number("--eps", self.eps, low=0.0)
-        if self.name == "momentum" and self.momentum == 0:
+        if "momentum" in self.spec.hyper_parameters and self.momentum == 0:
             raise TranspileError(
                 "--momentum: must be > 0 for --optimizer momentum (use --optimizer sgd for none)"
             )
-        if self.nesterov and self.name != "momentum":
+        if self.nesterov and "nesterov" not in self.spec.hyper_parameters:
             raise TranspileError(f"--nesterov: needs --optimizer momentum, not {self.name!r}")
         if not isinstance(self.betas, tuple) or len(self.betas) != 2:
             raise TranspileError(f"--betas: expected two numbers (beta1, beta2), got {self.betas!r}")
@@ -120,13 +112,18 @@ class OptimizerConfig:
             _check_number("--clip-grad-norm", value, low=0.0)
         return self
 
+    @property
+    def spec(self):
+        """This optimizer's entry in ``transpiler.optimizer_table.OPTIMIZER_TABLE``."""
+        return OPTIMIZER_TABLE[self.name]
+
     def slots(self) -> tuple[str, ...]:
         """Names of the per-parameter state tensors, in order (each has the parameter's shape)."""
-        return _SLOTS[self.name]
+        return self.spec.slots
 
     def uses_step(self) -> bool:
         """True when the update reads the shared step counter (Adam's bias corrections)."""
-        return self.name in ("adam", "adamw")
+        return self.spec.uses_step
 
     def to_json(self) -> dict:
         """The hyper-parameters as plan.json records them; momentum is 0 where the update uses none."""
@@ -136,7 +133,7 @@ class OptimizerConfig:
             "betas": list(self.betas),
             "eps": self.eps,
             "weight_decay": self.weight_decay,
-            "momentum": self.momentum if self.name == "momentum" else 0.0,
+            "momentum": self.momentum if "momentum" in self.spec.hyper_parameters else 0.0,
             "nesterov": self.nesterov,
             "max_grad_norm": self.max_grad_norm,
         }
