@@ -78,12 +78,16 @@ def test_n_ranks_equal_one_device(name, world, model_dir, one_device, reference,
 
 
 @pytest.mark.parametrize(("name", "world"), [c for c in CASES if c[1] > 1], ids=[i for c, i in zip(CASES, IDS) if c[1] > 1])
-def test_equals_the_reference_strategy_bit_for_bit(name, world, model_dir, reference, tmp_path):
+def test_equals_the_reference_strategy(name, world, model_dir, reference, tmp_path):
     transpile(model_dir(MODEL) / "model.onnx", tmp_path / "out", options(name, world, UNCLIPPED))
     result = simulate(tmp_path / "out", load_data(model_dir(MODEL) / "data.npz"), batch=BATCH, steps=STEPS)
     assert_replicas_identical(result.parameters)
-    for param, value in reference(world).parameters[0].items():
-        np.testing.assert_array_equal(result.parameters[0][param], value, err_msg=param)
+    tolerance = STRATEGIES[name].reference_tolerance  # 0: bit for bit
+    if tolerance == 0:
+        for param, value in reference(world).parameters[0].items():
+            np.testing.assert_array_equal(result.parameters[0][param], value, err_msg=param)
+    else:
+        assert max_rel_error(result.parameters[0], reference(world).parameters[0]) <= tolerance
 
 
 @pytest.fixture(scope="module")

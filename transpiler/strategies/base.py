@@ -56,6 +56,9 @@ class Strategy:
     publish_after_all_updates: ClassVar[bool] = False
     # How many times each gradient is sent through a reducing collective per step, on each rank.
     reductions_per_gradient: ClassVar[int] = 1
+    # Largest relative difference from the reference strategy (allreduce) on the same ranks, without
+    # clipping: 0 for a strategy that computes the same numbers (tests/test_strategies.py).
+    reference_tolerance: ClassVar[float] = 0.0
 
     def reduce(self, step: RankStep, bucket: Bucket) -> list[ir.Value] | None:
         raise NotImplementedError
