@@ -75,9 +75,13 @@ def optimizer_config(args: argparse.Namespace):
     if args.betas is not None and len(args.betas) != 2:
         raise TranspileError(f"--betas takes two numbers (got {len(args.betas)})")
     # An option the chosen optimizer does not read is a mistake, not something to ignore silently.
-    users = {"momentum": ("momentum",), "betas": ("adam", "adamw"), "eps": ("adam", "adamw")}
-    for option, optimizers in users.items():
-        if given[option] is not None and args.optimizer not in optimizers:
+    # Which optimizer reads which option is the optimizer table's; lr, --weight-decay (read by all)
+    # and --clip-grad-norm (no optimizer's: it wraps any update) need no check.
+    from transpiler.optimizer_table import OPTIMIZER_TABLE, optimizers_using
+
+    for option in given:
+        optimizers = optimizers_using(option)
+        if given[option] is not None and 0 < len(optimizers) < len(OPTIMIZER_TABLE) and args.optimizer not in optimizers:
             raise TranspileError(f"--{option}: only used by --optimizer {' or '.join(optimizers)}, not {args.optimizer!r}")
     kwargs = {k: v for k, v in given.items() if v is not None}
     if args.nesterov:

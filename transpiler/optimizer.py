@@ -2,7 +2,8 @@
 
 Public surface:
 
-- ``OptimizerConfig``: the optimizer and its hyper-parameters, validated; ``to_json()`` for plan.json.
+- ``OptimizerConfig``: the optimizer and its hyper-parameters, validated; ``to_json()`` for plan.json
+  (defined beside the optimizer table, transpiler/optimizer_table.py; re-exported here).
 - ``emit_step_increment(graph, step)``: the shared float32 step counter plus one.
 - ``emit_update(graph, config, param=, grad=, lr=, step=, state=, name=)``: appends one parameter's
   update and returns its new value and new optimizer state.
@@ -33,30 +34,20 @@ sqrt is the correctly rounded one, else within those ulps (tests/test_optimizer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir import tape as ir_tape
 
 from transpiler.errors import TranspileError
+from transpiler.optimizer_table import OPTIMIZER_TABLE, OptimizerConfig
 
 __all__ = ["OPTIMIZERS", "OptimizerConfig", "emit_clip", "emit_squared_norm", "emit_step_increment", "emit_update"]
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-
-# Per-parameter optimizer state, in the order plan.json lists it.
-_SLOTS: dict[str, tuple[str, ...]] = {
-    "sgd": (),
-    "momentum": ("momentum_buffer",),
-    "adam": ("exp_avg", "exp_avg_sq"),
-    "adamw": ("exp_avg", "exp_avg_sq"),
-}
-
-# torch's defaults when the user gives no weight decay: AdamW decays by default, the others do not.
-_DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "momentum": 0.0, "adam": 0.0, "adamw": 1e-2}
+# The table (transpiler/optimizer_table.py) says which optimizers exist, their state slots, default
+# weight decay and whether they read the step counter; this module emits their formulas.
+OPTIMIZERS = tuple(OPTIMIZER_TABLE)
 
 _FLOAT = ir.DataType.FLOAT
 _DOUBLE = ir.DataType.DOUBLE
@@ -64,92 +55,6 @@ _SCALAR = ir.Shape([])
 
 # Key in graph.meta (in memory, never serialized) of the scalars that every parameter's update shares.
 _SHARED_META_KEY = "graph_transpiler.optimizer.shared_scalars"
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """An optimizer and its hyper-parameters; one per training graph.
-
-    ``weight_decay=None`` means torch's default for that optimizer (0.01 for adamw, 0 otherwise); it is
-    resolved on construction, so ``config.weight_decay`` is always a float. ``momentum`` and
-    ``nesterov`` apply to "momentum" only; ``betas`` and ``eps`` to "adam" and "adamw" only.
-    ``max_grad_norm`` (any optimizer; None: no clipping) scales the gradients, before the update, by
-    ``min(1, max_grad_norm / (total_norm + 1e-6))``, total_norm being the L2 norm of all of them.
-    """
-
-    name: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float | None = None
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.weight_decay is None and self.name in _DEFAULT_WEIGHT_DECAY:
-            object.__setattr__(self, "weight_decay", _DEFAULT_WEIGHT_DECAY[self.name])
-        if isinstance(self.betas, list):
-            # JSON and argparse give lists; a tuple keeps the frozen config hashable.
-            object.__setattr__(self, "betas", tuple(self.betas))
-
-    def validate(self) -> OptimizerConfig:
-        """Raise TranspileError naming the option for a bad value; return self when all are good."""
-        if self.name not in OPTIMIZERS:
-            raise TranspileError(
-                f"--optimizer: unknown optimizer {self.name!r} (available: {', '.join(OPTIMIZERS)})"
-            )
-        _check_number("--lr", self.lr, low=0.0)
-        _check_number("--weight-decay", self.weight_decay, low=0.0)
-        _check_number("--momentum", self.momentum, low=0.0)
-        _check_number("--eps", self.eps, low=0.0)
-        if self.name == "momentum" and self.momentum == 0:
-            raise TranspileError(
-                "--momentum: must be > 0 for --optimizer momentum (use --optimizer sgd for none)"
-            )
-        if self.nesterov and self.name != "momentum":
-            raise TranspileError(f"--nesterov: needs --optimizer momentum, not {self.name!r}")
-        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
-            raise TranspileError(f"--betas: expected two numbers (beta1, beta2), got {self.betas!r}")
-        for index, beta in enumerate(self.betas):
-            _check_number("--betas", beta, low=0.0, high=1.0, what=f"beta{index + 1}")
-        if self.max_grad_norm is not None:
-            value = self.max_grad_norm
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
-                raise TranspileError(f"--clip-grad-norm: must be > 0, got {value!r} (leave it out for no clipping)")
-            _check_number("--clip-grad-norm", value, low=0.0)
-        return self
-
-    def slots(self) -> tuple[str, ...]:
-        """Names of the per-parameter state tensors, in order (each has the parameter's shape)."""
-        return _SLOTS[self.name]
-
-    def uses_step(self) -> bool:
-        """True when the update reads the shared step counter (Adam's bias corrections)."""
-        return self.name in ("adam", "adamw")
-
-    def to_json(self) -> dict:
-        """The hyper-parameters as plan.json records them; momentum is 0 where the update uses none."""
-        return {
-            "name": self.name,
-            "lr": self.lr,
-            "betas": list(self.betas),
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            "momentum": self.momentum if self.name == "momentum" else 0.0,
-            "nesterov": self.nesterov,
-            "max_grad_norm": self.max_grad_norm,
-        }
-
-
-def _check_number(option: str, value, *, low: float, high: float | None = None, what: str = "") -> None:
-    label = f"{option} ({what})" if what else option
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TranspileError(f"{label}: expected a finite number, got {value!r}")
-    if value < low:
-        raise TranspileError(f"{label}: must be >= {low:g}, got {value!r}")
-    if high is not None and value >= high:
-        raise TranspileError(f"{label}: must be in [{low:g}, {high:g}), got {value!r}")
 
 
 def emit_step_increment(graph: ir.Graph, step: ir.Value) -> ir.Value:

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from transpiler.collectives import bucket_tensors, collective_nodes
 from transpiler.errors import TranspileError
-from transpiler.passes import LR_INPUT, Job, RankGraphs, reduced_gradient_name
+from transpiler.job import LR_INPUT, Job, RankGraphs, reduced_gradient_name
 from transpiler.placement import METHODS, place
 from transpiler.weights import attach_weights, detach_weights
 

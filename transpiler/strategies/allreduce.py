@@ -1,0 +1,44 @@
+"""``allreduce`` (PyTorch DDP, Horovod): the reference strategy.
+
+Per bucket, one AllReduce(mean) of its gradients on every rank; every rank then updates every
+parameter and keeps all the optimizer state. No collective publishes the new values: every
+replica computes the same ones. It is the simplest correct strategy and the one the others are
+measured against (their N ranks must equal one device exactly as this one's do); its cost is
+N copies of the update and of the optimizer state.
+
+Buckets may mix roots (the root is used only by the init graph's Broadcasts).
+"""
+
+from __future__ import annotations
+
+from transpiler.collectives import append_collective
+from transpiler.strategies.base import Strategy
+from transpiler.update import emit_bucket_update
+
+
+class AllReduce(Strategy):
+    name = "allreduce"
+
+    def reduce(self, step, bucket):
+        return append_collective(
+            step.graph, "AllReduce", [step.grads[p] for p in bucket.params],
+            like=[step.params[p] for p in bucket.params],
+            output_names=[f"{step.job.grad_names[p]}.mean" for p in bucket.params],
+            order=step.next_order(), bucket=bucket.id, phase="step", reduction="mean",
+        )
+
+    def update(self, step, bucket, grads):
+        return emit_bucket_update(step, bucket, grads)
+
+    def publish(self, step, bucket, new_values):
+        for name, value in zip(bucket.params, new_values):
+            step.add_state(step.params[name], value, "param", name)
+
+    def broadcast_at_init(self, state):
+        # A parameter's own optimizer state goes with it, so replicas also agree when the state is
+        # not zeros; a bucket's flat state (no single parameter, hence no root) starts as zeros on
+        # every rank, equal without a collective.
+        return super().broadcast_at_init(state) + [e for e in state if e.kind == "optimizer" and e.param is not None]
+
+    def updates_per_param(self, world):
+        return world, world

@@ -1,0 +1,102 @@
+"""The interface every data-parallel strategy implements (one module per strategy, one table).
+
+A strategy decides, per gradient bucket, on each rank:
+
+1. ``reduce``: how the bucket's gradients are reduced (the collective it appends), and which
+   reduced gradients this rank then holds (None: none of this bucket);
+2. ``update``: the new values this rank computes from the gradients it holds (through
+   ``transpiler.update``, the one place optimizer updates are emitted);
+3. ``publish``: how every rank gets the new parameter values (nothing, Broadcast, AllGather), and
+   which state outputs carry them;
+
+and, for the whole graph, ``broadcast_at_init`` (which initial state is Broadcast from its root),
+its placement need (``group_by_root``) and its invariants (``ensures``).
+
+Clipping (--clip-grad-norm), gradient accumulation and --flat-update are not strategies' business:
+the rank builder wraps any strategy with them once (transpiler/rank_step.py, transpiler/update.py).
+
+Invariants every strategy must keep, like DDP's comm hooks: every rank appends the same
+collectives (op, bucket, root, reduction, tensor types) in the same order, whatever it holds;
+a rank that skips one hangs the others. ``transpiler.collectives.check_same_sequence`` checks it
+for every strategy after the graphs are built. ``allreduce`` is the reference the others are
+measured against: N ranks of any strategy equal one device (tests/test_strategies.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, ClassVar
+
+import onnx_ir as ir
+from onnx_ir.passes import PostconditionError
+
+from transpiler.bucketing import Bucket
+from transpiler.collectives import collective_nodes
+
+if TYPE_CHECKING:
+    from transpiler.job import Job, StateEntry
+    from transpiler.rank_step import RankStep
+
+REDUCING_OPS = ("AllReduce", "Reduce", "ReduceScatter")
+
+
+class Strategy:
+    name: ClassVar[str]
+    # Chosen by --strategy (the single-device strategy is not: it is what --gpus 1 and the
+    # single-device graphs use, whatever --strategy says).
+    user_selectable: ClassVar[bool] = True
+    single_device: ClassVar[bool] = False
+    # Placement need: every bucket holds parameters of one root (it is reduced to that root).
+    group_by_root: ClassVar[bool] = False
+    # A rank holds only part of the reduced gradients: the global norm of --clip-grad-norm sums the
+    # ranks' parts (one scalar AllReduce after the gradient collectives).
+    holds_part_of_gradients: ClassVar[bool] = False
+    # Publish (Broadcast) only after every update: the Reduces then all come before any Broadcast,
+    # so none waits behind an update.
+    publish_after_all_updates: ClassVar[bool] = False
+    # How many times each gradient is sent through a reducing collective per step, on each rank.
+    reductions_per_gradient: ClassVar[int] = 1
+    # Largest relative difference from the reference strategy (allreduce) on the same ranks, without
+    # clipping: 0 for a strategy that computes the same numbers (tests/test_strategies.py).
+    reference_tolerance: ClassVar[float] = 0.0
+
+    def reduce(self, step: RankStep, bucket: Bucket) -> list[ir.Value] | None:
+        raise NotImplementedError
+
+    def update(self, step: RankStep, bucket: Bucket, grads: list[ir.Value]) -> list[ir.Value]:
+        raise NotImplementedError
+
+    def publish(self, step: RankStep, bucket: Bucket, new_values: list[ir.Value] | None) -> None:
+        raise NotImplementedError
+
+    def broadcast_at_init(self, state: list[StateEntry]) -> list[StateEntry]:
+        """The state entries the init graph Broadcasts from their parameter's root (the others start
+        as zeros on every rank, equal without a collective). Default: the parameters, whose initial
+        values are stored on their root only."""
+        return [e for e in state if e.kind == "param"]
+
+    def updates_per_param(self, world: int) -> tuple[int, int]:
+        """(fewest, most) ranks on which a parameter's update runs, for ``ensures``."""
+        raise NotImplementedError
+
+    def ensures(self, job: Job) -> None:
+        """Raise PostconditionError unless every parameter is updated on as many ranks as
+        ``updates_per_param`` says and every gradient is reduced ``reductions_per_gradient`` times."""
+        from transpiler.job import reduced_gradient_name
+
+        low, high = self.updates_per_param(len(job.ranks))
+        updates = Counter(p for r in job.ranks for p in r.updates)
+        wrong = [p for p in job.problem.params if not low <= updates[p] <= high]
+        if wrong:
+            raise PostconditionError(f"parameters updated on the wrong number of ranks: {wrong}")
+        for r in job.ranks:
+            sent = sent_to_reduction(r.step.graph)
+            for p in job.problem.params:
+                count = sent[reduced_gradient_name(job, p)]
+                if count != self.reductions_per_gradient:
+                    raise PostconditionError(f"rank {r.rank}: gradient of '{p}' is reduced {count} times")
+
+
+def sent_to_reduction(graph: ir.Graph) -> Counter:
+    """How many times each value is an input of a reducing collective in ``graph``."""
+    return Counter(v.name for n in collective_nodes(graph) if n.op_type in REDUCING_OPS for v in n.inputs)
