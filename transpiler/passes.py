@@ -34,9 +34,9 @@ from transpiler.load import Problem
 from transpiler.optimizer import (
     OptimizerConfig,
     emit_clip,
+    emit_fused_update,
     emit_squared_norm,
     emit_step_increment,
-    emit_update,
 )
 from transpiler.placement import Placement, place
 
@@ -58,8 +58,8 @@ class Options:
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd"))
     bucket_mb: float = 25.0
     sync_bn: bool = False  # BatchNormalization statistics all-reduced across ranks
-    # Update each bucket of several parameters as one flat vector (fewer, larger ops: for GPUs,
-    # where ~25 small kernels per parameter cost launches; on CPU the copies make it slower).
+    # Deprecated, ignored: each update is one fused node, and the GPU backend runs a bucket's update
+    # nodes as one multi-tensor kernel (docs/optimizers.md), which is what flat updates were for.
     flat_update: bool = False
     # Micro-batches per optimizer step: K-1 accumulate-graph runs, then the step graph, whose
     # gradients are the mean over the K micro-batches (DDP's no_sync, Horovod's backward_passes_per_step).
@@ -397,36 +397,19 @@ class _RankBuilder:
             for slot in self.config.slots():
                 slots[slot] = ir.val(f"{name}.{slot}", param.dtype, ir.Shape(param.shape))
                 graph.inputs.append(slots[slot])
-            new_param, new_slots = emit_update(
-                graph, self.config, param=param, grad=grad, lr=lr, step=step, state=slots, name=name
+            new_param, new_slots = emit_fused_update(
+                model, self.config, param=param, grad=grad, lr=lr, step=step, state=slots, name=name
             )
             for slot, value in slots.items():
                 add_state(value, new_slots[slot], "optimizer", owner)
             return new_param
 
         def update_bucket(bucket: Bucket, bucket_grads: list[ir.Value]) -> list[ir.Value]:
-            """The new values of a bucket's parameters. With --flat-update a bucket of several
-            parameters is updated as one flat vector (its optimizer state too): the optimizers are
-            elementwise, so the numbers are those of per-parameter updates, in a few large ops
-            instead of ~25 small ones per parameter (kernel launches dominate small updates on a
-            GPU; on CPU the concatenation copies cost more than they save)."""
-            names = bucket.params
-            updates.extend(names)
-            if not job.options.flat_update or len(names) == 1 or len({params[n].dtype for n in names}) != 1:
-                return [update(n, g) for n, g in zip(names, bucket_grads)]
-            tape = Tape(graph)
-            sizes = [int(np.prod(params[n].shape.numpy(), dtype=np.int64)) for n in names]
-            flat_param = _flatten(tape, [params[n] for n in names], sum(sizes))
-            flat_grad = _flatten(tape, bucket_grads, sum(sizes))
-            new_flat = update(f"bucket{bucket.id}", flat_grad, param=flat_param)
-            parts = tape.op_multi_out("Split", [new_flat, _int64(tape, sizes)], {"axis": 0}, num_outputs=len(names))
-            new_values = []
-            for name, part in zip(names, parts):
-                shape = [int(d) for d in params[name].shape.numpy()]
-                value = tape.op("Reshape", [part, _int64(tape, shape)])
-                value.dtype, value.shape = params[name].dtype, ir.Shape(shape)
-                new_values.append(value)
-            return new_values
+            """The new values of a bucket's parameters: one fused update node each. (A backend with a
+            native kernel runs a bucket's consecutive update nodes as one multi-tensor launch, which
+            is what --flat-update used to do with concatenations; it is now accepted and ignored.)"""
+            updates.extend(bucket.params)
+            return [update(n, g) for n, g in zip(bucket.params, bucket_grads)]
 
         order = 0
         buckets = job.buckets
