@@ -154,13 +154,16 @@ class _Launch:
         self.tables: list[tuple[tuple, Any] | None] = [None, None]  # per parity: (pointers, device table)
         self.chunks = None  # device (tensor, start) pairs, fixed once the sizes are known
         self.grid = 0
+        self.names = [(*op.tensors_in, *op.outputs) for op in ops]  # table order, per node
+        self.kernel = None
 
-    def tensors(self, values: dict[str, Any], where: str) -> list[list[Any]]:
+    def _rows(self, values: dict[str, Any], where: str) -> list[list[Any]]:
+        """Each node's arrays in table order, checked: contiguous float32 of one element count."""
         rows = []
-        for op in self.ops:
-            arrays = [values[name] for name in (*op.tensors_in, *op.outputs)]
+        for op, names in zip(self.ops, self.names):
+            arrays = [values[name] for name in names]
             size = arrays[0].size
-            for name, array in zip((*op.tensors_in, *op.outputs), arrays):
+            for name, array in zip(names, arrays):
                 if array.dtype != np.float32 or array.size != size or not array.flags.c_contiguous:
                     raise RunError(f"{where}: fused {op.op_type} of '{op.param}': '{name}' is {array.dtype} "
                                    f"{list(array.shape)}; the kernel needs contiguous float32 of {size} elements")
@@ -168,23 +171,26 @@ class _Launch:
         return rows
 
     def launch(self, cp, parity: int, values: dict[str, Any], where: str) -> None:
-        rows = self.tensors(values, where)
-        pointers = tuple(a.data.ptr for arrays in rows for a in arrays)
+        # Only the pointers are compared every step; the arrays are checked when they change.
+        pointers = tuple(values[name].data.ptr for names in self.names for name in names)
         cached = self.tables[parity]
         if cached is None or cached[0] != pointers:
+            rows = self._rows(values, where)
             table = np.array([[a.data.ptr for a in arrays] + [arrays[0].size] for arrays in rows], dtype=np.int64)
+            assert table.shape[1] == self.stride, (table.shape, self.stride)  # the kernel's row length
             cached = (pointers, cp.asarray(table.reshape(-1)))
             self.tables[parity] = cached
-        if self.chunks is None:
-            pairs = [(t, start) for t, arrays in enumerate(rows) for start in range(0, arrays[0].size, CHUNK)]
-            self.grid = len(pairs)
-            self.chunks = cp.asarray(np.array(pairs or [(0, 0)], dtype=np.int64).reshape(-1))
+            if self.chunks is None:  # sizes never change after the first call
+                pairs = [(t, start) for t, arrays in enumerate(rows) for start in range(0, arrays[0].size, CHUNK)]
+                self.grid = len(pairs)
+                self.chunks = cp.asarray(np.array(pairs or [(0, 0)], dtype=np.int64).reshape(-1))
         if self.grid == 0:
             return
         lr = values[self.first.lr]
         step = (values[self.first.step],) if self.first.step is not None else ()
-        kernel = _module(cp).get_function(_KERNEL[self.first.op_type])
-        kernel((self.grid,), (THREADS,), (cached[1], self.chunks, lr, *step, *self.arguments, np.int64(CHUNK)))
+        if self.kernel is None:
+            self.kernel = _module(cp).get_function(_KERNEL[self.first.op_type])
+        self.kernel((self.grid,), (THREADS,), (cached[1], self.chunks, lr, *step, *self.arguments, np.int64(CHUNK)))
 
 
 class FusedUpdateRunner(SegmentRunner):
@@ -196,12 +202,16 @@ class FusedUpdateRunner(SegmentRunner):
         self.cp = backend.cp
         self.where = f"{where}: fused updates in segment {group.index}" + (f" part {group.part}" if group.part else "")
         ops = [UpdateOp.from_node(node, where) for node in group.nodes]
-        self.launches: list[_Launch] = []
+        runs: list[list[UpdateOp]] = []
+        produced: set[str] = set()  # by the current run: a node reading one starts a new launch
         for op in ops:
-            if self.launches and self.launches[-1].first.launch_key() == op.launch_key():
-                self.launches[-1].ops.append(op)
+            if runs and runs[-1][0].launch_key() == op.launch_key() and not produced & {*op.tensors_in, op.lr}:
+                runs[-1].append(op)
             else:
-                self.launches.append(_Launch([op]))
+                runs.append([op])
+                produced = set()
+            produced |= set(op.outputs)
+        self.launches = [_Launch(run) for run in runs]
         self.inputs, self.outputs = list(group.inputs), list(group.outputs)
         self.prepared: list[dict[str, Any] | None] = [None, None]
 
