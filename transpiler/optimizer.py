@@ -263,6 +263,7 @@ def emit_fused_update(
     )
     graph.append(node)
     graph.opset_imports[FUSED_DOMAIN] = FUSED_VERSION
+    model.ir_version = max(model.ir_version, 8)  # model-local functions need IR version 8
     names = [f"{name}.next", *(f"{name}.{slot}.next" for slot in config.slots())]
     for value, wanted in zip(node.outputs, names):
         value.name = emitter.unique_value_name(wanted)

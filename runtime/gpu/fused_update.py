@@ -21,6 +21,7 @@ last launch of that parity.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -214,17 +215,23 @@ class FusedUpdateRunner(SegmentRunner):
         self.launches = [_Launch(run) for run in runs]
         self.inputs, self.outputs = list(group.inputs), list(group.outputs)
         self.prepared: list[dict[str, Any] | None] = [None, None]
+        # The backend's compute stream (the one onnxruntime runs on), whatever stream is current.
+        self.stream = getattr(backend, "compute", None)
+
+    def _on_stream(self):
+        return self.stream if self.stream is not None else contextlib.nullcontext()
 
     def run(self, feeds):
         """First call: outputs allocated here, pointer tables built for this call only."""
         cp = self.cp
         values = dict(feeds)
-        for launch in self.launches:
-            for op in launch.ops:
-                for source, name in zip((op.param, *op.slots), op.outputs):
-                    values[name] = cp.empty_like(values[source])
-            launch.launch(cp, 0, values, self.where)
-            launch.tables[0] = None  # these outputs are temporary; the bound ones differ
+        with self._on_stream():
+            for launch in self.launches:
+                for op in launch.ops:
+                    for source, name in zip((op.param, *op.slots), op.outputs):
+                        values[name] = cp.empty_like(values[source])
+                launch.launch(cp, 0, values, self.where)
+                launch.tables[0] = None  # these outputs are temporary; the bound ones differ
         return [values[name] for name in self.outputs]
 
     def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
@@ -232,5 +239,6 @@ class FusedUpdateRunner(SegmentRunner):
 
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:
         values = {**env, **self.prepared[parity]}
-        for launch in self.launches:
-            launch.launch(self.cp, parity, values, self.where)
+        with self._on_stream():
+            for launch in self.launches:
+                launch.launch(self.cp, parity, values, self.where)
