@@ -58,8 +58,15 @@ def _group(config: OptimizerConfig) -> tuple[NativeGroup, list[UpdateOp]]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_matches_the_reference(case):
-    import cupy as cp
+    import cupy
 
+    compare_kernel_with_reference(cupy, case)
+
+
+def compare_kernel_with_reference(cp, case: str) -> None:
+    """Run ``case``'s updates of SHAPES through FusedUpdateRunner on ``cp`` (CuPy, or the host
+    emulation of tests/test_fused_update_host.py) for STEPS steps, first call then bound by parity,
+    and compare every output with the reference given the same inputs."""
     from runtime.gpu.fused_update import FusedUpdateRunner
 
     config = CASES[case].validate()
@@ -99,6 +106,7 @@ def test_kernel_matches_the_reference(case):
                 total += got.size
             for source, value in zip((op.param, *op.slots), expected):
                 host[source] = value  # next step starts from the reference's values
+    print(f"{case}: {differing} of {total} elements differ from the reference")
     assert differing <= max(2, total // 10_000), f"{case}: {differing} of {total} elements differ in the last bit"
 
 
