@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime.collectives import Communicator
+from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
-from runtime.segments import CutGraph, Segment
+from runtime.segments import CutGraph, NativeGroup, Segment
 
 
 class SegmentRunner(ABC):
@@ -29,9 +29,12 @@ class SegmentRunner(ABC):
 
 class Backend(ABC):
     name: str
+    # Node domains this backend runs itself instead of onnxruntime (segments.py cuts their nodes out
+    # into NativeGroup items, which ``compile`` must then accept), e.g. the fused optimizer updates.
+    native_domains: frozenset[str] = frozenset()
 
     @abstractmethod
-    def compile(self, segment: Segment, where: str) -> SegmentRunner: ...
+    def compile(self, segment: Segment | NativeGroup, where: str) -> SegmentRunner: ...
 
     def make_program(self, cut: CutGraph, comm: Communicator) -> Program:
         return Program(cut, self, comm)
@@ -110,7 +113,8 @@ class Program:
     def __init__(self, cut: CutGraph, backend: Backend, comm: Communicator):
         self.cut = cut
         self.comm = comm
-        self.steps = [(item, backend.compile(item, cut.where) if isinstance(item, Segment) else None) for item in cut.items]
+        self.steps = [(item, None if isinstance(item, CollectiveOp) else backend.compile(item, cut.where))
+                      for item in cut.items]
         self.constants = {name: backend.from_host(value) for name, value in cut.constants.items()}
         last_reader: dict[str, int] = {}
         for pos, item in enumerate(cut.items):

@@ -18,6 +18,14 @@ upstream of each node: part j holds the tail nodes that need collective j-1 and 
 those that need none). So the optimizer update of bucket j can run as soon as collective j is done,
 while the collectives of later buckets are still in flight. Producers need a subset of their
 consumers' upstream collectives, so the parts in increasing j are again a topological order.
+
+``native_domains`` (the backend's ``Backend.native_domains``, e.g. the fused optimizer updates on the
+GPU) takes the nodes of those domains out of the onnxruntime segments: each segment (or part) is cut
+into stages, alternately onnxruntime nodes (even stages) and native nodes (odd stages, one
+``NativeGroup`` item each, run by the backend itself). A node's stage is the first one of its kind
+not before the stages of its producers in the same segment (ASAP), so independent native nodes, such
+as the updates of one bucket, share one stage: the nodes before them, one group, the nodes after.
+Producers are in the same or an earlier stage, so the stages in order are a topological order.
 """
 
 from __future__ import annotations
@@ -45,6 +53,20 @@ class Segment:
     outputs: tuple[str, ...]  # read by later segments, collectives or the graph outputs
     model: onnx.ModelProto  # standalone: its initializers are the ones its nodes use
     part: int = 0  # with split_tail, the part of the last segment (see the module docstring)
+    stage: int = 0  # with native_domains, its stage in the part (even; see the module docstring)
+
+
+@dataclass
+class NativeGroup:
+    """Consecutive nodes of a backend-native domain, in graph order: stage ``stage`` (odd) of part
+    ``part`` of segment ``index``. The backend runs them itself (``Backend.compile`` gives its runner)."""
+
+    index: int
+    part: int
+    stage: int
+    nodes: tuple[onnx.NodeProto, ...]
+    inputs: tuple[str, ...]  # read from graph inputs, constants, earlier items
+    outputs: tuple[str, ...]  # every output of its nodes
 
 
 @dataclass
@@ -54,7 +76,7 @@ class CutGraph:
     where: str  # the file, for error messages
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    items: list[Segment | CollectiveOp]  # in execution order; empty segments are left out
+    items: list[Segment | NativeGroup | CollectiveOp]  # in execution order; empty segments are left out
     # Initializers read directly by a collective or named as a graph output (no segment carries them),
     # e.g. the initial parameter value a root's init graph feeds into its Broadcast.
     constants: dict[str, np.ndarray] = field(default_factory=dict)
@@ -67,6 +89,10 @@ class CutGraph:
     def collectives(self) -> list[CollectiveOp]:
         return [item for item in self.items if isinstance(item, CollectiveOp)]
 
+    @property
+    def native_groups(self) -> list[NativeGroup]:
+        return [item for item in self.items if isinstance(item, NativeGroup)]
+
 
 def load_graph(path: Path) -> onnx.ModelProto:
     try:
@@ -75,8 +101,10 @@ def load_graph(path: Path) -> onnx.ModelProto:
         raise RunError(f"{path}: cannot load ONNX model: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
-def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool = False) -> CutGraph:
-    """Cut ``model`` (rank ``rank``'s step or init graph; ``where`` names its file) into segments."""
+def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool = False,
+              native_domains: Iterable[str] = ()) -> CutGraph:
+    """Cut ``model`` (rank ``rank``'s step or init graph; ``where`` names its file) into segments
+    (and native groups of the nodes of ``native_domains``)."""
     model = _with_inferred_types(model)
     graph = model.graph
     types = _value_types(graph)
@@ -95,31 +123,39 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
     # Part of the last segment each of its nodes goes to (always 0 without split_tail).
     part_of = {i: (earliest[i] if split_tail and k == k_count else 0) for i, k in segment_of.items()}
 
-    # Position in execution order, compared as tuples: segment k at (2k, part), collective k at
-    # (2k+1, 0), graph outputs after all.
-    end = (2 * k_count + 1, 0)
-    readers: dict[str, list[tuple[int, int]]] = {}
+    stage_of = _stages(nodes, segment_of, part_of, frozenset(native_domains))
+
+    # Position in execution order, compared as tuples: segment k at (2k, part, stage), collective k
+    # at (2k+1, 0, 0), graph outputs after all.
+    end = (2 * k_count + 1, 0, 0)
+    readers: dict[str, list[tuple[int, int, int]]] = {}
     for i, node in enumerate(nodes):
-        pos = (2 * collectives[i].order + 1, 0) if i in collectives else (2 * segment_of[i], part_of[i])
+        pos = (2 * collectives[i].order + 1, 0, 0) if i in collectives else (2 * segment_of[i], part_of[i], stage_of[i])
         for name in _consumed(node):
             readers.setdefault(name, []).append(pos)
     for name in graph_outputs:
         readers.setdefault(name, []).append(end)
 
     by_order = sorted(collectives.values(), key=lambda op: op.order)
-    members: dict[tuple[int, int], list[onnx.NodeProto]] = {}
+    members: dict[tuple[int, int, int], list[onnx.NodeProto]] = {}
     for i in sorted(segment_of):  # graph order is a topological order, and stays one per segment
-        members.setdefault((segment_of[i], part_of[i]), []).append(nodes[i])
-    items: list[Segment | CollectiveOp] = []
+        members.setdefault((segment_of[i], part_of[i], stage_of[i]), []).append(nodes[i])
+    items: list[Segment | NativeGroup | CollectiveOp] = []
     for k in range(k_count + 1):
         for part in range(k_count + 1 if split_tail and k == k_count else 1):
-            segment = _build_segment(model, (k, part), members.get((k, part), []), readers, initializers, types, where)
-            if segment is not None:
-                items.append(segment)
+            for stage in sorted({st for (kk, pp, st) in members if (kk, pp) == (k, part)}):
+                group = members[k, part, stage]
+                if stage % 2:
+                    items.append(_build_native(group, (k, part, stage)))
+                    continue
+                segment = _build_segment(model, (k, part, stage), group, readers, initializers, types, where)
+                if segment is not None:
+                    items.append(segment)
         if k < k_count:
             items.append(by_order[k])
 
     direct = {name for op in by_order for name in op.inputs} | set(graph_outputs)
+    direct |= {name for item in items if isinstance(item, NativeGroup) for name in item.inputs}
     constants = {name: numpy_helper.to_array(initializers[name]) for name in direct if name in initializers}
     return CutGraph(where, tuple(graph_inputs), tuple(graph_outputs), items, constants)
 
@@ -230,16 +266,41 @@ def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp
     return latest, earliest
 
 
-def _build_segment(model: onnx.ModelProto, here: tuple[int, int], members: list[onnx.NodeProto],
-                   readers: dict[str, list[tuple[int, int]]], initializers: dict[str, onnx.TensorProto],
+def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],
+            native: frozenset[str]) -> dict[int, int]:
+    """Stage of every compute node in its (segment, part): even for onnxruntime nodes, odd for nodes
+    of ``native`` domains, the first of its parity not before its producers' (module docstring)."""
+    stage: dict[int, int] = {}
+    if not native:
+        return dict.fromkeys(segment_of, 0)
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+    for i in sorted(segment_of):  # graph order: producers first
+        here = (segment_of[i], part_of[i])
+        low = max((stage[j] for j in (producer.get(name) for name in _consumed(nodes[i]))
+                   if j in stage and (segment_of[j], part_of[j]) == here), default=0)
+        parity = 1 if nodes[i].domain in native else 0
+        stage[i] = low + ((low - parity) % 2)
+    return stage
+
+
+def _build_native(members: list[onnx.NodeProto], here: tuple[int, int, int]) -> NativeGroup:
+    produced = {name for node in members for name in node.output if name}
+    inputs = [name for name in dict.fromkeys(name for node in members for name in _consumed(node)) if name not in produced]
+    outputs = [name for node in members for name in node.output if name]
+    k, part, stage = here
+    return NativeGroup(k, part, stage, tuple(members), tuple(inputs), tuple(outputs))
+
+
+def _build_segment(model: onnx.ModelProto, here: tuple[int, int, int], members: list[onnx.NodeProto],
+                   readers: dict[str, list[tuple[int, int, int]]], initializers: dict[str, onnx.TensorProto],
                    types: dict[str, onnx.TypeProto], where: str) -> Segment | None:
-    k, part = here
+    k, part, stage = here
     produced = {name for node in members for name in node.output if name}
     consumed = list(dict.fromkeys(name for node in members for name in _consumed(node)))
     embedded = [name for name in consumed if name in initializers and name not in produced]
     inputs = [name for name in consumed if name not in produced and name not in initializers]
     # Only values someone after this segment reads leave it; the rest die inside the session.
-    position = (2 * k, part)
+    position = (2 * k, part, stage)
     outputs = [name for node in members for name in node.output if name and any(p > position for p in readers.get(name, ()))]
     if not outputs:
         return None  # no nodes, or only nodes whose results nobody reads
@@ -253,7 +314,7 @@ def _build_segment(model: onnx.ModelProto, here: tuple[int, int], members: list[
 
     graph = helper.make_graph(
         members,
-        f"{model.graph.name or 'graph'}_segment{k}" + (f"_part{part}" if part else ""),
+        f"{model.graph.name or 'graph'}_segment{k}" + (f"_part{part}" if part else "") + (f"_stage{stage}" if stage else ""),
         inputs=[value_info(name, True) for name in inputs],
         outputs=[value_info(name, False) for name in outputs],
         initializer=[initializers[name] for name in embedded],
@@ -263,4 +324,4 @@ def _build_segment(model: onnx.ModelProto, here: tuple[int, int], members: list[
     # a segment needs only the IR version its opsets require, so it never asks for more than that.
     ir_version = min(model.ir_version, helper.find_min_ir_version_for(opsets, ignore_unknown=True))
     segment_model = helper.make_model(graph, opset_imports=opsets, ir_version=ir_version, functions=model.functions)
-    return Segment(k, tuple(node.name for node in members), tuple(inputs), tuple(outputs), segment_model, part)
+    return Segment(k, tuple(node.name for node in members), tuple(inputs), tuple(outputs), segment_model, part, stage)

@@ -42,7 +42,8 @@ def transpile_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", help="the graph output to minimize (default: the only scalar float output)")
     p.add_argument("--freeze", metavar="REGEX", help="initializers whose name matches are not trained")
     p.add_argument("--flat-update", action="store_true",
-                   help="update each gradient bucket as one flat vector (fewer, larger ops: meant for GPUs)")
+                   help="deprecated, ignored: every update is one fused node, and the GPU backend updates a "
+                        "bucket in one kernel (docs/optimizers.md)")
     p.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step: each rank's shard is cut into K, their gradients are "
                         "averaged before the collectives (default 1)")

@@ -1,14 +1,12 @@
-"""The one place the rank builder emits optimizer updates (``transpiler.optimizer.emit_update``).
-
-Every strategy updates through these two functions, so a different update emission (a fused
-update op, say) replaces the body of ``emit_param_update`` or ``emit_bucket_update`` here and
-nowhere else:
+"""The one place the rank builder emits optimizer updates: one fused update node per tensor
+(``transpiler.optimizer.emit_fused_update``; domain ``graph_transpiler.optimizer``, its function
+body the standard-op update), whatever the strategy:
 
 - ``emit_param_update(step, name, grad, param=None)``: one tensor's update; its optimizer state
   (the optimizer table's slots) becomes state inputs/outputs of the step graph.
-- ``emit_bucket_update(step, bucket, grads)``: a bucket's parameters, each on its own, or with
-  --flat-update as one flat vector. This is the flat-update wrapper: it applies to every strategy
-  that updates whole parameters, once, here.
+- ``emit_bucket_update(step, bucket, grads)``: a bucket's parameters, each its own node. A backend
+  with a native kernel runs a bucket's consecutive update nodes as one multi-tensor launch, which
+  is what --flat-update used to do with concatenations (it is now accepted and ignored).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import onnx_ir as ir
 from onnx_ir.tape import Tape
 
 from transpiler.bucketing import Bucket
-from transpiler.optimizer import emit_update
+from transpiler.optimizer import emit_fused_update
 
 if TYPE_CHECKING:
     from transpiler.rank_step import RankStep
@@ -36,8 +34,8 @@ def emit_param_update(step: RankStep, name: str, grad: ir.Value, param: ir.Value
     for slot in step.config.slots():
         slots[slot] = ir.val(f"{name}.{slot}", param.dtype, ir.Shape(param.shape))
         graph.inputs.append(slots[slot])
-    new_param, new_slots = emit_update(
-        graph, step.config, param=param, grad=grad, lr=step.lr, step=step.step_counter, state=slots, name=name
+    new_param, new_slots = emit_fused_update(
+        step.model, step.config, param=param, grad=grad, lr=step.lr, step=step.step_counter, state=slots, name=name
     )
     for slot, value in slots.items():
         step.add_state(value, new_slots[slot], "optimizer", owner)
@@ -45,31 +43,9 @@ def emit_param_update(step: RankStep, name: str, grad: ir.Value, param: ir.Value
 
 
 def emit_bucket_update(step: RankStep, bucket: Bucket, grads: list[ir.Value]) -> list[ir.Value]:
-    """The new values of a bucket's parameters, updated on this rank (recorded in ``step.updates``).
-
-    With --flat-update a bucket of several parameters is updated as one flat vector (its optimizer
-    state too): the optimizers are elementwise, so the numbers are those of per-parameter updates,
-    in a few large ops instead of ~25 small ones per parameter (kernel launches dominate small
-    updates on a GPU; on CPU the concatenation copies cost more than they save).
-    """
-    params = step.params
-    names = bucket.params
-    step.updates.extend(names)
-    if not step.job.options.flat_update or len(names) == 1 or len({params[n].dtype for n in names}) != 1:
-        return [emit_param_update(step, n, g) for n, g in zip(names, grads)]
-    tape = Tape(step.graph)
-    sizes = [int(np.prod(params[n].shape.numpy(), dtype=np.int64)) for n in names]
-    flat_param = flatten(tape, [params[n] for n in names], sum(sizes))
-    flat_grad = flatten(tape, grads, sum(sizes))
-    new_flat = emit_param_update(step, f"bucket{bucket.id}", flat_grad, param=flat_param)
-    parts = tape.op_multi_out("Split", [new_flat, int64(tape, sizes)], {"axis": 0}, num_outputs=len(names))
-    new_values = []
-    for name, part in zip(names, parts):
-        shape = [int(d) for d in params[name].shape.numpy()]
-        value = tape.op("Reshape", [part, int64(tape, shape)])
-        value.dtype, value.shape = params[name].dtype, ir.Shape(shape)
-        new_values.append(value)
-    return new_values
+    """The new values of a bucket's parameters, updated on this rank (recorded in ``step.updates``)."""
+    step.updates.extend(bucket.params)
+    return [emit_param_update(step, n, g) for n, g in zip(bucket.params, grads)]
 
 
 def int64(tape: Tape, values: list[int]) -> ir.Value:

@@ -35,8 +35,10 @@ from runtime.collectives import CollectiveOp, Communicator
 from runtime.collectives.base import flat_size, flat_views
 from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner, _first_line
+from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
-from runtime.segments import CutGraph, Segment
+from runtime.gpu.fused_update import FusedUpdateRunner
+from runtime.segments import CutGraph, NativeGroup, Segment
 from runtime.specialize import specialize
 
 LOSS_RING = 4096  # device slots for losses not yet read; Trainer flushes long before it wraps
@@ -196,7 +198,9 @@ class GpuProgram:
     def __init__(self, cut: CutGraph, backend: GpuBackend, comm: Communicator):
         cp = backend.cp
         self.cut, self.backend, self.comm, self.cp = cut, backend, comm, cp
-        self.steps = [(item, backend.compile(item, cut.where) if isinstance(item, Segment) else None) for item in cut.items]
+        # Segments and native groups (fused optimizer updates) have runners; collectives have none.
+        self.steps = [(item, None if isinstance(item, CollectiveOp) else backend.compile(item, cut.where))
+                      for item in cut.items]
         self.constants = {name: cp.asarray(value) for name, value in cut.constants.items()}
         producer: dict[str, int] = {}
         readers: dict[str, list[int]] = {}
@@ -395,6 +399,10 @@ class GpuBackend(Backend):
         self.cuda_graphs = env_flag("GRAPH_TRANSPILER_CUDA_GRAPHS") if cuda_graphs is None else cuda_graphs
         self.run_options_uncaptured = self._run_options(graph_id=-1)
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
+        # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
+        # GRAPH_TRANSPILER_FUSED_UPDATE=0 leaves them to onnxruntime (their function bodies), to compare.
+        if os.environ.get("GRAPH_TRANSPILER_FUSED_UPDATE", "1") != "0":
+            self.native_domains = frozenset({FUSED_UPDATE_DOMAIN})
         self._staging: dict[str, tuple[Any, np.ndarray, Any]] = {}
         self._ring = cp.zeros(LOSS_RING, dtype=np.float64)
         self._ring_next = 0
@@ -419,6 +427,8 @@ class GpuBackend(Backend):
             event.synchronize()
 
     def compile(self, segment, where):
+        if isinstance(segment, NativeGroup):
+            return FusedUpdateRunner(segment, where, self)
         return OrtCudaSegment(segment, where, self)
 
     def make_program(self, cut, comm):

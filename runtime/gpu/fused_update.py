@@ -1,0 +1,244 @@
+"""The fused optimizer updates on the GPU: one multi-tensor CuPy RawKernel launch per run of update
+nodes that share op, hyper-parameters, ``lr`` and ``step`` (in practice: per NativeGroup, i.e. per
+bucket's updates, or all of them on one device).
+
+Arithmetic: runtime/fused_update.py's ``reference_update``, written out in CUDA with the IEEE
+round-to-nearest intrinsics (``__fmul_rn``, ``__fadd_rn``, ``__fdiv_rn``, ``__fsqrt_rn``, ...), which
+the compiler never contracts into FMAs, and ``__fmaf_rn`` exactly where torch's kernels fuse (``add``
+with alpha, ``addcmul``, ``lerp``). The per-step scalars (``-lr``, AdamW's ``1 - lr*wd``, ``-lr/bc1``,
+``sqrt(bc2)``) are computed by thread 0 of every block in float64 from the device values of ``lr``
+and ``step`` (never kernel arguments, so a launch stays valid in a CUDA graph across steps) and
+rounded to float32 once, like torch's Python-float math; doing it per block costs a few hundred
+cycles and saves a separate launch and its buffer.
+
+Work layout: each tensor is cut into chunks of CHUNK elements and every block runs one chunk
+(``chunks``: tensor index, first element). Each tensor's row in ``table`` holds its pointers, inputs
+then outputs (param, grad, *slots, param', *slots'), and its element count. GpuProgram double-buffers
+state by step parity (runtime/gpu/backend.py), so the pointers of a parity change only in the first
+calls: the table is rebuilt (one small host-to-device copy) only when a pointer differs from the
+last launch of that parity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import RunError
+from runtime.executor import SegmentRunner
+from runtime.fused_update import OPS, UpdateOp
+
+CHUNK = 8192  # elements per block
+THREADS = 256
+
+SOURCE = r"""
+#define STEP_SCALARS_ADAM()                                                                        \
+    __shared__ float s_neg_step_size, s_bc2_sqrt, s_decay;                                        \
+    if (threadIdx.x == 0) {                                                                       \
+        double lr = (double)lr_ptr[0], step = (double)step_ptr[0];                                \
+        double bc1 = __dsub_rn(1.0, pow(beta1, step));                                            \
+        double bc2 = __dsub_rn(1.0, pow(beta2, step));                                            \
+        s_neg_step_size = (float)(-__ddiv_rn(lr, bc1));                                           \
+        s_bc2_sqrt = (float)__dsqrt_rn(bc2);                                                      \
+        s_decay = (float)__dsub_rn(1.0, __dmul_rn(lr, weight_decay));                             \
+    }                                                                                             \
+    __syncthreads();
+
+#define CHUNK_RANGE(stride)                                                                       \
+    const long long t = chunks[2 * blockIdx.x], start = chunks[2 * blockIdx.x + 1];               \
+    const long long* row = table + t * (stride);                                                  \
+    const long long n = row[(stride) - 1];                                                        \
+    const long long end = start + chunk < n ? start + chunk : n;
+
+extern "C" __global__ void fused_sgd(const long long* __restrict__ table, const long long* __restrict__ chunks,
+                                     const float* __restrict__ lr_ptr, float wd, int use_wd, long long chunk) {
+    CHUNK_RANGE(4)
+    const float* p = (const float*)row[0];
+    const float* g = (const float*)row[1];
+    float* p_out = (float*)row[2];
+    const float neg_lr = -lr_ptr[0];
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
+        float gi = g[i], pi = p[i];
+        if (use_wd) gi = __fmaf_rn(pi, wd, gi);             // grad.add(param, alpha=wd)
+        p_out[i] = __fmaf_rn(gi, neg_lr, pi);                // param.add_(grad, alpha=-lr)
+    }
+}
+
+extern "C" __global__ void fused_momentum(const long long* __restrict__ table, const long long* __restrict__ chunks,
+                                          const float* __restrict__ lr_ptr, float wd, int use_wd, float mu,
+                                          int nesterov, long long chunk) {
+    CHUNK_RANGE(6)
+    const float* p = (const float*)row[0];
+    const float* g = (const float*)row[1];
+    const float* buf = (const float*)row[2];
+    float* p_out = (float*)row[3];
+    float* buf_out = (float*)row[4];
+    const float neg_lr = -lr_ptr[0];
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
+        float gi = g[i], pi = p[i];
+        if (use_wd) gi = __fmaf_rn(pi, wd, gi);
+        float b = __fadd_rn(__fmul_rn(buf[i], mu), gi);    // buf.mul_(mu).add_(grad): two roundings
+        buf_out[i] = b;
+        gi = nesterov ? __fmaf_rn(b, mu, gi) : b;           // grad.add(buf, alpha=mu)
+        p_out[i] = __fmaf_rn(gi, neg_lr, pi);
+    }
+}
+
+extern "C" __global__ void fused_adam(const long long* __restrict__ table, const long long* __restrict__ chunks,
+                                      const float* __restrict__ lr_ptr, const float* __restrict__ step_ptr,
+                                      double beta1, double beta2, double weight_decay,
+                                      float w, float w_minus_one, float one_minus_beta2, float beta2_f, float eps,
+                                      float wd_f, int mode, long long chunk) {
+    // mode: 0 no weight decay, 1 Adam's L2 penalty into the gradient, 2 AdamW's decoupled decay.
+    STEP_SCALARS_ADAM()
+    CHUNK_RANGE(8)
+    const float* p = (const float*)row[0];
+    const float* g = (const float*)row[1];
+    const float* m = (const float*)row[2];
+    const float* v = (const float*)row[3];
+    float* p_out = (float*)row[4];
+    float* m_out = (float*)row[5];
+    float* v_out = (float*)row[6];
+    const float neg_step_size = s_neg_step_size, bc2_sqrt = s_bc2_sqrt, decay = s_decay;
+    const bool small_weight = fabsf(w) < 0.5f;
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
+        float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+        if (mode == 2) pi = __fmul_rn(pi, decay);            // param.mul_(1 - lr*wd)
+        else if (mode == 1) gi = __fmaf_rn(pi, wd_f, gi);    // grad.add(param, alpha=wd)
+        float diff = __fsub_rn(gi, mi);                      // exp_avg.lerp_(grad, 1 - beta1)
+        mi = small_weight ? __fmaf_rn(w, diff, mi) : __fmaf_rn(w_minus_one, diff, gi);
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        vi = __fmaf_rn(__fmul_rn(one_minus_beta2, gi), gi, __fmul_rn(vi, beta2_f));
+        float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+        p_out[i] = __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step_size, mi), denom));  // addcdiv_
+        m_out[i] = mi;
+        v_out[i] = vi;
+    }
+}
+"""
+
+_KERNEL = {"SGD": "fused_sgd", "Momentum": "fused_momentum", "Adam": "fused_adam", "AdamW": "fused_adam"}
+_MODULES: dict[int, Any] = {}  # device id -> compiled RawModule
+
+
+def _module(cp):
+    device = cp.cuda.Device().id
+    if device not in _MODULES:
+        _MODULES[device] = cp.RawModule(code=SOURCE, options=("--std=c++14",))
+    return _MODULES[device]
+
+
+def kernel_arguments(op: UpdateOp) -> tuple:
+    """The scalar arguments after (table, chunks, lr[, step]), typed as the kernel declares them."""
+    h, c = op.h, op.constants()
+    wd = h["weight_decay"]
+    if op.op_type == "SGD":
+        return (c["weight_decay"], np.int32(wd != 0))
+    if op.op_type == "Momentum":
+        return (c["weight_decay"], np.int32(wd != 0), c["momentum"], np.int32(bool(h["nesterov"])))
+    mode = 0 if wd == 0 else (2 if op.op_type == "AdamW" else 1)
+    return (np.float64(h["beta1"]), np.float64(h["beta2"]), np.float64(wd), c["one_minus_beta1"],
+            c["one_minus_beta1_minus_one"], c["one_minus_beta2"], c["beta2"], c["eps"], c["weight_decay"],
+            np.int32(mode))
+
+
+class _Launch:
+    """Consecutive update nodes with one launch key: one kernel launch per call."""
+
+    def __init__(self, ops: list[UpdateOp]):
+        self.ops = ops
+        self.first = ops[0]
+        self.arguments = kernel_arguments(self.first)
+        self.stride = 2 * len(OPS[self.first.op_type][0]) + 4  # (2 + slots) inputs, (1 + slots) outputs, numel
+        self.tables: list[tuple[tuple, Any] | None] = [None, None]  # per parity: (pointers, device table)
+        self.chunks = None  # device (tensor, start) pairs, fixed once the sizes are known
+        self.grid = 0
+        self.names = [(*op.tensors_in, *op.outputs) for op in ops]  # table order, per node
+        self.kernel = None
+
+    def _rows(self, values: dict[str, Any], where: str) -> list[list[Any]]:
+        """Each node's arrays in table order, checked: contiguous float32 of one element count."""
+        rows = []
+        for op, names in zip(self.ops, self.names):
+            arrays = [values[name] for name in names]
+            size = arrays[0].size
+            for name, array in zip(names, arrays):
+                if array.dtype != np.float32 or array.size != size or not array.flags.c_contiguous:
+                    raise RunError(f"{where}: fused {op.op_type} of '{op.param}': '{name}' is {array.dtype} "
+                                   f"{list(array.shape)}; the kernel needs contiguous float32 of {size} elements")
+            rows.append(arrays)
+        return rows
+
+    def launch(self, cp, parity: int, values: dict[str, Any], where: str) -> None:
+        # Only the pointers are compared every step; the arrays are checked when they change.
+        pointers = tuple(values[name].data.ptr for names in self.names for name in names)
+        cached = self.tables[parity]
+        if cached is None or cached[0] != pointers:
+            rows = self._rows(values, where)
+            table = np.array([[a.data.ptr for a in arrays] + [arrays[0].size] for arrays in rows], dtype=np.int64)
+            assert table.shape[1] == self.stride, (table.shape, self.stride)  # the kernel's row length
+            cached = (pointers, cp.asarray(table.reshape(-1)))
+            self.tables[parity] = cached
+            if self.chunks is None:  # sizes never change after the first call
+                pairs = [(t, start) for t, arrays in enumerate(rows) for start in range(0, arrays[0].size, CHUNK)]
+                self.grid = len(pairs)
+                self.chunks = cp.asarray(np.array(pairs or [(0, 0)], dtype=np.int64).reshape(-1))
+        if self.grid == 0:
+            return
+        lr = values[self.first.lr]
+        step = (values[self.first.step],) if self.first.step is not None else ()
+        if self.kernel is None:
+            self.kernel = _module(cp).get_function(_KERNEL[self.first.op_type])
+        self.kernel((self.grid,), (THREADS,), (cached[1], self.chunks, lr, *step, *self.arguments, np.int64(CHUNK)))
+
+
+class FusedUpdateRunner(SegmentRunner):
+    """A NativeGroup of fused update nodes on the GPU; the interface of OrtCudaSegment (``run`` on the
+    first call, then ``prepare`` per parity and ``run_bound``), so GpuProgram treats it like a segment:
+    its outputs are bound into the same double buffers and collective slots."""
+
+    def __init__(self, group, where: str, backend):
+        self.cp = backend.cp
+        self.where = f"{where}: fused updates in segment {group.index}" + (f" part {group.part}" if group.part else "")
+        ops = [UpdateOp.from_node(node, where) for node in group.nodes]
+        runs: list[list[UpdateOp]] = []
+        produced: set[str] = set()  # by the current run: a node reading one starts a new launch
+        for op in ops:
+            if runs and runs[-1][0].launch_key() == op.launch_key() and not produced & {*op.tensors_in, op.lr}:
+                runs[-1].append(op)
+            else:
+                runs.append([op])
+                produced = set()
+            produced |= set(op.outputs)
+        self.launches = [_Launch(run) for run in runs]
+        self.inputs, self.outputs = list(group.inputs), list(group.outputs)
+        self.prepared: list[dict[str, Any] | None] = [None, None]
+        # The backend's compute stream (the one onnxruntime runs on), whatever stream is current.
+        self.stream = getattr(backend, "compute", None)
+
+    def _on_stream(self):
+        return self.stream if self.stream is not None else contextlib.nullcontext()
+
+    def run(self, feeds):
+        """First call: outputs allocated here, pointer tables built for this call only."""
+        cp = self.cp
+        values = dict(feeds)
+        with self._on_stream():
+            for launch in self.launches:
+                for op in launch.ops:
+                    for source, name in zip((op.param, *op.slots), op.outputs):
+                        values[name] = cp.empty_like(values[source])
+                launch.launch(cp, 0, values, self.where)
+                launch.tables[0] = None  # these outputs are temporary; the bound ones differ
+        return [values[name] for name in self.outputs]
+
+    def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
+        self.prepared[parity] = dict(outputs)
+
+    def run_bound(self, parity: int, env: dict[str, Any]) -> None:
+        values = {**env, **self.prepared[parity]}
+        with self._on_stream():
+            for launch in self.launches:
+                launch.launch(self.cp, parity, values, self.where)

@@ -1,0 +1,140 @@
+"""The GPU fused update kernel's CUDA source, compiled for the host and run on CPU.
+
+No GPU here, so the kernel source (runtime/gpu/fused_update.py's SOURCE) is compiled with the host
+C++ compiler behind a small shim (``__global__`` a plain function, the ``_rn`` intrinsics as IEEE
+float/double operations, ``__fmaf_rn`` as ``std::fmaf``, ``-ffp-contract=off`` so that nothing else
+is fused) and launched block by block, thread by thread (thread 0 first, which is all that the
+kernel's one ``__syncthreads`` needs). A stand-in for CuPy hands it host arrays, so the launcher's
+pointer tables, chunk table and argument marshalling run exactly as on the GPU. The comparison with
+the NumPy reference is tests/test_gpu_fused_update.py's. Skipped without a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import types
+
+import numpy as np
+import pytest
+from test_gpu_fused_update import compare_kernel_with_reference
+from test_optimizer import CASES
+
+import runtime.gpu.fused_update as fused
+
+CXX = shutil.which("g++") or shutil.which("clang++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+
+SHIM = r"""
+#include <cmath>
+struct Dim3 { unsigned x, y, z; };
+static Dim3 threadIdx, blockIdx, blockDim;
+#define __global__
+#define __shared__ static
+#define __syncthreads() ((void)0)
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
+static inline double __dsqrt_rn(double a) { return std::sqrt(a); }
+using std::pow;
+using std::fabs;
+"""
+
+LAUNCHERS = r"""
+template <class F, class... A> static void run(F f, int grid, int block, A... a) {
+    blockDim.x = block;
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        for (int t = 0; t < block; ++t) { threadIdx.x = t; f(a...); }
+    }
+}
+typedef const long long* P;
+typedef const float* F;
+extern "C" void launch_fused_sgd(int g, int b, P t, P c, F lr, float wd, int use_wd, long long chunk) {
+    run(fused_sgd, g, b, t, c, lr, wd, use_wd, chunk);
+}
+extern "C" void launch_fused_momentum(int g, int b, P t, P c, F lr, float wd, int use_wd, float mu, int nesterov,
+                                      long long chunk) {
+    run(fused_momentum, g, b, t, c, lr, wd, use_wd, mu, nesterov, chunk);
+}
+extern "C" void launch_fused_adam(int g, int b, P t, P c, F lr, F step, double beta1, double beta2, double wd,
+                                  float w, float w1, float omb2, float b2, float eps, float wd_f, int mode,
+                                  long long chunk) {
+    run(fused_adam, g, b, t, c, lr, step, beta1, beta2, wd, w, w1, omb2, b2, eps, wd_f, mode, chunk);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("kernel")
+    source = directory / "kernel.cpp"
+    source.write_text(SHIM + fused.SOURCE + LAUNCHERS)
+    target = directory / "kernel.so"
+    subprocess.run([CXX, "-std=c++14", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(target), str(source)],
+                   check=True, capture_output=True)
+    return ctypes.CDLL(str(target))
+
+
+class _Pointer:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class HostArray(np.ndarray):
+    """A NumPy array with CuPy's ``.data.ptr``."""
+
+    @property
+    def data(self):  # noqa: D401 - CuPy's MemoryPointer, as far as the launcher uses it
+        return _Pointer(self.ctypes.data)
+
+
+def _as_c(value):
+    if isinstance(value, np.ndarray):
+        return ctypes.c_void_p(value.ctypes.data)
+    if isinstance(value, np.float32):
+        return ctypes.c_float(value)
+    if isinstance(value, np.float64):
+        return ctypes.c_double(value)
+    if isinstance(value, np.int32):
+        return ctypes.c_int(value)
+    if isinstance(value, np.int64):
+        return ctypes.c_longlong(value)
+    raise TypeError(f"kernel argument of type {type(value).__name__}: CuPy would not pass it as the kernel expects")
+
+
+def host_cupy(library):
+    """The part of CuPy that FusedUpdateRunner and the comparison use, on host memory."""
+
+    def asarray(array):
+        return np.ascontiguousarray(array).view(HostArray)
+
+    class RawModule:
+        def __init__(self, code: str, options=()):
+            assert code == fused.SOURCE
+
+        def get_function(self, name: str):
+            launcher = getattr(library, f"launch_{name}")
+
+            def call(grid, block, args):
+                launcher(ctypes.c_int(grid[0]), ctypes.c_int(block[0]), *(_as_c(a) for a in args))
+
+            return call
+
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0), get_current_stream=lambda: stream)
+    return types.SimpleNamespace(asarray=asarray, asnumpy=np.asarray, RawModule=RawModule, cuda=cuda,
+                                 empty_like=lambda a: np.empty_like(a).view(HostArray))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_source_on_the_host_matches_the_reference(case, library, monkeypatch):
+    monkeypatch.setattr(fused, "_MODULES", {})  # never mix the host module with a real GPU's
+    compare_kernel_with_reference(host_cupy(library), case)
