@@ -1,5 +1,5 @@
-"""The collective ops (domain ``graph_transpiler``) and the check that every rank issues the same
-sequence of them. Schema: docs/contracts.md."""
+"""Building the collective ops of domain ``graph_transpiler`` and the check that every rank issues the
+same sequence of them. Their schema (domain, ops, attributes) is contract/collectives.py; docs/contracts.md."""
 
 from __future__ import annotations
 
@@ -7,19 +7,17 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
+from contract.collectives import DOMAIN, OPS, SENDS_BUCKET, VERSION
 from transpiler.errors import TranspileError
 
-DOMAIN = "graph_transpiler"
-VERSION = 1
-OPS = ("AllReduce", "Reduce", "Broadcast", "ReduceScatter", "AllGather")
-# Ops whose inputs are the bucket's full tensors (the others hold them as outputs).
-_SENDS_BUCKET = frozenset({"AllReduce", "Reduce", "ReduceScatter"})
+__all__ = ["DOMAIN", "OPS", "VERSION", "append_collective", "bucket_tensors", "check_same_sequence",
+           "collective_nodes", "signature"]
 
 
 def bucket_tensors(node: ir.Node) -> list[ir.Value]:
     """The bucket's full tensors as this rank sees them: what a Reduce-like op sends, what a
     Broadcast-like op receives (a non-root Reduce has no outputs, a non-root Broadcast no inputs)."""
-    return list(node.inputs if node.op_type in _SENDS_BUCKET else node.outputs)
+    return list(node.inputs if node.op_type in SENDS_BUCKET else node.outputs)
 
 
 def _attrs(order: int, bucket: int, phase: str, root: int | None, reduction: str | None) -> dict:

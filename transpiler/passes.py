@@ -25,6 +25,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 from onnx_ir.tape import Tape
 
+from contract.names import ACC, LR_INPUT, NEXT, STEP_STATE
 from transpiler.autodiff import build_gradients
 from transpiler.batchnorm import decompose_batchnorm
 from transpiler.bucketing import Bucket, make_buckets
@@ -41,12 +42,8 @@ from transpiler.optimizer import (
 from transpiler.placement import Placement, place
 
 STRATEGIES = ("sharded", "allreduce", "zero")
-LR_INPUT = "lr"
-STEP_STATE = "optimizer.step"
-NEXT = ".next"  # suffix of a state input's updated output
 AFTER_GRADIENTS = -2  # order of a collective that follows every gradient collective (the clip norm)
 MAX_GRAD_ACCUMULATION = 1024
-ACC = ".acc"  # suffix of a gradient accumulator (gradient name + ACC)
 MAX_WORLD_SIZE = 4096  # OUT holds two ONNX files per rank; beyond this, transpiling is the bottleneck
 
 
