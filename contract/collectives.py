@@ -1,13 +1,15 @@
 """The collective ops of the rank graphs: domain, ops, attributes (docs/contracts.md), and the rule
 that cuts a rank graph into compute segments at them.
 
-Pure data and functions over names: no onnx-ir, no onnxruntime, so the writer (transpiler), the
-executor (runtime) and the reader (inspection) share it.
+Data and functions over names and onnx protos only (no onnx-ir, no onnxruntime), so the writer
+(transpiler), the executor (runtime) and the reader (inspection) can share it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+
+import onnx
 
 DOMAIN = "graph_transpiler"
 VERSION = 1
@@ -80,3 +82,20 @@ def _reach(start: int, step: Mapping[int, list[int]]) -> set[int]:
             seen.add(i)
             todo.extend(step[i])
     return seen
+
+
+def consumed(node: onnx.NodeProto) -> list[str]:
+    """Values the node reads, including outer-scope values its subgraphs (If/Loop/Scan bodies)
+    capture: the edges of the data flow that ``place_alap`` cuts."""
+    names = [name for name in node.input if name]
+    for attr in node.attribute:
+        subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for sub in subs:
+            defined = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            captured: list[str] = []
+            for inner in sub.node:
+                captured += [name for name in consumed(inner) if name not in defined]
+                defined.update(inner.output)
+            captured += [o.name for o in sub.output if o.name not in defined]
+            names += captured
+    return names

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contract.errors import UserError
+
 FORMAT = "graph-transpiler/plan"
 FORMAT_VERSION = 1
 STRATEGIES = ("allreduce", "sharded", "zero")  # what a reader accepts in "strategy"
@@ -35,14 +37,12 @@ def graph_files(stem: str) -> dict[str, str]:
     return {"step": f"{stem}.onnx", "init": f"{stem}_init.onnx", "accum": f"{stem}_accum.onnx"}
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """plan.json is missing, unreadable or not what the contract says. One line naming the file and,
     where there is one, the field; ``kind`` and ``details`` let a reader word it its own way."""
 
     def __init__(self, message: str, *, path: Path | str, field: str | None = None, kind: str = "invalid",
                  **details: Any):
-        if "\n" in message:
-            raise ValueError("PlanError messages must be one line")
         super().__init__(message)
         self.path, self.field, self.kind, self.details = Path(path), field, kind, details
 

@@ -199,3 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     add_run_arguments(commands.add_parser("run", help="train on the graphs in a transpiler output directory"))
     args = parser.parse_args(argv)
     return run_command(args)
+
+
+# The ``transpile run`` command (commands/) builds its parser and runs it through these two.
+add_arguments = add_run_arguments
+execute = run_command
