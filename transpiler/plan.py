@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import onnx
@@ -202,9 +203,13 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
     """
     out_dir = check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    # Named before it exists and created inside the try: Ctrl-C or SIGTERM (raised as exceptions,
+    # commands/main.py) right after the mkdir still removes it. With mkdtemp a signal landing between
+    # its mkdir and the try left the directory behind (seen under load in test_cli_safety).
+    tmp = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}"
     try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; OUT gets the permissions of any new directory
+        tmp.mkdir()
+        tmp.chmod(0o777 & ~_umask())  # OUT gets the permissions of any new directory
         if job.problem.external_data:  # one self-contained copy, so OUT does not depend on the data file
             onnx.save_model(job.problem.source, tmp / SOURCE_MODEL_FILE)
         else:
