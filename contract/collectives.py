@@ -29,10 +29,6 @@ ATTRIBUTES = {
 NO_BUCKET = -1  # ``bucket`` of a collective that moves no parameter gradient (init broadcasts, sync-bn, clip norm)
 
 
-def is_collective(domain: str) -> bool:
-    return domain == DOMAIN
-
-
 class CutError(ValueError):
     """The collectives' ``order`` attributes contradict the data flow (one line)."""
 

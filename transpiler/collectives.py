@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from contract.collectives import DOMAIN, OPS, SENDS_BUCKET, VERSION
+from contract.collectives import ATTRIBUTES, DOMAIN, OPS, PHASES, REDUCTIONS, SENDS_BUCKET, VERSION
 from transpiler.errors import TranspileError
 
 __all__ = ["DOMAIN", "OPS", "VERSION", "append_collective", "bucket_tensors", "check_same_sequence",
@@ -55,11 +55,14 @@ def append_collective(
 
     ``output_names`` is None on a rank that receives nothing (a non-root Reduce).
     """
-    assert op in OPS, op
+    attrs = _attrs(order, bucket, phase, root, reduction)
+    # The contract's schema (contract/collectives.py): what the runtime's executors will read.
+    assert op in OPS and set(attrs) == set(ATTRIBUTES[op]), (op, sorted(attrs))
+    assert phase in PHASES and reduction in (None, *REDUCTIONS), (phase, reduction)
     node = ir.node(
         op,
         list(inputs),
-        _attrs(order, bucket, phase, root, reduction),
+        attrs,
         domain=DOMAIN,
         num_outputs=0 if output_names is None else len(output_names),
         name=f"{phase}/{op}_{order}",
