@@ -1,24 +1,31 @@
-"""``transpile run OUT ...``: train on the graphs in OUT. The lead wires this into ``transpile``;
+"""``transpile run OUT ...``: train on the graphs in OUT. ``transpile`` (commands/) dispatches here;
 ``python -m runtime run ...`` runs it directly.
+
+The arguments are parsed and checked once, here (``resolve``); the ranks this process spawns get
+the resulting RunConfig as a file (runtime/config.py), and run it in runtime/worker.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from runtime import checkpoint
 from runtime.collectives import LocalGroup
+from runtime.config import RunConfig
 from runtime.data import Dataset, shard_size
+from runtime.devices import BACKENDS, check_gpus, resolve_backend
 from runtime.errors import RunError
 from runtime.executor import CpuBackend
 from runtime.launcher import detect_launcher, spawn
+from runtime.loop import train
 from runtime.plan import Plan, load_plan
 from runtime.schedule import SCHEDULES, Schedule
-from runtime.trainer import RunConfig, Trainer, train
-
-BACKENDS = ("auto", "cpu", "nccl")
+from runtime.trainer import Trainer
+from runtime.worker import run_as_rank
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,15 +60,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nccl backend: fp32 MatMul/Conv in full fp32 instead of TF32 (for exact comparisons)")
 
 
-def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
-    """Everything that can be checked before any rank starts: plan, data, batch and options."""
+def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
+    """Everything that can be checked before any rank starts (plan, data, batch and options), once:
+    the RunConfig it returns is what every rank runs (runtime/config.py)."""
     plan = load_plan(args.out)
     dataset = Dataset.load(args.data, plan.data_inputs)
-    shard_size(args.batch, plan.world_size)
-    k = plan.grad_accumulation
-    if k > 1 and args.batch % (plan.world_size * k):
-        raise RunError(f"global batch {args.batch} does not split into {plan.world_size} rank(s) x {k} micro-batches "
-                       f"(--grad-accumulation {k}); use a multiple of {plan.world_size * k}")
+    shard_size(args.batch, plan.world_size, plan.grad_accumulation)
     if args.batch > dataset.rows:
         raise RunError(f"--batch {args.batch} is larger than the {dataset.rows} rows of {args.data}: every batch would "
                        "repeat rows")
@@ -95,7 +99,9 @@ def prepare(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     schedule.validate(steps)
     config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed, schedule=schedule,
                        log_every=args.log_every, export=export,
-                       checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume, timings=timings)
+                       checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume, timings=timings,
+                       out=plan.out_dir.resolve(), data=Path(args.data).resolve(), backend=args.backend,
+                       tf32=not args.no_tf32)
     return plan, dataset, config
 
 
@@ -111,85 +117,43 @@ def _output_file(option: str, value: str | None) -> Path | None:
     return path
 
 
-def worker_arguments(args: argparse.Namespace) -> list[str]:
-    """The command line that makes a spawned rank run exactly what ``args`` asks for."""
-    argv = [str(Path(args.out).resolve()), "--data", str(Path(args.data).resolve()), "--batch", str(args.batch)]
-    argv += ["--steps", str(args.steps)] if args.steps is not None else ["--epochs", repr(args.epochs)]
-    if args.lr is not None:
-        argv += ["--lr", repr(args.lr)]
-    if args.shuffle:
-        argv.append("--shuffle")
-    argv += ["--lr-schedule", args.lr_schedule, "--warmup-steps", str(args.warmup_steps), "--min-lr", repr(args.min_lr),
-             "--lr-step-size", str(args.lr_step_size), "--lr-gamma", repr(args.lr_gamma)]
-    argv += ["--seed", str(args.seed), "--log-every", str(args.log_every), "--backend", args.backend]
-    if args.no_tf32:
-        argv.append("--no-tf32")
-    if args.checkpoint is not None:
-        argv += ["--checkpoint", str(Path(args.checkpoint).resolve()), "--checkpoint-every", str(args.checkpoint_every)]
-    if args.resume is not None:
-        argv += ["--resume", str(Path(args.resume).resolve())]
-    if args.timings is not None:
-        argv += ["--timings", str(Path(args.timings).resolve())]
-    if args.export is not None:
-        argv += ["--export", str(Path(args.export).resolve())]
-    return argv
-
-
-def resolve_backend(name: str) -> str:
-    """``auto`` becomes ``nccl`` where GPUs, CuPy and onnxruntime-gpu are all present, else ``cpu``."""
-    if name != "auto":
-        return name
-    from runtime.gpu.cuda import cuda_available
-
-    return "nccl" if cuda_available() else "cpu"
-
-
-def check_gpus(needed: int, what: str) -> None:
-    """One GPU per rank: ``needed`` ranks on this host need that many GPUs here."""
-    from runtime.gpu.cuda import gpu_count
-
-    have = gpu_count()
-    if needed > have:
-        raise RunError(f"{what} needs {needed} GPU(s), one per rank, but this machine has {have}"
-                       + (" (no CUDA device, or CuPy is not installed)" if have == 0 else "")
-                       + "; transpile with --gpus <= the GPUs present, or use --backend cpu")
-
-
 def run_command(args: argparse.Namespace) -> int:
     if detect_launcher() is not None:
-        # Already one rank of an mpirun/mpiexec/srun job: run as that rank, spawn nothing.
-        from runtime.worker import run_as_rank
-
-        return run_as_rank(args)
+        # Already one rank of an mpirun/mpiexec/srun job: run as that rank, spawn nothing. Each rank
+        # resolves the arguments itself, inside the ranks' agreement on setup errors.
+        return run_as_rank(lambda: resolve(args))
     try:
-        plan, dataset, config = prepare(args)
-        args.backend = resolve_backend(args.backend)
-        if args.backend == "nccl":
+        plan, dataset, config = resolve(args)
+        config = replace(config, backend=resolve_backend(config.backend))
+        if config.backend == "nccl":
             check_gpus(plan.world_size, f"the plan ({plan.world_size} rank(s), transpiled with --gpus {plan.world_size})")
         if plan.world_size == 1:
-            return _run_single(args, plan, dataset, config)
-        return spawn(plan.world_size, worker_arguments(args))
+            return _run_single(plan, dataset, config)
+        with tempfile.TemporaryDirectory(prefix="transpile-run.") as tmp:
+            path = Path(tmp) / "config.json"  # the ranks read it at start-up, before any step
+            config.save(path)
+            return spawn(plan.world_size, ["--config", str(path)])
     except RunError as exc:
         print(f"transpile: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _run_single(args: argparse.Namespace, plan: Plan, dataset, config: RunConfig) -> int:
+def _run_single(plan: Plan, dataset: Dataset, config: RunConfig) -> int:
     """A world of one runs in this process, without MPI."""
-    if args.backend == "nccl":
+    if config.backend == "nccl":
         from runtime.gpu import GpuBackend, NcclCommunicator
 
-        backend = GpuBackend(0, tf32=not args.no_tf32)
+        backend = GpuBackend(0, tf32=config.tf32)
         comm = NcclCommunicator(None, 0)
         trainer = Trainer(plan, comm, rank=0, backend=backend)
         comm.connect()
         try:
-            train(trainer, dataset, config, rank=0, world_size=1)
+            train(trainer, dataset, config)
         finally:
             comm.close()
         return 0
     trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=0, backend=CpuBackend())
-    train(trainer, dataset, config, rank=0, world_size=1)
+    train(trainer, dataset, config)
     return 0
 
 
@@ -199,3 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     add_run_arguments(commands.add_parser("run", help="train on the graphs in a transpiler output directory"))
     args = parser.parse_args(argv)
     return run_command(args)
+
+
+# The ``transpile run`` command (commands/) builds its parser and runs it through these two.
+add_arguments = add_run_arguments
+execute = run_command

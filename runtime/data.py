@@ -21,13 +21,19 @@ from runtime.errors import RunError
 from runtime.plan import DataInput
 
 
-def shard_size(batch: int, world_size: int) -> int:
-    """Rows per rank; the global batch must split into equal shards."""
+def shard_size(batch: int, world_size: int, micro_batches: int = 1) -> int:
+    """Rows per rank. The one check of the batch's divisibility: the global batch must split into
+    ``world_size`` equal shards, and each shard into ``micro_batches`` equal micro-batches
+    (--grad-accumulation)."""
     if batch < 1:
         raise RunError(f"--batch must be >= 1, got {batch}")
     if batch % world_size != 0:
         raise RunError(f"global batch {batch} does not split into {world_size} equal shards "
                        f"(batch % world_size = {batch % world_size}); use a multiple of {world_size}")
+    k = micro_batches
+    if k > 1 and batch % (world_size * k):
+        raise RunError(f"global batch {batch} does not split into {world_size} rank(s) x {k} micro-batches "
+                       f"(--grad-accumulation {k}); use a multiple of {world_size * k}")
     return batch // world_size
 
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
+from contract.errors import UserError
 
-class RunError(RuntimeError):
+
+class RunError(UserError, RuntimeError):
     """A problem with OUT, the data or the options that the user can fix.
 
     The CLI prints ``transpile: error: <message>`` and exits with status 2, without a traceback; a
     rank process prints it once, prefixed with its rank. Messages name the file, field, input or rank
     concerned and fit on one line.
     """
-
-    def __init__(self, message: str):
-        if "\n" in message:
-            raise ValueError("RunError messages must be one line")
-        super().__init__(message)

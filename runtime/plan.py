@@ -1,265 +1,27 @@
-"""plan.json: load, validate, and keep the few fields the runtime needs.
+"""plan.json as the runtime reads it: the contract's reader (contract/plan.py), errors as RunError.
 
-The plan is the transpiler's promise about OUT (docs/contracts.md). Validation here is shallow but
-complete for what the runtime reads: every field the runtime uses is checked for presence and type,
-so a bad or foreign plan fails at load with one line naming the file and the field, never later as a
-KeyError deep inside a rank.
+The plan is the transpiler's promise about OUT (docs/contracts.md); its schema and validation live in
+``contract.plan``, shared with the writer and with ``inspection/``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from contract import plan as _contract
+from contract.plan import STRATEGIES, Accumulator, DataInput, GraphFiles, Parameter, Plan, StateEntry
 from runtime.errors import RunError
 
-PLAN_FORMAT = "graph-transpiler/plan"
-PLAN_FORMAT_VERSION = 1
-STRATEGIES = ("allreduce", "sharded", "zero")
-
-
-@dataclass(frozen=True)
-class DataInput:
-    name: str
-    dtype: str
-    shape: tuple[int | str, ...]  # ints are fixed, strings symbolic ("batch" on the batch axis)
-    batch_axis: int
-
-
-@dataclass(frozen=True)
-class StateEntry:
-    """One state value carried between steps: fed as ``input``, read back from ``output``."""
-
-    input: str
-    output: str
-    kind: str
-    param: str | None
-
-
-@dataclass(frozen=True)
-class Accumulator:
-    """A gradient accumulator of --grad-accumulation: zeros before a step's first micro-batch."""
-
-    input: str
-    output: str
-    param: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class GraphFiles:
-    step: Path
-    init: Path
-    state: tuple[StateEntry, ...]
-    accum: Path | None = None  # the graph of the first K-1 micro-batches (grad_accumulation K > 1)
-    accumulators: tuple[Accumulator, ...] = ()
-
-
-@dataclass(frozen=True)
-class Parameter:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    root: int
-    bucket: int
-
-
-@dataclass(frozen=True)
-class Plan:
-    path: Path  # plan.json itself; graph files are resolved relative to its directory
-    world_size: int
-    strategy: str
-    model: Path  # OUT/model.onnx, the user's model (source of --export)
-    data_inputs: tuple[DataInput, ...]
-    loss: str
-    lr_input: str
-    optimizer: dict[str, Any]
-    parameters: tuple[Parameter, ...]
-    single: GraphFiles
-    ranks: tuple[GraphFiles, ...]  # ranks[r] is rank r's
-    grad_accumulation: int = 1  # micro-batches per optimizer step
-
-    @property
-    def out_dir(self) -> Path:
-        return self.path.parent
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer["lr"])
-
-    def graphs(self, rank: int | None) -> GraphFiles:
-        """Rank ``rank``'s graphs, or the single-device ones for ``None``."""
-        return self.single if rank is None else self.ranks[rank]
-
-
-class _Reader:
-    """Typed field access that names ``file: field 'a.b[2].c'`` in every error."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def fail(self, where: str, what: str) -> RunError:
-        return RunError(f"{self.path}: field '{where}' {what}")
-
-    def get(self, obj: dict, key: str, types: type | tuple[type, ...], where: str, *, optional: bool = False):
-        field = f"{where}.{key}" if where else key
-        if key not in obj:
-            if optional:
-                return None
-            raise self.fail(field, "is missing")
-        value = obj[key]
-        if optional and value is None:
-            return None
-        # bool is an int subclass; a JSON true where a count is expected is a bug in the writer.
-        if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-            raise self.fail(field, f"must be {_type_names(types)}, got {value!r}")
-        if not isinstance(value, types):
-            raise self.fail(field, f"must be {_type_names(types)}, got {type(value).__name__}")
-        return value
-
-
-def _type_names(types: type | tuple[type, ...]) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
-    types = types if isinstance(types, tuple) else (types,)
-    return " or ".join(names.get(t, t.__name__) for t in types)
+PLAN_FORMAT = _contract.FORMAT
+PLAN_FORMAT_VERSION = _contract.FORMAT_VERSION
 
 
 def load_plan(out_dir: str | Path) -> Plan:
     """Read ``out_dir/plan.json`` (or a plan.json path) and validate the fields the runtime uses."""
-    given = Path(out_dir)
-    if not given.exists():
-        raise RunError(f"{given}: no such directory (give the -o directory of 'transpile')")
-    if given.is_file() and given.name != "plan.json":
-        raise RunError(f"{given}: a file; give the -o directory of 'transpile' (it holds plan.json)")
-    path = given / "plan.json" if given.is_dir() else given
-    if not path.is_file():
-        raise RunError(f"{given}: no plan.json here; is it the -o directory of 'transpile'?")
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RunError(f"{path}: not readable as JSON: {str(exc).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise RunError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
-    return _parse(raw, _Reader(path))
+        return _contract.load_plan(out_dir)
+    except _contract.PlanError as exc:
+        raise RunError(str(exc)) from None
 
 
-def _parse(raw: dict, r: _Reader) -> Plan:
-    fmt = r.get(raw, "format", str, "")
-    if fmt != PLAN_FORMAT:
-        raise r.fail("format", f"is {fmt!r}, expected {PLAN_FORMAT!r} (not a graph-transpiler plan)")
-    version = r.get(raw, "format_version", int, "")
-    if version != PLAN_FORMAT_VERSION:
-        newer = " (written by a newer transpiler; upgrade the runtime)" if version > PLAN_FORMAT_VERSION else ""
-        raise r.fail("format_version", f"is {version}, this runtime reads {PLAN_FORMAT_VERSION}{newer}")
-
-    world_size = r.get(raw, "world_size", int, "")
-    if world_size < 1:
-        raise r.fail("world_size", f"must be >= 1, got {world_size}")
-    strategy = r.get(raw, "strategy", str, "")
-    if strategy not in STRATEGIES:
-        raise r.fail("strategy", f"is {strategy!r}, expected one of {', '.join(STRATEGIES)}")
-
-    source = r.get(raw, "source_model", dict, "")
-    model = r.path.parent / r.get(source, "file", str, "source_model")
-
-    data_inputs = tuple(_data_input(d, r, f"data_inputs[{i}]") for i, d in enumerate(r.get(raw, "data_inputs", list, "")))
-    if not data_inputs:
-        raise r.fail("data_inputs", "is empty (a step graph needs data)")
-
-    optimizer = r.get(raw, "optimizer", dict, "")
-    r.get(optimizer, "lr", (int, float), "optimizer")
-
-    parameters = tuple(_parameter(p, r, f"parameters[{i}]", world_size) for i, p in enumerate(r.get(raw, "parameters", list, "")))
-
-    accumulation = r.get(raw, "grad_accumulation", int, "", optional=True) or 1  # absent in older plans
-    if accumulation < 1:
-        raise r.fail("grad_accumulation", f"is {accumulation}, must be >= 1")
-    graphs = r.get(raw, "graphs", dict, "")
-    single = _graph_files(r.get(graphs, "single", dict, "graphs"), r, "graphs.single", accumulation)
-    ranks_raw = r.get(graphs, "ranks", list, "graphs")
-    if len(ranks_raw) != world_size:
-        raise r.fail("graphs.ranks", f"has {len(ranks_raw)} entries, world_size is {world_size}")
-    ranks = []
-    for i, entry in enumerate(ranks_raw):
-        where = f"graphs.ranks[{i}]"
-        if not isinstance(entry, dict):
-            raise r.fail(where, "must be an object")
-        if r.get(entry, "rank", int, where) != i:
-            raise r.fail(f"{where}.rank", f"is {entry['rank']}, expected {i} (ranks must be listed in order)")
-        ranks.append(_graph_files(entry, r, where, accumulation))
-
-    return Plan(
-        path=r.path,
-        world_size=world_size,
-        strategy=strategy,
-        model=model,
-        data_inputs=data_inputs,
-        loss=r.get(raw, "loss", str, ""),
-        lr_input=r.get(raw, "lr_input", str, ""),
-        optimizer=optimizer,
-        parameters=parameters,
-        single=single,
-        ranks=tuple(ranks),
-        grad_accumulation=accumulation,
-    )
-
-
-def _data_input(d: Any, r: _Reader, where: str) -> DataInput:
-    if not isinstance(d, dict):
-        raise r.fail(where, "must be an object")
-    shape = r.get(d, "shape", list, where)
-    for j, dim in enumerate(shape):
-        if isinstance(dim, bool) or not isinstance(dim, (int, str)):
-            raise r.fail(f"{where}.shape[{j}]", f"must be an integer or a name, got {dim!r}")
-    axis = r.get(d, "batch_axis", int, where)
-    if not 0 <= axis < len(shape):
-        raise r.fail(f"{where}.batch_axis", f"is {axis}, outside a shape of rank {len(shape)}")
-    return DataInput(r.get(d, "name", str, where), r.get(d, "dtype", str, where), tuple(shape), axis)
-
-
-def _parameter(p: Any, r: _Reader, where: str, world_size: int) -> Parameter:
-    if not isinstance(p, dict):
-        raise r.fail(where, "must be an object")
-    root = r.get(p, "root", int, where)
-    if not 0 <= root < world_size:
-        raise r.fail(f"{where}.root", f"is {root}, outside world_size {world_size}")
-    return Parameter(
-        name=r.get(p, "name", str, where),
-        shape=tuple(r.get(p, "shape", list, where)),
-        dtype=r.get(p, "dtype", str, where),
-        root=root,
-        bucket=r.get(p, "bucket", int, where),
-    )
-
-
-def _graph_files(g: dict, r: _Reader, where: str, accumulation: int) -> GraphFiles:
-    files = {}
-    for key in ("step", "init", *(("accum",) if accumulation > 1 else ())):
-        path = r.path.parent / r.get(g, key, str, where)
-        if not path.is_file():
-            raise r.fail(f"{where}.{key}", f"names {path.name}, which is not in {r.path.parent}")
-        files[key] = path
-    state = []
-    for i, s in enumerate(r.get(g, "state", list, where)):
-        sw = f"{where}.state[{i}]"
-        if not isinstance(s, dict):
-            raise r.fail(sw, "must be an object")
-        # Kinds "param" and "buffer" mean something to the runtime (--export writes them back); the
-        # others (optimizer, step) are carried opaquely, so new kinds need no change here.
-        kind = r.get(s, "kind", str, sw)
-        state.append(StateEntry(r.get(s, "input", str, sw), r.get(s, "output", str, sw), kind,
-                                r.get(s, "param", str, sw, optional=True)))
-    accumulators = []
-    for i, a in enumerate(r.get(g, "accumulators", list, where) if accumulation > 1 else []):
-        aw = f"{where}.accumulators[{i}]"
-        if not isinstance(a, dict):
-            raise r.fail(aw, "must be an object")
-        shape = r.get(a, "shape", list, aw)
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-            raise r.fail(f"{aw}.shape", f"must list non-negative integers, got {shape!r}")
-        accumulators.append(Accumulator(r.get(a, "input", str, aw), r.get(a, "output", str, aw),
-                                        r.get(a, "param", str, aw), tuple(shape), r.get(a, "dtype", str, aw)))
-    return GraphFiles(files["step"], files["init"], tuple(state), files.get("accum"), tuple(accumulators))
+__all__ = ["STRATEGIES", "Accumulator", "DataInput", "GraphFiles", "Parameter", "Plan", "StateEntry", "load_plan"]

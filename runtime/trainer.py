@@ -1,55 +1,24 @@
-"""The training loop of one rank, the in-process simulator of all ranks, and --export.
+"""The Trainer: one rank's graphs, sessions and state between steps.
 
 A Trainer owns one rank's state (parameters, optimizer state, step counter) between steps: the init
 graph produces it (its Broadcasts make every replica start equal), each step feeds it back in and
 replaces every state input by its matching output. Sessions are built once, in the constructor.
+Where this rank stands in the world (its rank, the world size) is the communicator's: ``comm.rank``
+and ``comm.size`` are the one source the loop (runtime/loop.py) reads them from.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from runtime import checkpoint
-from runtime.collectives import Communicator, LocalGroup
-from runtime.data import Dataset, shard_size
+from contract.plan import EXPORTED_KINDS
+from runtime.collectives import Communicator
+from runtime.data import shard_size
 from runtime.errors import RunError
 from runtime.executor import Backend, CpuBackend
-from runtime.plan import Plan, load_plan
-from runtime.schedule import Schedule
+from runtime.plan import Plan
 from runtime.segments import cut_graph, load_graph
-
-# Most steps whose losses wait on the device before being read (the GPU ring holds more).
-FLUSH_EVERY = 1024
-
-# State kinds whose values --export writes into the user's model, by initializer name.
-EXPORTED_KINDS = ("param", "buffer")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    batch: int  # global batch, over all ranks
-    steps: int
-    lr: float
-    shuffle: bool = False
-    seed: int = 0
-    log_every: int = 0  # 0: silent
-    export: Path | None = None
-    checkpoint: Path | None = None  # written every checkpoint_every steps (0: at the end only)
-    checkpoint_every: int = 0
-    resume: Path | None = None  # a checkpoint to start from instead of the init graph
-    timings: Path | None = None  # measured segment and collective times, for inspect --timings
-    schedule: Schedule = Schedule()  # learning rate per step (lr is the schedule's peak)
 
 
 class Trainer:
@@ -155,9 +124,8 @@ class Trainer:
         parts: list[dict[str, np.ndarray]] = [{} for _ in range(k)]
         for spec in self.plan.data_inputs:
             array = data[spec.name]
-            rows = array.shape[spec.batch_axis]
-            if rows % k:
-                raise RunError(f"a shard of {rows} rows does not split into --grad-accumulation {k} equal micro-batches")
+            world = self.comm.size  # equal shards: this one is 1/world of the global batch
+            shard_size(array.shape[spec.batch_axis] * world, world, k)
             for part, piece in zip(parts, np.split(array, k, axis=spec.batch_axis)):
                 part[spec.name] = piece
         return parts
@@ -184,148 +152,3 @@ class Trainer:
         running statistics)."""
         return {s.param or s.input: np.array(self.backend.to_host(self.state[s.input]), copy=True)
                 for s in self.state_entries if s.kind in EXPORTED_KINDS}
-
-
-def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, rank: int, world_size: int,
-          log: Callable[[str], None] = print) -> list[float]:
-    """Initialize (or resume) and run up to step ``config.steps``; rank 0 logs and exports.
-    Returns the global losses of the steps run."""
-    start = 0
-    if config.resume is not None:
-        meta = checkpoint.read_meta(config.resume, trainer.plan, batch=config.batch, shuffle=config.shuffle,
-                                    seed=config.seed)
-        trainer.load_state(checkpoint.load(config.resume, rank), f"{config.resume}/rank{rank}.npz")
-        start = meta.step
-    else:
-        trainer.initialize()
-    losses: list[float] = []
-    # The log line reports averages over the steps since the previous line: a single step's time
-    # and loss are too noisy to read (one batch; a rank descheduled for a moment).
-    since, window_start = 0, time.perf_counter()
-    lr_at = config.schedule.function(config.lr, config.steps)
-    for step in range(start, config.steps):
-        lr = lr_at(step)
-        data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
-                             shuffle=config.shuffle, seed=config.seed)
-        trainer.step_async(data, lr)
-        done = step + 1
-        if config.timings is not None and step == start:
-            # Timed from the second step on: the first one pays for first-touch allocations.
-            if not hasattr(trainer.step_program, "record_timings"):
-                raise RunError(f"--timings: the {trainer.backend.name} backend does not record timings (the cpu backend does)")
-            trainer.step_program.record_timings()
-        log_now = config.log_every and (done == start + 1 or done % config.log_every == 0 or done == config.steps)
-        # Losses are read at log steps only (the GPU keeps them on the device until then), and at
-        # least every FLUSH_EVERY steps; every rank takes the same decision, so the host reductions match.
-        if log_now or done == config.steps or done - start - len(losses) >= FLUSH_EVERY:
-            losses.extend(trainer.collect_losses())
-        if rank == 0 and log_now:
-            loss = losses[-1]
-            now = time.perf_counter()
-            window = losses[since:]
-            epoch = done * config.batch / dataset.rows
-            log(f"step {done}/{config.steps}  epoch {epoch:.2f}  loss {loss:.6f}  "
-                f"mean loss {sum(window) / len(window):.6f}  lr {lr:g}  "
-                f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
-            since, window_start = len(losses), now
-        if config.checkpoint is not None and (done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
-            meta = checkpoint.Meta(step=done, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=world_size,
-                                   batch=config.batch, shuffle=config.shuffle, seed=config.seed)
-            checkpoint.save(config.checkpoint, trainer.state_dict(), meta, rank=rank, comm=trainer.comm)
-    if config.timings is not None:
-        _write_timings(config.timings, trainer.step_program.median_timings(), rank=rank, world_size=world_size,
-                       comm=trainer.comm)
-    if rank == 0 and config.export is not None:
-        export_model(trainer.plan, trainer.parameters(), config.export)
-    return losses
-
-
-def _write_timings(path: Path, mine: dict, *, rank: int, world_size: int, comm: Communicator) -> None:
-    """Every rank's medians into one JSON file (``{"ranks": [{"rank": r, "segments": ..., "collectives":
-    ...}]}``), through per-rank files: the communicator moves arrays, not documents."""
-    part = path.with_name(f"{path.name}.rank{rank}")
-    part.write_text(json.dumps({"rank": rank, **mine}))
-    comm.barrier()
-    if rank == 0:
-        parts = [path.with_name(f"{path.name}.rank{r}") for r in range(world_size)]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"ranks": [json.loads(p.read_text()) for p in parts]}, indent=1) + "\n")
-        os.replace(tmp, path)
-        for p in parts:
-            p.unlink()
-
-
-def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path) -> None:
-    """Write the user's model with trained values in its initializers, atomically (temp file + rename)."""
-    path = Path(path)
-    model = load_graph(plan.model)
-    by_name = {t.name: t for t in model.graph.initializer}
-    missing = [name for name in parameters if name not in by_name]
-    if missing:
-        raise RunError(f"{plan.model}: has no initializer(s) {', '.join(missing)} to export trained values into")
-    for name, value in parameters.items():
-        old = by_name[name]
-        if tuple(old.dims) != value.shape or onnx.helper.tensor_dtype_to_np_dtype(old.data_type) != value.dtype:
-            raise RunError(f"{plan.model}: initializer '{name}' is {list(old.dims)} "
-                           f"{onnx.helper.tensor_dtype_to_np_dtype(old.data_type)}, trained value is {list(value.shape)} {value.dtype}")
-        old.CopyFrom(numpy_helper.from_array(value, name))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; the export is an ordinary new file
-        with os.fdopen(fd, "wb") as f:
-            f.write(model.SerializeToString())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-@dataclass
-class SimResult:
-    losses: list[float]  # global mean loss per step (identical on every rank)
-    states: list[dict[str, np.ndarray]]  # per rank: final state keyed by state input name
-    parameters: list[dict[str, np.ndarray]]  # per rank: final parameters keyed by parameter name
-
-
-def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, steps: int, lr: float | None = None,
-             shuffle: bool = False, seed: int = 0, single_device: bool = False,
-             schedule: Schedule | None = None) -> SimResult:
-    """Train all ranks of OUT as threads of this process (or the single-device graph on the full batch).
-
-    Collectives go through a LocalGroup, so this checks "N ranks == 1 device" with no MPI. Each
-    session gets one intra-op thread: the ranks already run in parallel.
-    """
-    plan = load_plan(out_dir)
-    world_size = 1 if single_device else plan.world_size
-    dataset = Dataset(data, plan.data_inputs, "<data>")
-    shard_size(batch, world_size)
-    config = RunConfig(batch=batch, steps=steps, lr=plan.lr if lr is None else lr, shuffle=shuffle, seed=seed,
-                       schedule=schedule or Schedule())
-    group = LocalGroup(world_size)
-    losses: list[list[float] | None] = [None] * world_size
-    trainers: list[Trainer | None] = [None] * world_size
-    errors: list[BaseException | None] = [None] * world_size
-
-    def run_rank(r: int) -> None:
-        try:
-            trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1))
-            losses[r] = train(trainers[r], dataset, config, rank=r, world_size=world_size)
-        except BaseException as exc:  # re-raised below in the caller's thread
-            errors[r] = exc
-            group.abort()  # peers blocked in a collective raise BrokenBarrierError instead of hanging
-
-    threads = [threading.Thread(target=run_rank, args=(r,), name=f"rank{r}") for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    # Report the failure that caused the abort, not the BrokenBarrierErrors it caused in the peers.
-    failures = [(r, e) for r, e in enumerate(errors) if e is not None]
-    for r, exc in sorted(failures, key=lambda f: isinstance(f[1], threading.BrokenBarrierError)):
-        if isinstance(exc, RunError):
-            raise RunError(f"rank {r}: {exc}") from exc
-        raise exc
-    return SimResult(losses=losses[0], states=[t.state_dict() for t in trainers],
-                     parameters=[t.parameters() for t in trainers])

@@ -1,4 +1,5 @@
-"""One rank process under MPI: ``python -m runtime.worker <transpile run arguments>``.
+"""One rank process under MPI: ``python -m runtime.worker --config FILE`` (the RunConfig that
+``transpile run`` resolved, runtime/config.py), or ``run_as_rank`` under a foreign launcher.
 
 Failure handling keeps the "one line per error, no hang" promise in two phases:
 1. setup (plan, data, world size, building sessions) issues no collective, so every rank finishes
@@ -15,13 +16,20 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 
-from runtime.cli import add_run_arguments, check_gpus, prepare, resolve_backend
 from runtime.collectives.mpi import MpiCommunicator
+from runtime.config import RunConfig
+from runtime.data import Dataset
+from runtime.devices import check_gpus, resolve_backend
 from runtime.errors import RunError
 from runtime.executor import CpuBackend
 from runtime.launcher import SPAWNED_ENV, check_world_size, detect_launcher
-from runtime.trainer import Trainer, train
+from runtime.loop import train
+from runtime.plan import Plan, load_plan
+from runtime.trainer import Trainer
+
+Setup = Callable[[], tuple[Plan, Dataset, RunConfig]]
 
 
 def _threads_per_rank(comm: MpiCommunicator) -> int:
@@ -54,20 +62,21 @@ def _local_rank(comm: MpiCommunicator) -> tuple[int, int]:
         local.Free()
 
 
-def _make_backend(args: argparse.Namespace, comm: MpiCommunicator):
+def _make_backend(config: RunConfig, comm: MpiCommunicator):
     """(backend, communicator the trainer uses); for nccl the NCCL communicator is not joined yet."""
-    backend = resolve_backend(args.backend)
+    backend = resolve_backend(config.backend)
     if backend == "cpu":
         return CpuBackend(threads=_threads_per_rank(comm)), comm
     from runtime.gpu import GpuBackend, NcclCommunicator
 
     local_rank, local_size = _local_rank(comm)
     check_gpus(local_size, f"{local_size} rank(s) on this host")
-    return GpuBackend(local_rank, tf32=not args.no_tf32), NcclCommunicator(comm, local_rank)
+    return GpuBackend(local_rank, tf32=config.tf32), NcclCommunicator(comm, local_rank)
 
 
-def run_as_rank(args: argparse.Namespace) -> int:
-    """Run this process as the rank its launcher gave it; returns the exit status."""
+def run_as_rank(setup: Setup) -> int:
+    """Run this process as the rank its launcher gave it; returns the exit status. ``setup`` loads
+    the plan, the data and the run's configuration (errors in it are agreed on, phase 1 above)."""
     # Ctrl-C ends a rank at once, with no traceback: Python's handler would only run once the call
     # in progress returns, and a rank blocked in a collective whose peer has gone never returns.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -75,10 +84,10 @@ def run_as_rank(args: argparse.Namespace) -> int:
     trainer = error = None
     rank_comm = comm
     try:
-        plan, dataset, config = prepare(args)
+        plan, dataset, config = setup()
         launcher = detect_launcher()
         check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
-        backend, rank_comm = _make_backend(args, comm)
+        backend, rank_comm = _make_backend(config, comm)
         trainer = Trainer(plan, rank_comm, rank=comm.rank, backend=backend)
     except RunError as exc:
         error = str(exc)
@@ -97,7 +106,7 @@ def run_as_rank(args: argparse.Namespace) -> int:
     try:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
-        train(trainer, dataset, config, rank=comm.rank, world_size=comm.size, log=lambda line: print(line, flush=True))
+        train(trainer, dataset, config, log=lambda line: print(line, flush=True))
     except RunError as exc:
         print(f"transpile: error: rank {comm.rank}: {exc}", file=sys.stderr)
         _tear_down(comm, 2)
@@ -108,10 +117,18 @@ def run_as_rank(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_setup(path: str) -> tuple[Plan, Dataset, RunConfig]:
+    """What a spawned rank runs: the configuration ``transpile run`` resolved, and its plan and data."""
+    config = RunConfig.load(path)
+    plan = load_plan(config.out)
+    return plan, Dataset.load(config.data, plan.data_inputs), config
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.worker", description="One rank of `transpile run`.")
-    add_run_arguments(parser)
-    return run_as_rank(parser.parse_args(argv))
+    parser.add_argument("--config", required=True, metavar="FILE", help="the run configuration 'transpile run' wrote")
+    args = parser.parse_args(argv)
+    return run_as_rank(lambda: load_setup(args.config))
 
 
 if __name__ == "__main__":

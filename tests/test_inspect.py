@@ -27,8 +27,9 @@ from onnx import TensorProto, helper, numpy_helper
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from transpiler.inspect import build_report, traffic  # noqa: E402
-from transpiler.inspect_render import plain, render, sections_of  # noqa: E402
+from inspection.costs import traffic  # noqa: E402
+from inspection.render import plain, render, sections_of  # noqa: E402
+from inspection.report import build_report  # noqa: E402
 
 # ---------------------------------------------------------------- models
 
@@ -322,7 +323,7 @@ def test_timeline_png(outs, tmp_path, key):
 
 
 def test_schedule_and_measured_timings(outs, tmp_path):
-    from transpiler.inspect_draw import load_timings, schedule
+    from inspection.draw import load_timings, schedule
 
     rep = build_report(outs["p4"])
     est = schedule(rep)

@@ -47,8 +47,8 @@ def test_model_with_external_data(model_dir, tmp_path):
     from conftest import load_data
 
     from runtime import simulate
+    from runtime.export import export_model
     from runtime.plan import load_plan
-    from runtime.trainer import export_model
 
     model = onnx.load(model_dir("perceptron") / "model.onnx")
     onnx.save_model(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)

@@ -9,8 +9,8 @@ from onnx import numpy_helper
 from test_runtime_outdir import INIT, LR, MOMENTUM, make_data, write_out
 
 from runtime import RunError, simulate
+from runtime.export import export_model
 from runtime.plan import load_plan
-from runtime.trainer import export_model
 
 # Shards change the order of float32 sums inside the gradient means, so N ranks match one device to
 # rounding, not bit for bit; replicas of one run must match bit for bit.

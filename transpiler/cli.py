@@ -1,21 +1,15 @@
-"""The ``transpile`` command.
+"""``transpile MODEL.onnx --gpus N -o OUT [options]``: its options and what it does.
 
-    transpile MODEL.onnx --gpus N -o OUT [options]     rewrite for N ranks
-    transpile run OUT --data DATA.npz --batch B ...    train (runtime/)
-    transpile inspect OUT                              what the rewrite produced
-    transpile view OUT/rank0.onnx                      a graph in Netron, on localhost
+The ``transpile`` command (commands/) dispatches here for the rewrite; ``run`` belongs to runtime/,
+``inspect`` and ``view`` to inspection/.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 import sys
 
 from transpiler.errors import TranspileError
-
-SUBCOMMANDS = ("run", "inspect", "view")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -25,13 +19,8 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected numbers like '0.9,0.999', got '{text}'") from None
 
 
-def transpile_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="transpile",
-        description="Rewrite a single-device ONNX model (loss inside the graph) into data-parallel training "
-        "graphs for N ranks. Subcommands: 'transpile run OUT ...' trains, 'transpile inspect OUT' shows the result, "
-        "'transpile view FILE' opens a graph in Netron.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``transpile MODEL`` (the parser itself belongs to commands/)."""
     p.add_argument("model", help="the ONNX model; its loss is computed inside the graph")
     p.add_argument("-o", "--out", required=True, help="output directory (written atomically)")
     p.add_argument("--gpus", type=int, default=1, help="number of ranks (default 1)")
@@ -59,7 +48,6 @@ def transpile_parser() -> argparse.ArgumentParser:
     o.add_argument("--eps", type=float, default=None)
     o.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
                    help="clip the gradients to global L2 norm MAX before the update (torch.nn.utils.clip_grad_norm_)")
-    return p
 
 
 def optimizer_config(args: argparse.Namespace):
@@ -90,8 +78,7 @@ def optimizer_config(args: argparse.Namespace):
     return OptimizerConfig(name=args.optimizer, **kwargs)
 
 
-def cmd_transpile(argv: list[str]) -> int:
-    args = transpile_parser().parse_args(argv)
+def execute(args: argparse.Namespace) -> int:
     from transpiler import transpile
     from transpiler.passes import Options
 
@@ -117,60 +104,9 @@ def cmd_transpile(argv: list[str]) -> int:
     return 0
 
 
-def cmd_inspect(argv: list[str]) -> int:
-    from transpiler.inspect import inspect_main
-
-    return inspect_main(argv)
-
-
-def cmd_view(argv: list[str]) -> int:
-    from transpiler.inspect_view import view_main
-
-    return view_main(argv)
-
-
-def cmd_run(argv: list[str]) -> int:
-    # The runtime is a separate package; it is imported only for this subcommand.
-    from runtime.cli import add_run_arguments, run_command
-
-    parser = argparse.ArgumentParser(prog="transpile run", description="Train on the graphs in OUT, one process per rank.")
-    add_run_arguments(parser)
-    return run_command(parser.parse_args(argv))
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # onnx-ir warns, per value, when serializing a value that has a shape but no dtype yet; ours are
-    # typed by the shape inference that runs right after, so the warnings would only be noise.
-    logging.getLogger("onnx_ir.serde").setLevel(logging.ERROR)
-    # SIGTERM unwinds like Ctrl-C, so a transpile being written removes its temporary directory.
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        if argv and argv[0] == "run":
-            return cmd_run(argv[1:])
-        if argv and argv[0] == "inspect":
-            return cmd_inspect(argv[1:])
-        if argv and argv[0] == "view":
-            return cmd_view(argv[1:])
-        return cmd_transpile(argv)
-    except TranspileError as exc:
-        print(f"transpile: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("transpile: interrupted", file=sys.stderr)
-        return 130
-    except _Terminated:
-        print("transpile: terminated", file=sys.stderr)
-        return 143
-
-
-class _Terminated(BaseException):
-    pass
-
-
-def _terminate(_signum, _frame) -> None:
-    raise _Terminated()
-
-
 if __name__ == "__main__":
+    # ``python -m transpiler.cli`` is kept as another name of the ``transpile`` command (the tests and
+    # older scripts call it); the command itself lives above the layers, in commands/.
+    from commands.main import main  # noqa: TID251 - the one upward import, only when run as a script
+
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""The collective ops (domain ``graph_transpiler``) and the check that every rank issues the same
-sequence of them. Schema: docs/contracts.md."""
+"""Building the collective ops of domain ``graph_transpiler`` and the check that every rank issues the
+same sequence of them. Their schema (domain, ops, attributes) is contract/collectives.py; docs/contracts.md."""
 
 from __future__ import annotations
 
@@ -7,19 +7,17 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
+from contract.collectives import ATTRIBUTES, DOMAIN, OPS, PHASES, REDUCTIONS, SENDS_BUCKET, VERSION
 from transpiler.errors import TranspileError
 
-DOMAIN = "graph_transpiler"
-VERSION = 1
-OPS = ("AllReduce", "Reduce", "Broadcast", "ReduceScatter", "AllGather")
-# Ops whose inputs are the bucket's full tensors (the others hold them as outputs).
-_SENDS_BUCKET = frozenset({"AllReduce", "Reduce", "ReduceScatter"})
+__all__ = ["DOMAIN", "OPS", "VERSION", "append_collective", "bucket_tensors", "check_same_sequence",
+           "collective_nodes", "signature"]
 
 
 def bucket_tensors(node: ir.Node) -> list[ir.Value]:
     """The bucket's full tensors as this rank sees them: what a Reduce-like op sends, what a
     Broadcast-like op receives (a non-root Reduce has no outputs, a non-root Broadcast no inputs)."""
-    return list(node.inputs if node.op_type in _SENDS_BUCKET else node.outputs)
+    return list(node.inputs if node.op_type in SENDS_BUCKET else node.outputs)
 
 
 def _attrs(order: int, bucket: int, phase: str, root: int | None, reduction: str | None) -> dict:
@@ -57,11 +55,14 @@ def append_collective(
 
     ``output_names`` is None on a rank that receives nothing (a non-root Reduce).
     """
-    assert op in OPS, op
+    attrs = _attrs(order, bucket, phase, root, reduction)
+    # The contract's schema (contract/collectives.py): what the runtime's executors will read.
+    assert op in OPS and set(attrs) == set(ATTRIBUTES[op]), (op, sorted(attrs))
+    assert phase in PHASES and reduction in (None, *REDUCTIONS), (phase, reduction)
     node = ir.node(
         op,
         list(inputs),
-        _attrs(order, bucket, phase, root, reduction),
+        attrs,
         domain=DOMAIN,
         num_outputs=0 if output_names is None else len(output_names),
         name=f"{phase}/{op}_{order}",

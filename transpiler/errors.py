@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
+from contract.errors import UserError
 
-class TranspileError(Exception):
+
+class TranspileError(UserError):
     """A problem with the user's input (model, options, data) that the user can fix.
 
     The CLI prints ``transpile: error: <message>`` and exits with status 2, without a traceback.
     Messages name the file, node, op or rank concerned and fit on one line.
     """
-
-    def __init__(self, message: str):
-        if "\n" in message:
-            raise ValueError("TranspileError messages must be one line")
-        super().__init__(message)
 
 
 class UnsupportedOpsError(TranspileError):

@@ -1,9 +1,10 @@
-"""Names the training graphs give to values the runtime feeds or reads (docs/contracts.md)."""
+"""Names the training graphs give to values the runtime feeds or reads: the contract's
+(contract/names.py, docs/contracts.md), plus the transpiler's own collective-order marker."""
 
 from __future__ import annotations
 
-LR_INPUT = "lr"  # the float32 scalar learning-rate input of every step graph
-STEP_STATE = "optimizer.step"  # the shared step counter (optimizers whose table entry uses_step)
-NEXT = ".next"  # suffix of a state input's updated output
-ACC = ".acc"  # suffix of a gradient accumulator (gradient name + ACC)
+from contract.names import ACC, LR_INPUT, NEXT, STEP_STATE
+
+__all__ = ["ACC", "AFTER_GRADIENTS", "LR_INPUT", "NEXT", "STEP_STATE"]
+
 AFTER_GRADIENTS = -2  # order of a collective that follows every gradient collective (the clip norm)

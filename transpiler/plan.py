@@ -6,20 +6,31 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import onnx
 import onnx.checker
 import onnx_ir as ir
 
+from contract.names import LR_INPUT, NEXT
+from contract.plan import (
+    FORMAT,
+    FORMAT_VERSION,
+    PLAN_FILE,
+    SINGLE_STEM,
+    SOURCE_MODEL_FILE,
+    PlanError,
+    graph_files,
+    parse_plan,
+    rank_stem,
+)
 from transpiler.collectives import bucket_tensors, collective_nodes
 from transpiler.errors import TranspileError
-from transpiler.job import LR_INPUT, Job, RankGraphs, reduced_gradient_name
+from transpiler.job import Job, RankGraphs, reduced_gradient_name
 from transpiler.placement import METHODS, place
 from transpiler.weights import attach_weights, detach_weights
 
-FORMAT = "graph-transpiler/plan"
-FORMAT_VERSION = 1
 # Protobuf cannot serialize a message over 2 GiB; larger graphs keep their tensors beside them.
 EXTERNAL_DATA_BYTES = 1 << 30
 
@@ -72,7 +83,7 @@ def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
     by_param = {}
     for p in job.problem.params:
         slots = [f"{p}.{slot}" for slot in job.options.optimizer.slots()]
-        for name in (p, p + ".next", p + ".updated", job.grad_names[p], job.grad_names[p] + ".mean",
+        for name in (p, p + NEXT, p + ".updated", job.grad_names[p], job.grad_names[p] + ".mean",
                      reduced_gradient_name(job, p), *slots):
             by_param[name] = p
     out = []
@@ -125,11 +136,12 @@ def plan_json(job: Job) -> dict:
         )
 
     def graphs_json(g: RankGraphs, stem: str) -> dict:
-        entry = {"step": f"{stem}.onnx", "init": f"{stem}_init.onnx", "state": [s.to_json() for s in g.state]}
+        files = graph_files(stem)
+        entry = {"step": files["step"], "init": files["init"], "state": [s.to_json() for s in g.state]}
         entry["optimizer_state_bytes"] = sum(s.bytes for s in g.state if s.kind == "optimizer")
         entry["updates"] = list(g.updates)
         if g.accum is not None:
-            entry["accum"] = f"{stem}_accum.onnx"
+            entry["accum"] = files["accum"]
             entry["accumulators"] = [{**a.to_json(), "shape": list(a.shape), "dtype": a.dtype.numpy().name}
                                      for a in g.accumulators]
         return entry
@@ -139,7 +151,7 @@ def plan_json(job: Job) -> dict:
         "format_version": FORMAT_VERSION,
         "world_size": opts.world_size,
         "strategy": opts.strategy,
-        "source_model": {"file": "model.onnx", "sha256": problem.sha256, "path": str(problem.path.resolve())},
+        "source_model": {"file": SOURCE_MODEL_FILE, "sha256": problem.sha256, "path": str(problem.path.resolve())},
         "opset": problem.opset,
         "data_inputs": [
             {"name": d.name, "dtype": d.dtype, "shape": d.shape, "batch_axis": d.batch_axis} for d in problem.data_inputs
@@ -154,8 +166,8 @@ def plan_json(job: Job) -> dict:
         "placement": {**placement.to_json(), "other_methods": others},
         "buckets": [b.to_json() for b in job.buckets],
         "graphs": {
-            "single": graphs_json(job.single, "train"),
-            "ranks": [{"rank": g.rank, **graphs_json(g, f"rank{g.rank}")} for g in job.ranks],
+            "single": graphs_json(job.single, SINGLE_STEM),
+            "ranks": [{"rank": g.rank, **graphs_json(g, rank_stem(g.rank))} for g in job.ranks],
         },
         "collectives": {
             "init": _collectives_json(job, job.ranks[0], "init"),
@@ -178,7 +190,7 @@ def check_out_dir(out_dir: str | Path) -> Path:
     if blocker is not None and not blocker.is_dir():
         what = "exists and is not a directory" if blocker == out else f"{blocker} is a file, not a directory"
         raise TranspileError(f"-o {out_dir}: {what}")
-    if out.is_dir() and not (out / "plan.json").is_file() and any(out.iterdir()):
+    if out.is_dir() and not (out / PLAN_FILE).is_file() and any(out.iterdir()):
         raise TranspileError(f"-o {out_dir}: {out} is a non-empty directory that is not a transpiler output (no "
                              "plan.json); OUT is replaced as a whole, so give a new or empty directory")
     return out
@@ -191,23 +203,30 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
     """
     out_dir = check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    # Named before it exists and created inside the try: Ctrl-C or SIGTERM (raised as exceptions,
+    # commands/main.py) right after the mkdir still removes it. With mkdtemp a signal landing between
+    # its mkdir and the try left the directory behind (seen under load in test_cli_safety).
+    tmp = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}"
     try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; OUT gets the permissions of any new directory
+        tmp.mkdir()
+        tmp.chmod(0o777 & ~_umask())  # OUT gets the permissions of any new directory
         if job.problem.external_data:  # one self-contained copy, so OUT does not depend on the data file
-            onnx.save_model(job.problem.source, tmp / "model.onnx")
+            onnx.save_model(job.problem.source, tmp / SOURCE_MODEL_FILE)
         else:
-            shutil.copyfile(job.problem.path, tmp / "model.onnx")  # the user's bytes, unchanged
-        _save(job.single.step, tmp / "train.onnx")
-        _save(job.single.init, tmp / "train_init.onnx")
-        for g in job.ranks:
-            _save(g.step, tmp / f"rank{g.rank}.onnx")
-            _save(g.init, tmp / f"rank{g.rank}_init.onnx")
-        for g, stem in ((job.single, "train"), *((g, f"rank{g.rank}") for g in job.ranks)):
+            shutil.copyfile(job.problem.path, tmp / SOURCE_MODEL_FILE)  # the user's bytes, unchanged
+        for g, stem in ((job.single, SINGLE_STEM), *((g, rank_stem(g.rank)) for g in job.ranks)):
+            files = graph_files(stem)
+            _save(g.step, tmp / files["step"])
+            _save(g.init, tmp / files["init"])
             if g.accum is not None:
-                _save(g.accum, tmp / f"{stem}_accum.onnx")
+                _save(g.accum, tmp / files["accum"])
         plan = plan_json(job)
-        (tmp / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+        text = json.dumps(plan, indent=1) + "\n"
+        (tmp / PLAN_FILE).write_text(text)
+        try:  # the readers' own validation, before OUT exists: writer and readers cannot drift apart
+            parse_plan(json.loads(text), tmp / PLAN_FILE, report_fields=True)
+        except PlanError as exc:
+            raise TranspileError(f"internal error: the plan written breaks the contract: {exc}") from None
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
             os.replace(out_dir, old / "out")

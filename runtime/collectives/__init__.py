@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import onnx
 
+from contract.collectives import DOMAIN as COLLECTIVE_DOMAIN
 from runtime.collectives.allgather import AllGather
 from runtime.collectives.allreduce import AllReduce
 from runtime.collectives.base import Communicator, TensorSpec
@@ -19,8 +20,6 @@ from runtime.collectives.op import CollectiveOp
 from runtime.collectives.reduce import Reduce
 from runtime.collectives.reducescatter import ReduceScatter
 from runtime.errors import RunError
-
-COLLECTIVE_DOMAIN = "graph_transpiler"
 
 _EXECUTORS: dict[str, type[CollectiveOp]] = {cls.op_type: cls for cls in (AllReduce, Reduce, Broadcast, ReduceScatter, AllGather)}
 

@@ -9,10 +9,9 @@ N * dG/dx_r = N * sum_s (1/N) dL_s/dy * (1/N) = mean_s(dy_s); for "sum" likewise
 
 from __future__ import annotations
 
+from contract.collectives import DOMAIN
 from transpiler.autodiff._context import RuleContext, annotate
 from transpiler.autodiff._registry import register
-
-DOMAIN = "graph_transpiler"  # the collectives' domain (transpiler/collectives.py; autodiff does not import upward)
 
 
 @register(f"{DOMAIN}::AllReduce")

@@ -1,6 +1,6 @@
 """Text output of ``transpile inspect``: rich tables on a terminal, plain aligned text when piped.
 
-Both come from the same list of ``Section``s, built from the report dict (transpiler/inspect.py), so
+Both come from the same list of ``Section``s, built from the report dict (inspection/report.py), so
 the two outputs state the same facts.
 """
 
@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from transpiler.inspect import _human
+from inspection.model import human
 
 
 @dataclass
@@ -43,7 +43,7 @@ def model_sections(m: dict, title: str) -> list[Section]:
             io.rows.append([kind, v["name"], v["dtype"], _shape(v["shape"])])
     init = m["initializers"]
     io.notes.append(f"initializers (parameters and constants): {init['count']} tensors, "
-                    f"{init['elements']:,} elements, {init['bytes']:,} bytes ({_human(init['bytes'])})")
+                    f"{init['elements']:,} elements, {init['bytes']:,} bytes ({human(init['bytes'])})")
     io.notes.append("ops by type: " + _ops(m["ops"]))
     sections = [io]
     if m.get("collectives"):
@@ -73,7 +73,7 @@ def out_sections(rep: dict) -> list[Section]:
         + (f", {p['grad_accumulation']} micro-batches per step" if p.get("grad_accumulation", 1) > 1 else "")
         + f", loss '{p['loss']}', "
         f"learning-rate input '{p['lr_input']}'",
-        f"trained parameters: {p['parameters']} ({p['parameter_bytes']:,} bytes, {_human(p['parameter_bytes'])}); "
+        f"trained parameters: {p['parameters']} ({p['parameter_bytes']:,} bytes, {human(p['parameter_bytes'])}); "
         f"frozen: {len(p['frozen'])}",
     ]
     sections.append(summary)

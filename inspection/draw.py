@@ -20,15 +20,10 @@ import subprocess
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from transpiler.errors import TranspileError
-from transpiler.inspect import (
-    _human,
-    collective_seconds,
-    cut_segments,
-    graph_collectives,
-    load_model,
-)
-from transpiler.inspect_diff import classify, node_key
+from inspection.costs import collective_seconds, cut_segments, graph_collectives
+from inspection.diff import classify, node_key
+from inspection.errors import InspectError
+from inspection.model import human, load_model
 
 COLORS = {"forward": "#cfe2f3", "backward": "#f4cccc", "optimizer": "#d9ead3", "collective": "#ffd966"}
 OP_COLORS = {"Reduce": "#e69138", "Broadcast": "#6aa84f", "AllReduce": "#8e7cc3",
@@ -91,7 +86,7 @@ def graph_dot(path: Path, rank: int, plan: dict | None = None, collapse: str = "
     colls = {c["name"]: c for c in graph_collectives(model, rank, world, plan["collectives"]["step"] if plan else None)}
     try:
         segments = cut_segments(model, rank, str(path), 1)
-    except TranspileError:
+    except InspectError:
         segments = []  # a graph the runtime could not cut is still drawn, without clusters
     seg_of = {key: s["index"] for s in segments for key in s["node_keys"]}
     fold = collapse == "on" or (collapse == "auto" and len(nodes) > COLLAPSE_AUTO_NODES)
@@ -127,7 +122,7 @@ def graph_dot(path: Path, rank: int, plan: dict | None = None, collapse: str = "
             root = f" root {c['root']}" if c.get("root") is not None else ""
             red = f" ({c['reduction']})" if c.get("reduction") else ""
             text = (f"#{c.get('order')} {n.op_type}{red}\\nbucket {c.get('bucket')}{root}\\n"
-                    f"{_human(c.get('bytes', 0))}, {len(c.get('tensors', []))} tensor(s)")
+                    f"{human(c.get('bytes', 0))}, {len(c.get('tensors', []))} tensor(s)")
             return (f'  {_dot_id(box)} [label="{text}", shape=box3d, style="filled,bold", penwidth=2.5, '
                     f'fillcolor="{OP_COLORS.get(n.op_type, COLORS["collective"])}", tooltip="{_esc(n.name)}"];')
         if "label" in info:
@@ -167,12 +162,12 @@ def graph_dot(path: Path, rank: int, plan: dict | None = None, collapse: str = "
 def draw_svg(path: Path, rank: int, svg: str, plan: dict | None = None, collapse: str = "auto") -> int:
     dot = shutil.which("dot")
     if dot is None:
-        raise TranspileError(DOT_MISSING)
+        raise InspectError(DOT_MISSING)
     source, n_boxes = graph_dot(path, rank, plan, collapse)
     done = subprocess.run([dot, "-Tsvg", "-o", svg], input=source, text=True, capture_output=True)
     if done.returncode != 0:
         first = (done.stderr.strip().splitlines() or ["no message"])[0]
-        raise TranspileError(f"{svg}: graphviz 'dot' failed ({first})")
+        raise InspectError(f"{svg}: graphviz 'dot' failed ({first})")
     return n_boxes
 
 
@@ -188,7 +183,7 @@ def load_timings(path: Path) -> dict:
                                  "collectives": {int(k): float(v) for k, v in r.get("collectives", {}).items()}}
                 for r in data["ranks"]}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TranspileError(f"{path}: not a timings file ({type(exc).__name__}: {exc}); format: docs/inspect.md") from None
+        raise InspectError(f"{path}: not a timings file ({type(exc).__name__}: {exc}); format: docs/inspect.md") from None
 
 
 def schedule(report: dict, timings: dict | None = None) -> dict:
@@ -240,7 +235,7 @@ def draw_timeline(report: dict, file: str, timings: dict | None = None) -> dict:
     try:
         import matplotlib
     except ImportError:
-        raise TranspileError("--timeline needs matplotlib: pip install 'graph-transpiler[inspect]'") from None
+        raise InspectError("--timeline needs matplotlib: pip install 'graph-transpiler[inspect]'") from None
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -269,7 +264,7 @@ def draw_timeline(report: dict, file: str, timings: dict | None = None) -> dict:
             root = it["is_root"]
             ax.barh(y, w, left=x0, height=0.8, color=OP_COLORS.get(it["kind"], "#ffd966"), edgecolor="black",
                     hatch="//" if root else None, linewidth=1.2 if root else 0.5)
-            text = f"{it['kind'][0]}{it['index']} b{it['bucket']}\n{_human(it['bytes'])}" + \
+            text = f"{it['kind'][0]}{it['index']} b{it['bucket']}\n{human(it['bytes'])}" + \
                 (f" r{it['root']}" if it["root"] is not None else "")
         if w > total * 0.035:
             ax.text(x0 + w / 2, y, text, ha="center", va="center", fontsize=7, clip_on=True)
@@ -302,7 +297,7 @@ def draw_timeline(report: dict, file: str, timings: dict | None = None) -> dict:
     try:
         fig.savefig(file, dpi=110)
     except (OSError, ValueError) as exc:
-        raise TranspileError(f"{file}: cannot write the timeline ({exc})") from None
+        raise InspectError(f"{file}: cannot write the timeline ({exc})") from None
     finally:
         plt.close(fig)
     return sched

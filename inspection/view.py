@@ -13,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from transpiler.errors import TranspileError
+from inspection.errors import InspectError
+from inspection.model import load_model
+from inspection.outdir import check_ranks, load_plan
 
 
 def has_display() -> bool:
@@ -24,33 +26,32 @@ def has_display() -> bool:
 
 def resolve(path: Path, rank: int | None) -> Path:
     """The .onnx file to show: the file itself, or OUT's step graph of ``rank`` (default 0)."""
-    from transpiler.inspect import _check_ranks, load_model, load_plan
-
     if path.is_dir():
         plan = load_plan(path)
-        r = _check_ranks([rank or 0], plan["world_size"])[0]
+        r = check_ranks([rank or 0], plan["world_size"])[0]
         path = path / plan["graphs"]["ranks"][r]["step"]
     elif rank:
-        raise TranspileError(f"{path}: --rank needs an OUT directory written by 'transpile', not a model file")
+        raise InspectError(f"{path}: --rank needs an OUT directory written by 'transpile', not a model file")
     load_model(path)  # a clear error for a missing or non-ONNX file, before a server starts
     return path
 
 
-def view_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="transpile view", description="Serve an ONNX graph in Netron on localhost.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="an .onnx file, or OUT (then its rank graph, --rank, default 0)")
     p.add_argument("--rank", type=int, default=None, help="with OUT: which rank's step graph (default 0)")
     p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     p.add_argument("--no-browser", action="store_true", help="never open a browser")
-    args = p.parse_args(argv)
+
+
+def execute(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
-        raise TranspileError(f"--port must be in [0, 65535] (0: a free one), got {args.port}")
+        raise InspectError(f"--port must be in [0, 65535] (0: a free one), got {args.port}")
     path = resolve(Path(args.path), args.rank)
     try:
         import netron
     except ImportError:
-        raise TranspileError("'transpile view' needs netron: pip install 'graph-transpiler[inspect]'") from None
+        raise InspectError("'transpile view' needs netron: pip install 'graph-transpiler[inspect]'") from None
     import logging
 
     logging.getLogger("netron").setLevel(logging.WARNING)  # we print the URL ourselves, once
@@ -58,7 +59,7 @@ def view_main(argv: list[str]) -> int:
     try:
         address = netron.start(str(path), address=(args.host, args.port), browse=browse)
     except (OSError, OverflowError) as exc:
-        raise TranspileError(f"cannot serve on {args.host}:{args.port} ({getattr(exc, 'strerror', None) or exc})") from None
+        raise InspectError(f"cannot serve on {args.host}:{args.port} ({getattr(exc, 'strerror', None) or exc})") from None
     url = f"http://{address[0]}:{address[1]}"
     print(f"serving {path} at {url}" + ("" if browse else " (no display: open it in a browser, "
                                         "e.g. through 'ssh -L {0}:localhost:{0}')".format(address[1])), flush=True)

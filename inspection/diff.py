@@ -16,7 +16,8 @@ from pathlib import Path
 
 import onnx
 
-from transpiler.collectives import DOMAIN
+from contract.collectives import DOMAIN
+from inspection.model import attr, load_model, op_name
 
 KINDS = ("forward", "backward", "optimizer", "collective")
 _GRADIENT_COLLECTIVES = ("Reduce", "AllReduce", "ReduceScatter")
@@ -43,7 +44,7 @@ def classify(model: onnx.ModelProto, user: onnx.ModelProto | None, params: list[
     producer = {o: n for n in nodes for o in n.output if o}
     grads = {f"grad.{p}" for p in params}
     for n in nodes:
-        if n.domain == DOMAIN and n.op_type in _GRADIENT_COLLECTIVES and (_attr_s(n, "phase") or "step") == "step":
+        if n.domain == DOMAIN and n.op_type in _GRADIENT_COLLECTIVES and (attr(n, "phase") or "step") == "step":
             grads.update(i for i in n.input if i)
     stack = [producer[g] for g in grads if g in producer]
     while stack:
@@ -58,24 +59,10 @@ def classify(model: onnx.ModelProto, user: onnx.ModelProto | None, params: list[
     return kind
 
 
-def _attr_s(node: onnx.NodeProto, name: str):
-    for a in node.attribute:
-        if a.name == name:
-            value = onnx.helper.get_attribute_value(a)
-            return value.decode() if isinstance(value, bytes) else value
-    return None
-
-
-def _op(node: onnx.NodeProto) -> str:
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
-
-
 def diff_report(out: Path, plan: dict, ranks: list[int]) -> dict:
-    from transpiler.inspect import load_model
-
     user_path = out / plan["source_model"]["file"]
     user = load_model(user_path) if user_path.is_file() else None
-    user_ops = Counter(_op(n) for n in user.graph.node) if user is not None else Counter()
+    user_ops = Counter(op_name(n) for n in user.graph.node) if user is not None else Counter()
     params = [p["name"] for p in plan["parameters"]]
     user_inputs = {i.name for i in user.graph.input} if user is not None else set()
     user_inputs |= {t.name for t in user.graph.initializer} if user is not None else set()
@@ -88,7 +75,7 @@ def diff_report(out: Path, plan: dict, ranks: list[int]) -> dict:
         kind = classify(model, user, params)
         per_op: dict[str, Counter] = {}
         for n in model.graph.node:
-            per_op.setdefault(_op(n), Counter())[kind[node_key(n)]] += 1
+            per_op.setdefault(op_name(n), Counter())[kind[node_key(n)]] += 1
         kept = Counter()
         for op, c in per_op.items():
             kept[op] = c["forward"]

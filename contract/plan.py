@@ -1,0 +1,313 @@
+"""plan.json: its format, the names of OUT's files, and the one validating reader.
+
+The transpiler writes the plan (transpiler/plan.py) and checks it with this reader before OUT is
+renamed into place; the runtime (runtime/plan.py) and ``inspection/`` read it here. Validation is
+shallow but complete for what the readers use: every such field is checked for presence and type,
+so a bad or foreign plan fails at load with one line naming the file and the field
+(``PlanError``), never later as a KeyError deep inside a rank. Schema: docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from contract.errors import UserError
+
+FORMAT = "graph-transpiler/plan"
+FORMAT_VERSION = 1
+STRATEGIES = ("allreduce", "sharded", "zero")  # what a reader accepts in "strategy"
+STATE_KINDS = ("param", "buffer", "optimizer", "step")
+EXPORTED_KINDS = ("param", "buffer")  # state written back into the user's model by --export
+PLAN_FILE = "plan.json"
+SOURCE_MODEL_FILE = "model.onnx"  # the user's model, copied unchanged
+SINGLE_STEM = "train"  # train.onnx, train_init.onnx, train_accum.onnx: the single-device graphs
+# Top-level fields that only describe the rewrite (inspect shows them; the runtime does not read them).
+REPORT_FIELDS = {"frozen": list, "placement": dict, "buckets": list, "collectives": dict}
+
+
+def rank_stem(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def graph_files(stem: str) -> dict[str, str]:
+    """The file names of one set of graphs (``stem`` is SINGLE_STEM or ``rank_stem(r)``)."""
+    return {"step": f"{stem}.onnx", "init": f"{stem}_init.onnx", "accum": f"{stem}_accum.onnx"}
+
+
+class PlanError(UserError):
+    """plan.json is missing, unreadable or not what the contract says. One line naming the file and,
+    where there is one, the field; ``kind`` and ``details`` let a reader word it its own way."""
+
+    def __init__(self, message: str, *, path: Path | str, field: str | None = None, kind: str = "invalid",
+                 **details: Any):
+        super().__init__(message)
+        self.path, self.field, self.kind, self.details = Path(path), field, kind, details
+
+
+@dataclass(frozen=True)
+class DataInput:
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]  # ints are fixed, strings symbolic ("batch" on the batch axis)
+    batch_axis: int
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One state value carried between steps: fed as ``input``, read back from ``output``."""
+
+    input: str
+    output: str
+    kind: str
+    param: str | None
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """A gradient accumulator of --grad-accumulation: zeros before a step's first micro-batch."""
+
+    input: str
+    output: str
+    param: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class GraphFiles:
+    step: Path
+    init: Path
+    state: tuple[StateEntry, ...]
+    accum: Path | None = None  # the graph of the first K-1 micro-batches (grad_accumulation K > 1)
+    accumulators: tuple[Accumulator, ...] = ()
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    root: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: Path  # plan.json itself; graph files are resolved relative to its directory
+    world_size: int
+    strategy: str
+    model: Path  # OUT/model.onnx, the user's model (source of --export)
+    data_inputs: tuple[DataInput, ...]
+    loss: str
+    lr_input: str
+    optimizer: dict[str, Any]
+    parameters: tuple[Parameter, ...]
+    single: GraphFiles
+    ranks: tuple[GraphFiles, ...]  # ranks[r] is rank r's
+    grad_accumulation: int = 1  # micro-batches per optimizer step
+    raw: dict = field(default_factory=dict, compare=False, repr=False)  # the JSON document, as read
+
+    @property
+    def out_dir(self) -> Path:
+        return self.path.parent
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer["lr"])
+
+    def graphs(self, rank: int | None) -> GraphFiles:
+        """Rank ``rank``'s graphs, or the single-device ones for ``None``."""
+        return self.single if rank is None else self.ranks[rank]
+
+
+_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+
+
+def _type_names(types: type | tuple[type, ...]) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+
+
+class _Reader:
+    """Typed field access that names ``file: field 'a.b[2].c'`` in every error."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, where: str, what: str, kind: str = "invalid", **details) -> PlanError:
+        return PlanError(f"{self.path}: field '{where}' {what}", path=self.path, field=where, kind=kind, **details)
+
+    def get(self, obj: dict, key: str, types: type | tuple[type, ...], where: str, *, optional: bool = False):
+        name = f"{where}.{key}" if where else key
+        if key not in obj:
+            if optional:
+                return None
+            raise self.fail(name, "is missing", "missing")
+        value = obj[key]
+        if optional and value is None:
+            return None
+        # bool is an int subclass; a JSON true where a count is expected is a bug in the writer.
+        if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+            raise self.fail(name, f"must be {_type_names(types)}, got {value!r}", "type", got=type(value).__name__)
+        if not isinstance(value, types):
+            raise self.fail(name, f"must be {_type_names(types)}, got {type(value).__name__}", "type",
+                            got=type(value).__name__, expected=types)
+        return value
+
+
+def locate(given: str | Path) -> Path:
+    """``given/plan.json`` (or ``given`` itself if it is a plan.json), or a PlanError."""
+    given = Path(given)
+    if not given.exists():
+        raise PlanError(f"{given}: no such directory (give the -o directory of 'transpile')", path=given, kind="location")
+    if given.is_file() and given.name != PLAN_FILE:
+        raise PlanError(f"{given}: a file; give the -o directory of 'transpile' (it holds plan.json)", path=given,
+                        kind="location")
+    path = given / PLAN_FILE if given.is_dir() else given
+    if not path.is_file():
+        raise PlanError(f"{given}: no plan.json here; is it the -o directory of 'transpile'?", path=given, kind="location")
+    return path
+
+
+def load_plan(out_dir: str | Path, *, report_fields: bool = False) -> Plan:
+    """Read ``out_dir/plan.json`` (or a plan.json path) and validate the fields readers use;
+    ``report_fields`` also requires the descriptive fields (REPORT_FIELDS) that inspect shows."""
+    path = locate(out_dir)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"{path}: not readable as JSON: {str(exc).splitlines()[0]}", path=path) from None
+    return parse_plan(raw, path, report_fields=report_fields)
+
+
+def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
+    """Validate a plan document (as read from ``path``; graph files are checked beside it)."""
+    r = _Reader(path)
+    if not isinstance(raw, dict):
+        raise PlanError(f"{path}: not a graph-transpiler plan (it must hold a JSON object, got {type(raw).__name__})",
+                        path=path, kind="format", found=type(raw).__name__)
+    fmt = r.get(raw, "format", str, "")
+    if fmt != FORMAT:
+        raise r.fail("format", f"is {fmt!r}, expected {FORMAT!r} (not a graph-transpiler plan)", "format", found=fmt)
+    version = r.get(raw, "format_version", int, "")
+    if version != FORMAT_VERSION:
+        newer = " (written by a newer transpiler; upgrade the runtime)" if version > FORMAT_VERSION else ""
+        raise r.fail("format_version", f"is {version}, this runtime reads {FORMAT_VERSION}{newer}", "version",
+                     found=version)
+    if report_fields:
+        for key, kind in REPORT_FIELDS.items():
+            r.get(raw, key, kind, "")
+
+    world_size = r.get(raw, "world_size", int, "")
+    if world_size < 1:
+        raise r.fail("world_size", f"must be >= 1, got {world_size}")
+    graphs = r.get(raw, "graphs", dict, "")
+    ranks_raw = r.get(graphs, "ranks", list, "graphs")
+    if len(ranks_raw) != world_size:  # checked first: every per-rank field below depends on it
+        raise r.fail("graphs.ranks", f"has {len(ranks_raw)} entries, world_size is {world_size}", "ranks",
+                     world_size=world_size, entries=len(ranks_raw))
+    strategy = r.get(raw, "strategy", str, "")
+    if strategy not in STRATEGIES:
+        raise r.fail("strategy", f"is {strategy!r}, expected one of {', '.join(STRATEGIES)}")
+
+    source = r.get(raw, "source_model", dict, "")
+    model = path.parent / r.get(source, "file", str, "source_model")
+
+    data_inputs = tuple(_data_input(d, r, f"data_inputs[{i}]") for i, d in enumerate(r.get(raw, "data_inputs", list, "")))
+    if not data_inputs:
+        raise r.fail("data_inputs", "is empty (a step graph needs data)")
+
+    optimizer = r.get(raw, "optimizer", dict, "")
+    r.get(optimizer, "lr", (int, float), "optimizer")
+
+    parameters = tuple(_parameter(p, r, f"parameters[{i}]", world_size) for i, p in enumerate(r.get(raw, "parameters", list, "")))
+
+    accumulation = r.get(raw, "grad_accumulation", int, "", optional=True) or 1  # absent in older plans
+    if accumulation < 1:
+        raise r.fail("grad_accumulation", f"is {accumulation}, must be >= 1")
+    single = _graph_files(r.get(graphs, "single", dict, "graphs"), r, "graphs.single", accumulation)
+    ranks = []
+    for i, entry in enumerate(ranks_raw):
+        where = f"graphs.ranks[{i}]"
+        if not isinstance(entry, dict):
+            raise r.fail(where, "must be an object")
+        if r.get(entry, "rank", int, where) != i:
+            raise r.fail(f"{where}.rank", f"is {entry['rank']}, expected {i} (ranks must be listed in order)")
+        ranks.append(_graph_files(entry, r, where, accumulation))
+
+    return Plan(
+        path=path,
+        world_size=world_size,
+        strategy=strategy,
+        model=model,
+        data_inputs=data_inputs,
+        loss=r.get(raw, "loss", str, ""),
+        lr_input=r.get(raw, "lr_input", str, ""),
+        optimizer=optimizer,
+        parameters=parameters,
+        single=single,
+        ranks=tuple(ranks),
+        grad_accumulation=accumulation,
+        raw=raw,
+    )
+
+
+def _data_input(d: Any, r: _Reader, where: str) -> DataInput:
+    if not isinstance(d, dict):
+        raise r.fail(where, "must be an object")
+    shape = r.get(d, "shape", list, where)
+    for j, dim in enumerate(shape):
+        if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+            raise r.fail(f"{where}.shape[{j}]", f"must be an integer or a name, got {dim!r}")
+    axis = r.get(d, "batch_axis", int, where)
+    if not 0 <= axis < len(shape):
+        raise r.fail(f"{where}.batch_axis", f"is {axis}, outside a shape of rank {len(shape)}")
+    return DataInput(r.get(d, "name", str, where), r.get(d, "dtype", str, where), tuple(shape), axis)
+
+
+def _parameter(p: Any, r: _Reader, where: str, world_size: int) -> Parameter:
+    if not isinstance(p, dict):
+        raise r.fail(where, "must be an object")
+    root = r.get(p, "root", int, where)
+    if not 0 <= root < world_size:
+        raise r.fail(f"{where}.root", f"is {root}, outside world_size {world_size}")
+    return Parameter(
+        name=r.get(p, "name", str, where),
+        shape=tuple(r.get(p, "shape", list, where)),
+        dtype=r.get(p, "dtype", str, where),
+        root=root,
+        bucket=r.get(p, "bucket", int, where),
+    )
+
+
+def _graph_files(g: dict, r: _Reader, where: str, accumulation: int) -> GraphFiles:
+    files = {}
+    for key in ("step", "init", *(("accum",) if accumulation > 1 else ())):
+        path = r.path.parent / r.get(g, key, str, where)
+        if not path.is_file():
+            raise r.fail(f"{where}.{key}", f"names {path.name}, which is not in {r.path.parent}")
+        files[key] = path
+    state = []
+    for i, s in enumerate(r.get(g, "state", list, where)):
+        sw = f"{where}.state[{i}]"
+        if not isinstance(s, dict):
+            raise r.fail(sw, "must be an object")
+        # Kinds "param" and "buffer" mean something to the runtime (--export writes them back); the
+        # others (optimizer, step) are carried opaquely, so new kinds need no change here.
+        kind = r.get(s, "kind", str, sw)
+        state.append(StateEntry(r.get(s, "input", str, sw), r.get(s, "output", str, sw), kind,
+                                r.get(s, "param", str, sw, optional=True)))
+    accumulators = []
+    for i, a in enumerate(r.get(g, "accumulators", list, where) if accumulation > 1 else []):
+        aw = f"{where}.accumulators[{i}]"
+        if not isinstance(a, dict):
+            raise r.fail(aw, "must be an object")
+        shape = r.get(a, "shape", list, aw)
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise r.fail(f"{aw}.shape", f"must list non-negative integers, got {shape!r}")
+        accumulators.append(Accumulator(r.get(a, "input", str, aw), r.get(a, "output", str, aw),
+                                        r.get(a, "param", str, aw), tuple(shape), r.get(a, "dtype", str, aw)))
+    return GraphFiles(files["step"], files["init"], tuple(state), files.get("accum"), tuple(accumulators))

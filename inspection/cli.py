@@ -1,0 +1,69 @@
+"""``transpile inspect OUT|MODEL.onnx [options]``: arguments, and which output to make."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from inspection.errors import InspectError
+from inspection.outdir import load_plan, rank_graph
+from inspection.report import DEFAULT_ROWS_PER_RANK, build_report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="the -o directory of 'transpile', or an .onnx file")
+    p.add_argument("--rank", type=int, action="append", help="show only this rank (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/inspect.md)")
+    p.add_argument("--diff", action="store_true", help="what the rewrite changed against the user's model, op by op")
+    p.add_argument("--svg", metavar="FILE", help="draw a rank's step graph (the first --rank, default 0) with graphviz")
+    p.add_argument("--timeline", metavar="FILE", help="draw the step's schedule per rank (PNG, or SVG/PDF by extension)")
+    p.add_argument("--collapse", choices=("auto", "on", "off"), default="auto",
+                   help="--svg: fold repeated blocks (h.1, h.2, ...) and per-parameter updates (auto: big graphs)")
+    p.add_argument("--rows", type=int, default=DEFAULT_ROWS_PER_RANK,
+                   help=f"rows per rank assumed by the cost estimates (default {DEFAULT_ROWS_PER_RANK})")
+    p.add_argument("--timings", metavar="FILE.json", help="measured seconds per segment/collective for the timeline")
+    return p
+
+
+def execute(args: argparse.Namespace) -> int:
+    path = Path(args.out)
+    if not path.exists():
+        raise InspectError(f"{path}: no such file or directory")
+    if args.rows < 1:
+        raise InspectError(f"--rows must be positive, got {args.rows}")
+    drew = False
+    if args.svg:
+        from inspection.draw import draw_svg
+
+        graph_path, rank = rank_graph(path, args.rank[0] if args.rank else None)
+        plan = load_plan(path) if path.is_dir() else None
+        n = draw_svg(graph_path, rank, args.svg, plan=plan, collapse=args.collapse)
+        print(f"wrote {args.svg}: {graph_path.name} ({n} boxes)")
+        drew = True
+    if args.timeline:
+        if path.is_file():
+            raise InspectError(f"{path}: --timeline needs an OUT directory written by 'transpile'")
+        from inspection.draw import draw_timeline, load_timings
+
+        report = build_report(path, args.rank, rows_per_rank=args.rows)
+        timings = load_timings(Path(args.timings)) if args.timings else None
+        draw_timeline(report, args.timeline, timings=timings)
+        print(f"wrote {args.timeline}: schedule of {len(report['ranks'])} rank(s)")
+        drew = True
+    if drew and not (args.json or args.diff):
+        return 0
+    report = build_report(path, args.rank, rows_per_rank=args.rows, diff=args.diff)
+    try:
+        if args.json:
+            print(json.dumps(report, indent=1))
+            return 0
+        from inspection.render import render
+
+        render(report, diff_only=args.diff)
+        sys.stdout.flush()
+    except BrokenPipeError:  # 'transpile inspect OUT | head': the reader left, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0

@@ -1,0 +1,64 @@
+"""RunConfig: a ``transpile run`` resolved once, and how it reaches the rank processes.
+
+``transpile run`` parses and checks its arguments once (runtime/cli.py ``resolve``); the result is
+a RunConfig with absolute paths and every default applied. The ranks we spawn receive it as a JSON
+file (``save``/``load``: ``python -m runtime.worker --config FILE``), never as a rebuilt command
+line, so a new run option is one field here and one argument in runtime/cli.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import RunError
+from runtime.schedule import Schedule
+
+_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    batch: int  # global batch, over all ranks
+    steps: int
+    lr: float
+    shuffle: bool = False
+    seed: int = 0
+    log_every: int = 0  # 0: silent
+    export: Path | None = None
+    checkpoint: Path | None = None  # written every checkpoint_every steps (0: at the end only)
+    checkpoint_every: int = 0
+    resume: Path | None = None  # a checkpoint to start from instead of the init graph
+    timings: Path | None = None  # measured segment and collective times, for inspect --timings
+    schedule: Schedule = Schedule()  # learning rate per step (lr is the schedule's peak)
+    # What a rank process loads (the in-process simulator passes arrays and leaves them None).
+    out: Path | None = None  # the transpiler's OUT
+    data: Path | None = None  # the .npz
+    backend: str = "cpu"  # "cpu", "nccl", or "auto" (each rank resolves it: runtime/devices.py)
+    tf32: bool = True  # nccl backend: TF32 MatMul/Conv
+
+    def to_json(self) -> dict:
+        raw = dataclasses.asdict(self)
+        for key in _PATHS:
+            raw[key] = None if raw[key] is None else str(raw[key])
+        return raw
+
+    @classmethod
+    def from_json(cls, raw: dict) -> RunConfig:
+        raw = dict(raw)
+        for key in _PATHS:
+            raw[key] = None if raw.get(key) is None else Path(raw[key])
+        raw["schedule"] = Schedule(**raw.get("schedule", {}))
+        return cls(**raw)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise RunError(f"{path}: not a run configuration written by 'transpile run' ({exc})".splitlines()[0]) from None

@@ -1,0 +1,27 @@
+"""Which backend a run uses, and the GPUs it needs: shared by the launching process and each rank."""
+
+from __future__ import annotations
+
+from runtime.errors import RunError
+
+BACKENDS = ("auto", "cpu", "nccl")
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` becomes ``nccl`` where GPUs, CuPy and onnxruntime-gpu are all present, else ``cpu``."""
+    if name != "auto":
+        return name
+    from runtime.gpu.cuda import cuda_available
+
+    return "nccl" if cuda_available() else "cpu"
+
+
+def check_gpus(needed: int, what: str) -> None:
+    """One GPU per rank: ``needed`` ranks on this host need that many GPUs here."""
+    from runtime.gpu.cuda import gpu_count
+
+    have = gpu_count()
+    if needed > have:
+        raise RunError(f"{what} needs {needed} GPU(s), one per rank, but this machine has {have}"
+                       + (" (no CUDA device, or CuPy is not installed)" if have == 0 else "")
+                       + "; transpile with --gpus <= the GPUs present, or use --backend cpu")

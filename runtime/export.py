@@ -1,0 +1,42 @@
+"""--export: the user's model (OUT/model.onnx) with the trained values in its initializers."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from runtime.errors import RunError
+from runtime.plan import Plan
+from runtime.segments import load_graph
+
+
+def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path) -> None:
+    """Write the user's model with trained values in its initializers, atomically (temp file + rename)."""
+    path = Path(path)
+    model = load_graph(plan.model)
+    by_name = {t.name: t for t in model.graph.initializer}
+    missing = [name for name in parameters if name not in by_name]
+    if missing:
+        raise RunError(f"{plan.model}: has no initializer(s) {', '.join(missing)} to export trained values into")
+    for name, value in parameters.items():
+        old = by_name[name]
+        if tuple(old.dims) != value.shape or onnx.helper.tensor_dtype_to_np_dtype(old.data_type) != value.dtype:
+            raise RunError(f"{plan.model}: initializer '{name}' is {list(old.dims)} "
+                           f"{onnx.helper.tensor_dtype_to_np_dtype(old.data_type)}, trained value is {list(value.shape)} {value.dtype}")
+        old.CopyFrom(numpy_helper.from_array(value, name))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; the export is an ordinary new file
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,72 @@
+"""All ranks of OUT in one process: the check that N ranks compute what one device computes.
+
+Each rank is a thread with its own Trainer; collectives go through a LocalGroup (NumPy), so no MPI
+is needed and the tests run everywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.collectives import LocalGroup
+from runtime.config import RunConfig
+from runtime.data import Dataset, shard_size
+from runtime.errors import RunError
+from runtime.executor import CpuBackend
+from runtime.loop import train
+from runtime.plan import load_plan
+from runtime.schedule import Schedule
+from runtime.trainer import Trainer
+
+
+@dataclass
+class SimResult:
+    losses: list[float]  # global mean loss per step (identical on every rank)
+    states: list[dict[str, np.ndarray]]  # per rank: final state keyed by state input name
+    parameters: list[dict[str, np.ndarray]]  # per rank: final parameters keyed by parameter name
+
+
+def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, steps: int, lr: float | None = None,
+             shuffle: bool = False, seed: int = 0, single_device: bool = False,
+             schedule: Schedule | None = None) -> SimResult:
+    """Train all ranks of OUT as threads of this process (or the single-device graph on the full batch).
+
+    Collectives go through a LocalGroup, so this checks "N ranks == 1 device" with no MPI. Each
+    session gets one intra-op thread: the ranks already run in parallel.
+    """
+    plan = load_plan(out_dir)
+    world_size = 1 if single_device else plan.world_size
+    dataset = Dataset(data, plan.data_inputs, "<data>")
+    shard_size(batch, world_size, plan.grad_accumulation)
+    config = RunConfig(batch=batch, steps=steps, lr=plan.lr if lr is None else lr, shuffle=shuffle, seed=seed,
+                       schedule=schedule or Schedule())
+    group = LocalGroup(world_size)
+    losses: list[list[float] | None] = [None] * world_size
+    trainers: list[Trainer | None] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def run_rank(r: int) -> None:
+        try:
+            trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1))
+            losses[r] = train(trainers[r], dataset, config)
+        except BaseException as exc:  # re-raised below in the caller's thread
+            errors[r] = exc
+            group.abort()  # peers blocked in a collective raise BrokenBarrierError instead of hanging
+
+    threads = [threading.Thread(target=run_rank, args=(r,), name=f"rank{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Report the failure that caused the abort, not the BrokenBarrierErrors it caused in the peers.
+    failures = [(r, e) for r, e in enumerate(errors) if e is not None]
+    for r, exc in sorted(failures, key=lambda f: isinstance(f[1], threading.BrokenBarrierError)):
+        if isinstance(exc, RunError):
+            raise RunError(f"rank {r}: {exc}") from exc
+        raise exc
+    return SimResult(losses=losses[0], states=[t.state_dict() for t in trainers],
+                     parameters=[t.parameters() for t in trainers])
