@@ -18,12 +18,12 @@ from contract.plan import PlanError, load_plan
 
 def test_one_domain_and_one_set_of_names():
     import transpiler.collectives
-    import transpiler.passes
+    import transpiler.names
     from runtime.collectives import COLLECTIVE_DOMAIN
 
     assert transpiler.collectives.DOMAIN == COLLECTIVE_DOMAIN == contract.collectives.DOMAIN
     assert transpiler.collectives.OPS == contract.collectives.OPS
-    assert (transpiler.passes.LR_INPUT, transpiler.passes.NEXT, transpiler.passes.ACC, transpiler.passes.STEP_STATE) == (
+    assert (transpiler.names.LR_INPUT, transpiler.names.NEXT, transpiler.names.ACC, transpiler.names.STEP_STATE) == (
         contract.names.LR_INPUT, contract.names.NEXT, contract.names.ACC, contract.names.STEP_STATE)
 
 
