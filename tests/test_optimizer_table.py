@@ -3,6 +3,8 @@ every test here (nothing below names an optimizer)."""
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import onnx_ir as ir
 import pytest
@@ -10,7 +12,7 @@ from conftest import assert_replicas_identical, load_data, max_rel_error
 
 from runtime import simulate
 from transpiler import OptimizerConfig, Options, build, transpile
-from transpiler.cli import optimizer_config, transpile_parser
+from transpiler.cli import add_arguments, optimizer_config
 from transpiler.errors import TranspileError
 from transpiler.names import STEP_STATE
 from transpiler.optimizer import OPTIMIZERS, emit_step_increment, emit_update
@@ -76,7 +78,9 @@ def test_rank_graphs_hold_the_declared_state(name, strategy, model_dir):
 @pytest.mark.parametrize("field", sorted(CLI_VALUES))
 def test_cli_accepts_exactly_the_options_an_optimizer_reads(name, field):
     argv = ["model.onnx", "-o", "out", "--optimizer", name, f"--{field.replace('_', '-')}", CLI_VALUES[field]]
-    args = transpile_parser().parse_args(argv)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
     if field in OPTIMIZER_TABLE[name].hyper_parameters:
         assert optimizer_config(args).validate().name == name
     else:
