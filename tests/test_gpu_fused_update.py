@@ -116,7 +116,9 @@ def test_gpt_trains_the_same_with_the_kernel_and_with_onnxruntime(model_dir, tmp
     from runtime.data import Dataset
     from runtime.gpu import GpuBackend
     from runtime.plan import load_plan
-    from runtime.trainer import RunConfig, Trainer, train
+    from runtime.config import RunConfig
+    from runtime.loop import train
+    from runtime.trainer import Trainer
 
     transpile(model_dir("gpt") / "model.onnx", tmp_path / "out", Options(optimizer=OptimizerConfig("adamw", lr=1e-3)))
     plan = load_plan(tmp_path / "out")
@@ -129,7 +131,7 @@ def test_gpt_trains_the_same_with_the_kernel_and_with_onnxruntime(model_dir, tmp
         trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=None, backend=backend)
         if fused == "1":
             assert trainer.step_program.cut.native_groups
-        train(trainer, Dataset(data, plan.data_inputs, "<data>"), RunConfig(batch=4, steps=5, lr=1e-3), rank=0,
-              world_size=1, log=lambda line: None)
+        train(trainer, Dataset(data, plan.data_inputs, "<data>"), RunConfig(batch=4, steps=5, lr=1e-3),
+              log=lambda line: None)
         states[fused] = trainer.parameters()
     assert max_rel_error(states["1"], states["0"]) < 1e-6
