@@ -38,6 +38,7 @@ from runtime.executor import Backend, SegmentRunner, _first_line
 from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
 from runtime.gpu.fused_update import FusedUpdateRunner
+from runtime.gpu.lowering import lower_for_cuda
 from runtime.segments import CutGraph, NativeGroup, Segment
 from runtime.specialize import specialize
 
@@ -74,7 +75,7 @@ class OrtCudaSegment(SegmentRunner):
         backend, ort = self.backend, self.backend.ort
         model = self.segment.model
         if backend.static_shapes:
-            model = specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs})
+            model = lower_for_cuda(specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs}))
         serialized = model.SerializeToString()
         cuda = {"device_id": str(backend.device_id), "user_compute_stream": str(backend.compute.ptr),
                 "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0",

@@ -1,0 +1,68 @@
+"""runtime/gpu/lowering.py on CPU: a per-channel reduction over (0, 2, 3) becomes two reductions
+with the same values (to float32 summation order), in every opset form; others are left alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from runtime.gpu.lowering import lower_for_cuda
+from runtime.specialize import specialize
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _reduction(op: str, opset: int, axes: list[int], keepdims: int) -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 4, 5])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    inits = []
+    if (op == "ReduceSum" and opset >= 13) or (op == "ReduceMean" and opset >= 18):
+        node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=keepdims)
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+    else:
+        node = helper.make_node(op, ["x"], ["y"], axes=axes, keepdims=keepdims)
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean"])
+@pytest.mark.parametrize("opset", [17, 18])
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("axes", [[0, 2, 3], [0, -1], [-4, 2]])
+def test_a_channel_reduction_becomes_two_with_the_same_values(op, opset, keepdims, axes):
+    model = _reduction(op, opset, axes, keepdims)
+    feeds = {"x": np.random.default_rng(0).normal(size=(6, 3, 4, 5)).astype(np.float32)}
+    lowered = lower_for_cuda(specialize(model, {"x": (6, 3, 4, 5)}))
+    assert [n.op_type for n in lowered.graph.node] == [op, op]
+    onnx.checker.check_model(lowered)
+    expected, got = _run(model, feeds)[0], _run(lowered, feeds)[0]
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axes", [[1], [0], [2, 3], [0, 1, 2, 3], [0, 1]])
+def test_reductions_that_keep_no_channel_or_reduce_one_block_are_left_alone(axes):
+    model = _reduction("ReduceSum", 18, axes, 1)
+    lowered = lower_for_cuda(specialize(model, {"x": (6, 3, 4, 5)}))
+    assert [n.op_type for n in lowered.graph.node] == ["ReduceSum"]
+
+
+def test_axes_from_a_constant_node_as_the_transpiler_writes_them():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 4, 5])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array([0, 2, 3], np.int64))),
+             helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=1)]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    lowered = lower_for_cuda(specialize(model, {"x": (6, 3, 4, 5)}))
+    assert [n.op_type for n in lowered.graph.node].count("ReduceMean") == 2
+    feeds = {"x": np.random.default_rng(1).normal(size=(6, 3, 4, 5)).astype(np.float32)}
+    np.testing.assert_allclose(_run(lowered, feeds)[0], _run(model, feeds)[0], rtol=1e-5, atol=1e-6)
