@@ -225,3 +225,20 @@ def test_conv_weight_gradient_gemm_equals_conv(x_shape, w_shape, attrs, monkeypa
     assert results["gemm"][1]["Gemm"] == (0 if grouped else taps)
     assert results["conv"][1]["Gemm"] == 0
     np.testing.assert_allclose(results["gemm"][0], results["conv"][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("size, gemms", [(10, 9), (7, 0)])
+def test_conv_weight_gradient_form_follows_the_output_size(size, gemms):
+    """By default the per-tap GEMMs are used from GEMM_MIN_OUTPUT_POSITIONS output positions on
+    (10x10 = 100 here: nine taps, nine Gemms), the Conv form below (7x7 = 49)."""
+    assert conv_rules.WEIGHT_GRAD == "auto" and 49 < conv_rules.GEMM_MIN_OUTPUT_POSITIONS <= 100
+    f32 = onnx.TensorProto.FLOAT
+    nodes = [onnx.helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+             onnx.helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = onnx.helper.make_graph(
+        nodes, "conv", [onnx.helper.make_tensor_value_info("x", f32, [2, 3, size, size]),
+                        onnx.helper.make_tensor_value_info("w", f32, [4, 3, 3, 3])],
+        [onnx.helper.make_tensor_value_info("loss", f32, [])])
+    proto = onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    _, backward, _ = _differentiate(proto, ["w"])
+    assert backward["Gemm"] == gemms

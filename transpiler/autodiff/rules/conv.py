@@ -144,7 +144,7 @@ def _weight_grad(
     group: int,
 ) -> ir.Value:
     """dW of Y = Conv(X, W): X (N, Cin, ...), dY (N, Cout, ...), W (Cout, Cin/g, k...)."""
-    if WEIGHT_GRAD == "gemm":
+    if WEIGHT_GRAD == "gemm" or (WEIGHT_GRAD == "auto" and _output_positions(dy) >= GEMM_MIN_OUTPUT_POSITIONS):
         by_gemm = _weight_grad_by_gemm(ctx, x, dy, w, strides, dilations, pads, group)
         if by_gemm is not None:
             return by_gemm
@@ -152,8 +152,19 @@ def _weight_grad(
 
 
 # "gemm": one GEMM per kernel tap where it applies (group 1, static shapes), else "conv"; "conv":
-# always the Conv over transposed tensors. A module setting for benchmarks/formulations_gpu.py.
-WEIGHT_GRAD = "gemm"
+# always the Conv over transposed tensors; "auto" (default): "gemm" where the output has at least
+# GEMM_MIN_OUTPUT_POSITIONS spatial positions, else "conv". Measured on one H200 at ResNet-18 shapes
+# (batch 256, TF32; benchmarks/formulations_gpu.py): per-tap GEMMs win 5x at 32x32 outputs and 2.6x
+# at 16x16, tie at 8x8, and lose 2x at 4x4, where cuDNN's Conv with a 4x4 "kernel" is cheap and the
+# per-tap copies of X are not. A module setting, so the benchmark can build every form.
+WEIGHT_GRAD = "auto"
+GEMM_MIN_OUTPUT_POSITIONS = 64
+
+
+def _output_positions(dy: ir.Value) -> int:
+    """Spatial positions of the output gradient (0 when not static)."""
+    outs = _spatial(dy)
+    return int(np.prod(outs)) if outs is not None else 0
 
 
 def _weight_grad_by_gemm(
