@@ -66,3 +66,20 @@ def test_axes_from_a_constant_node_as_the_transpiler_writes_them():
     assert [n.op_type for n in lowered.graph.node].count("ReduceMean") == 2
     feeds = {"x": np.random.default_rng(1).normal(size=(6, 3, 4, 5)).astype(np.float32)}
     np.testing.assert_allclose(_run(lowered, feeds)[0], _run(model, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_reduction_over_no_axis_that_is_a_no_op_becomes_an_identity():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    node = helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1, noop_with_empty_axes=1)
+    empty = numpy_helper.from_array(np.zeros((0,), np.int64), "axes")
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y], [empty]), opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    lowered = lower_for_cuda(specialize(model, {"x": (2, 3)}))
+    assert [n.op_type for n in lowered.graph.node] == ["Identity"]
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    np.testing.assert_array_equal(_run(lowered, feeds)[0], feeds["x"])
+    # Without noop_with_empty_axes, empty axes mean every axis: left alone.
+    attrs = model.graph.node[0].attribute
+    del attrs[[a.name for a in attrs].index("noop_with_empty_axes")]
+    assert [n.op_type for n in lower_for_cuda(specialize(model, {"x": (2, 3)})).graph.node] == ["ReduceSum"]

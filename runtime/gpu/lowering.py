@@ -8,6 +8,10 @@ of float32 sums.
   where one reduction over (0, 2, 3) takes 0.09-0.32 ms (ResNet-18 shapes at batch 256, one H200,
   benchmarks/formulations_gpu.py, `channel_sum` rows). A mean of equal-sized means is the mean, so
   both ops split the same way.
+- **Reductions over no axis** (``noop_with_empty_axes=1`` with an empty axes input): an Identity,
+  which onnxruntime then removes. The backward of a batched MatMul writes them where both operands
+  have the same batch dims, which the symbolic batch hid until specialization; run as reductions
+  they copy the tensor (twice per attention layer).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def lower_for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
     nodes: list[onnx.NodeProto] = []
     changed = False
     for index, node in enumerate(graph.node):
-        split = _split_reduction(node, ranks, constants, opset, index, graph)
+        split = _empty_reduction(node, constants) or _split_reduction(node, ranks, constants, opset, index, graph)
         if split is None:
             nodes.append(node)
         else:
@@ -49,6 +53,17 @@ def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
         if t is not None and t.HasField("shape"):
             ranks[value.name] = len(t.shape.dim)
     return ranks
+
+
+def _empty_reduction(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> list[onnx.NodeProto] | None:
+    """[Identity] for a reduction over no axis that is a no-op; None otherwise."""
+    if node.domain not in ("", "ai.onnx") or not node.op_type.startswith("Reduce") or len(node.input) < 2:
+        return None
+    noop = next((a.i for a in node.attribute if a.name == "noop_with_empty_axes"), 0)
+    axes = constants.get(node.input[1])
+    if not noop or axes is None or int(np.prod(axes.dims, dtype=np.int64)) != 0:
+        return None
+    return [helper.make_node("Identity", [node.input[0]], list(node.output), name=node.name or None)]
 
 
 def _split_reduction(node: onnx.NodeProto, ranks: dict[str, int], constants: dict[str, onnx.TensorProto],
