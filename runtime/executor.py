@@ -32,6 +32,9 @@ class Backend(ABC):
     # Node domains this backend runs itself instead of onnxruntime (segments.py cuts their nodes out
     # into NativeGroup items, which ``compile`` must then accept), e.g. the fused optimizer updates.
     native_domains: frozenset[str] = frozenset()
+    # Capabilities the trainer asks about (a backend declares them; none is inferred from its name):
+    records_timings: bool = False  # its programs have record_timings()/median_timings() (--timings)
+    runs_grad_accumulation: bool = False  # it runs plans transpiled with --grad-accumulation K > 1
 
     @abstractmethod
     def compile(self, segment: Segment | NativeGroup, where: str) -> SegmentRunner: ...
@@ -90,6 +93,8 @@ class CpuBackend(Backend):
     """onnxruntime CPU execution provider; ``threads`` caps each session's intra-op threads."""
 
     name = "cpu"
+    records_timings = True
+    runs_grad_accumulation = True
 
     def __init__(self, threads: int | None = None):
         self.threads = threads

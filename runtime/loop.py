@@ -45,7 +45,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         done = step + 1
         if config.timings is not None and step == start:
             # Timed from the second step on: the first one pays for first-touch allocations.
-            if not hasattr(trainer.step_program, "record_timings"):
+            if not trainer.backend.records_timings:
                 raise RunError(f"--timings: the {trainer.backend.name} backend does not record timings (the cpu backend does)")
             trainer.step_program.record_timings()
         log_now = config.log_every and (done == start + 1 or done % config.log_every == 0 or done == config.steps)

@@ -51,7 +51,7 @@ class Trainer:
         self.accumulation = plan.grad_accumulation
         self.accumulators = files.accumulators
         if self.accumulation > 1:
-            if self.backend.name != "cpu":
+            if not self.backend.runs_grad_accumulation:
                 raise RunError(f"{plan.path}: transpiled with --grad-accumulation {self.accumulation}, which the "
                                f"{self.backend.name} backend does not run yet; use --backend cpu, or transpile without it")
             self.accum_program = self.backend.make_program(cut_graph(load_graph(files.accum), role, files.accum.name), comm)

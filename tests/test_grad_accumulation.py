@@ -118,6 +118,7 @@ def test_a_backend_without_accumulation_refuses_the_plan(torch_model, tmp_path):
 
     class NotCpu(CpuBackend):
         name = "nccl"
+        runs_grad_accumulation = False  # declared, as GpuBackend does
 
     path, _, _ = torch_model("mlp", "torchscript")
     transpile(path, tmp_path / "out", Options(grad_accumulation=2))

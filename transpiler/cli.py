@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from transpiler.errors import TranspileError
+from transpiler.strategies import DEFAULT_STRATEGY, STRATEGIES, user_strategies
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -24,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the ONNX model; its loss is computed inside the graph")
     p.add_argument("-o", "--out", required=True, help="output directory (written atomically)")
     p.add_argument("--gpus", type=int, default=1, help="number of ranks (default 1)")
-    p.add_argument("--strategy", default="sharded", help="sharded (default: reduce to a root, update there, broadcast), allreduce (DDP/Horovod) or zero "
-                   "(reduce-scatter, each rank updates 1/N of every bucket, all-gather)")
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="; ".join(
+        f"{name}: {STRATEGIES[name].summary}" + (" (default)" if name == DEFAULT_STRATEGY else "")
+        for name in user_strategies()))
     p.add_argument("--placement", default="hash", help="root of each parameter: hash (crc32 of the name, default) or balanced (greedy by bytes)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (default 25)")
     p.add_argument("--loss", help="the graph output to minimize (default: the only scalar float output)")

@@ -398,6 +398,7 @@ class GpuBackend(Backend):
         env_flag = lambda name: os.environ.get(name, "1") != "0"  # noqa: E731
         self.static_shapes = env_flag("GRAPH_TRANSPILER_STATIC_SHAPES") if static_shapes is None else static_shapes
         self.cuda_graphs = env_flag("GRAPH_TRANSPILER_CUDA_GRAPHS") if cuda_graphs is None else cuda_graphs
+        self.shrink_arena = env_flag("GRAPH_TRANSPILER_SHRINK_ARENA")
         self.run_options_uncaptured = self._run_options(graph_id=-1)
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
         # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
@@ -416,6 +417,11 @@ class GpuBackend(Backend):
         options.add_run_config_entry("gpu_graph_id", str(graph_id))
         if self.async_runs or graph_id >= 0:
             options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        if graph_id < 0 and self.shrink_arena:
+            # The first runs hold buffers no later step uses (the first call's outputs, then the
+            # warm-up runs' intermediates); giving the arena's free chunks back after each keeps
+            # them out of the steady state. Never on a captured run: its graph owns its chunks.
+            options.add_run_config_entry("memory.enable_memory_arena_shrinkage", f"gpu:{self.device_id}")
         return options
 
     def wait(self, event) -> None:

@@ -18,6 +18,7 @@ from transpiler.update import emit_bucket_update
 
 class AllReduce(Strategy):
     name = "allreduce"
+    summary = "AllReduce of each bucket, every rank updates everything (DDP/Horovod)"
 
     def reduce(self, step, bucket):
         return append_collective(

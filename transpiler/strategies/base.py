@@ -42,6 +42,7 @@ REDUCING_OPS = ("AllReduce", "Reduce", "ReduceScatter")
 
 class Strategy:
     name: ClassVar[str]
+    summary: ClassVar[str] = ""  # one line for --strategy's help
     # Chosen by --strategy (the single-device strategy is not: it is what --gpus 1 and the
     # single-device graphs use, whatever --strategy says).
     user_selectable: ClassVar[bool] = True

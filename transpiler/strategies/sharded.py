@@ -24,6 +24,7 @@ from transpiler.update import emit_bucket_update
 
 class Sharded(Strategy):
     name = "sharded"
+    summary = "Reduce each bucket to its root, update there, Broadcast"
     group_by_root = True
     holds_part_of_gradients = True
     publish_after_all_updates = True

@@ -24,6 +24,7 @@ from transpiler.update import emit_param_update, flatten
 
 class Zero(Strategy):
     name = "zero"
+    summary = "ReduceScatter each bucket, every rank updates 1/N of it, AllGather (ZeRO-1)"
     holds_part_of_gradients = True
 
     def reduce(self, step, bucket):
