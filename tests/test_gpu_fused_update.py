@@ -115,9 +115,9 @@ def test_gpt_trains_the_same_with_the_kernel_and_with_onnxruntime(model_dir, tmp
     from runtime.collectives import LocalGroup
     from runtime.data import Dataset
     from runtime.gpu import GpuBackend
-    from runtime.plan import load_plan
     from runtime.config import RunConfig
     from runtime.loop import train
+    from runtime.plan import load_plan
     from runtime.trainer import Trainer
 
     transpile(model_dir("gpt") / "model.onnx", tmp_path / "out", Options(optimizer=OptimizerConfig("adamw", lr=1e-3)))
@@ -134,4 +134,16 @@ def test_gpt_trains_the_same_with_the_kernel_and_with_onnxruntime(model_dir, tmp
         train(trainer, Dataset(data, plan.data_inputs, "<data>"), RunConfig(batch=4, steps=5, lr=1e-3),
               log=lambda line: None)
         states[fused] = trainer.parameters()
-    assert max_rel_error(states["1"], states["0"]) < 1e-6
+    # The attention key biases get no gradient in exact arithmetic (softmax is shift-invariant along
+    # the keys), so their float32 gradients are rounding noise, and Adam's normalized update turns
+    # noise of either sign into about +-lr: on one H200 every GPU path (kernel or onnxruntime, CUDA
+    # graphs or not) differs from the CPU backend there by 5e-4 after one step, and the two paths
+    # from each other as much, since their backward sessions differ. They are held to that bound;
+    # every other parameter to the kernel's rounding.
+    noise = {name for name in states["1"] if name.endswith("attn.k.bias")}
+    assert noise, "the test model changed: no attention key bias"
+    steps, lr = 5, 1e-3
+    for name in noise:
+        assert float(np.max(np.abs(states["1"][name] - states["0"][name]))) <= 2 * lr * steps
+    rest = [name for name in states["1"] if name not in noise]
+    assert max_rel_error({k: states["1"][k] for k in rest}, {k: states["0"][k] for k in rest}) < 1e-6
