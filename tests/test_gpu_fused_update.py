@@ -113,9 +113,9 @@ def compare_kernel_with_reference(cp, case: str) -> None:
 @pytest.mark.skipif(not cuda_available(), reason="needs onnxruntime-gpu")
 def test_gpt_trains_the_same_with_the_kernel_and_with_onnxruntime(model_dir, tmp_path, monkeypatch):
     from runtime.collectives import LocalGroup
+    from runtime.config import RunConfig
     from runtime.data import Dataset
     from runtime.gpu import GpuBackend
-    from runtime.config import RunConfig
     from runtime.loop import train
     from runtime.plan import load_plan
     from runtime.trainer import Trainer
