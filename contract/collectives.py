@@ -35,8 +35,8 @@ class CutError(ValueError):
 
 def place_alap(n_nodes: int, edges: Iterable[tuple[int, int]], orders: Mapping[int, int],
                names: Sequence[str]) -> tuple[dict[int, int], dict[int, int]]:
-    """The ALAP cut rule (runtime/segments.py explains it; this is its pure part, shared with
-    ``inspection/``; runtime/segments.py still holds its own copy of it).
+    """The ALAP cut rule (runtime/segments.py explains it; this is its pure part, used by the
+    runtime's cut and by ``inspection/``).
 
     ``edges`` are (producer, consumer) node indices, ``orders`` the collective nodes' ``order`` by
     node index, ``names`` the nodes' names for errors. Returns, for every compute node, its segment

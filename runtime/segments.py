@@ -39,6 +39,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from contract.collectives import CutError, consumed, place_alap
 from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
 from runtime.errors import RunError
 
@@ -191,26 +192,9 @@ def _value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
     return types
 
 
-def _subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
 def _consumed(node: onnx.NodeProto) -> list[str]:
     """Values the node reads, including outer-scope values its subgraphs (If/Loop/Scan bodies) capture."""
-    names = [name for name in node.input if name]
-    for sub in _subgraphs(node):
-        defined = {i.name for i in sub.input} | {t.name for t in sub.initializer}
-        captured: list[str] = []
-        for inner in sub.node:
-            captured += [name for name in _consumed(inner) if name not in defined]
-            defined.update(inner.output)
-        captured += [o.name for o in sub.output if o.name not in defined]
-        names += captured
-    return names
+    return consumed(node)
 
 
 def _static_spec(name: str, types: dict[str, onnx.TypeProto], where: str) -> TensorSpec:
@@ -237,33 +221,20 @@ def _collectives(nodes: list[onnx.NodeProto], types, rank: int, where: str) -> d
 def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp],
                 where: str) -> tuple[dict[int, int], dict[int, int]]:
     """Segment index of every compute node (see the module docstring for the rule), and for each
-    node 1 + the order of the latest collective upstream of it (0 if none)."""
+    node 1 + the order of the latest collective upstream of it (0 if none): the contract's rule
+    (contract/collectives.py, which inspection/ uses too), on this graph's data flow."""
     producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+    edges = [(producer[name], i) for i, node in enumerate(nodes) for name in _consumed(node) if name in producer]
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(nodes)))
-    dag.add_edges_from((producer[name], i) for i, node in enumerate(nodes) for name in _consumed(node) if name in producer)
+    dag.add_edges_from(edges)
     if not nx.is_directed_acyclic_graph(dag):
         raise RunError(f"{where}: the graph has a cycle")
-
-    k_count = len(collectives)
-    latest = {i: k_count for i in range(len(nodes)) if i not in collectives}
-    earliest = dict.fromkeys(latest, 0)
-    for c, op in collectives.items():
-        for a in nx.ancestors(dag, c):
-            if a in collectives:
-                if collectives[a].order >= op.order:
-                    raise RunError(f"{where}: collective '{op.name}' (order {op.order}) reads the output of "
-                                   f"collective '{collectives[a].name}' (order {collectives[a].order}); orders contradict the data flow")
-            else:
-                latest[a] = min(latest[a], op.order)
-        for d in nx.descendants(dag, c):
-            if d not in collectives:
-                earliest[d] = max(earliest[d], op.order + 1)
-    for i, k in latest.items():
-        if earliest[i] > k:
-            raise RunError(f"{where}: node '{nodes[i].name or nodes[i].op_type}' reads collective order "
-                           f"{earliest[i] - 1} but feeds collective order {k}; orders contradict the data flow")
-    return latest, earliest
+    try:
+        return place_alap(len(nodes), edges, {i: op.order for i, op in collectives.items()},
+                          [n.name or n.op_type for n in nodes])
+    except CutError as exc:
+        raise RunError(f"{where}: {exc}") from None
 
 
 def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from transpiler.collectives import append_collective
 from transpiler.strategies.base import Strategy
-from transpiler.update import emit_bucket_update
 
 
 class AllReduce(Strategy):
@@ -27,13 +26,6 @@ class AllReduce(Strategy):
             output_names=[f"{step.job.grad_names[p]}.mean" for p in bucket.params],
             order=step.next_order(), bucket=bucket.id, phase="step", reduction="mean",
         )
-
-    def update(self, step, bucket, grads):
-        return emit_bucket_update(step, bucket, grads)
-
-    def publish(self, step, bucket, new_values):
-        for name, value in zip(bucket.params, new_values):
-            step.add_state(step.params[name], value, "param", name)
 
     def broadcast_at_init(self, state):
         # A parameter's own optimizer state goes with it, so replicas also agree when the state is

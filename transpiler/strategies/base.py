@@ -24,6 +24,7 @@ measured against: N ranks of any strategy equal one device (tests/test_strategie
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter
 from typing import TYPE_CHECKING, ClassVar
 
@@ -32,6 +33,7 @@ from onnx_ir.passes import PostconditionError
 
 from transpiler.bucketing import Bucket
 from transpiler.collectives import collective_nodes
+from transpiler.update import emit_bucket_update
 
 if TYPE_CHECKING:
     from transpiler.job import Job, StateEntry
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 REDUCING_OPS = ("AllReduce", "Reduce", "ReduceScatter")
 
 
-class Strategy:
+class Strategy(ABC):
     name: ClassVar[str]
     summary: ClassVar[str] = ""  # one line for --strategy's help
     # Chosen by --strategy (the single-device strategy is not: it is what --gpus 1 and the
@@ -61,14 +63,21 @@ class Strategy:
     # clipping: 0 for a strategy that computes the same numbers (tests/test_strategies.py).
     reference_tolerance: ClassVar[float] = 0.0
 
+    @abstractmethod
     def reduce(self, step: RankStep, bucket: Bucket) -> list[ir.Value] | None:
-        raise NotImplementedError
+        """Append the bucket's gradient collective; the reduced gradients this rank holds (None:
+        none of this bucket)."""
 
     def update(self, step: RankStep, bucket: Bucket, grads: list[ir.Value]) -> list[ir.Value]:
-        raise NotImplementedError
+        """The new values of the bucket's parameters from the gradients this rank holds. Default:
+        every parameter of the bucket updated here."""
+        return emit_bucket_update(step, bucket, grads)
 
     def publish(self, step: RankStep, bucket: Bucket, new_values: list[ir.Value] | None) -> None:
-        raise NotImplementedError
+        """Make the new values every rank's parameter state. Default: this rank computed them all,
+        so they are its state outputs as they are (no collective)."""
+        for name, value in zip(bucket.params, new_values):
+            step.add_state(step.params[name], value, "param", name)
 
     def broadcast_at_init(self, state: list[StateEntry]) -> list[StateEntry]:
         """The state entries the init graph Broadcasts from their parameter's root (the others start
@@ -76,9 +85,9 @@ class Strategy:
         values are stored on their root only."""
         return [e for e in state if e.kind == "param"]
 
+    @abstractmethod
     def updates_per_param(self, world: int) -> tuple[int, int]:
         """(fewest, most) ranks on which a parameter's update runs, for ``ensures``."""
-        raise NotImplementedError
 
     def ensures(self, job: Job) -> None:
         """Raise PostconditionError unless every parameter is updated on as many ranks as

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from transpiler.strategies.base import Strategy
-from transpiler.update import emit_bucket_update
 
 
 class Local(Strategy):
@@ -14,13 +13,6 @@ class Local(Strategy):
 
     def reduce(self, step, bucket):
         return [step.grads[p] for p in bucket.params]
-
-    def update(self, step, bucket, grads):
-        return emit_bucket_update(step, bucket, grads)
-
-    def publish(self, step, bucket, new_values):
-        for name, value in zip(bucket.params, new_values):
-            step.add_state(step.params[name], value, "param", name)
 
     def broadcast_at_init(self, state):
         return []
