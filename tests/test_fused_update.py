@@ -29,7 +29,8 @@ from runtime.executor import CpuBackend
 from runtime.fused_update import DOMAIN, ReferenceUpdateRunner, UpdateOp, reference_update
 from runtime.segments import NativeGroup, Segment, cut_graph
 from transpiler import OptimizerConfig, Options, transpile
-from transpiler.optimizer import FUSED_DOMAIN, emit_fused_update, emit_step_increment, emit_update
+from transpiler.fused_update import FUSED_DOMAIN, emit_fused_update
+from transpiler.optimizer import emit_step_increment, emit_update
 
 
 def _step_model(config: OptimizerConfig, *, fused: bool) -> onnx.ModelProto:

@@ -26,7 +26,8 @@ from runtime.gpu import cuda_available, gpu_count
 from runtime.gpu.fused_update import CHUNK
 from runtime.segments import NativeGroup
 from transpiler import OptimizerConfig, Options, transpile
-from transpiler.optimizer import emit_fused_update, emit_step_increment
+from transpiler.fused_update import emit_fused_update
+from transpiler.optimizer import emit_step_increment
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU and CuPy")]
 

@@ -7,9 +7,8 @@ Public surface:
 - ``emit_step_increment(graph, step)``: the shared float32 step counter plus one.
 - ``emit_update(graph, config, param=, grad=, lr=, step=, state=, name=)``: appends one parameter's
   update as standard ops and returns its new value and new optimizer state.
-- ``emit_fused_update(model, config, ...)``: the same update as ONE node of domain
-  ``graph_transpiler.optimizer`` (op ``SGD``, ``Momentum``, ``Adam`` or ``AdamW``) whose model-local
-  function body is exactly ``emit_update``'s ops (what the rank graphs use; docs/contracts.md).
+- ``Emitter``, ``check_update_arguments``, ``unique_name``: what transpiler/fused_update.py (the same
+  update as ONE node of domain ``graph_transpiler.optimizer``, what the rank graphs use) builds on.
 - ``emit_squared_norm(graph, grads)`` and ``emit_clip(graph, config, squared_norm, grads)``: gradient
   clipping by the global L2 norm (``config.max_grad_norm``), torch.nn.utils.clip_grad_norm_'s formula.
   The squared norm is a sum, so a rank holding part of the gradients (sharded, zero) contributes its
@@ -47,8 +46,8 @@ from transpiler.errors import TranspileError
 from transpiler.optimizer_table import OPTIMIZER_TABLE, OptimizerConfig
 
 __all__ = [
-    "FUSED_DOMAIN", "OPTIMIZERS", "OptimizerConfig", "emit_clip", "emit_fused_update", "emit_squared_norm",
-    "emit_step_increment", "emit_update", "fused_attributes",
+    "OPTIMIZERS", "Emitter", "OptimizerConfig", "check_update_arguments", "emit_clip", "emit_squared_norm",
+    "emit_step_increment", "emit_update", "unique_name",
 ]  # fmt: skip
 
 # The table (transpiler/optimizer_table.py) says which optimizers exist, their state slots, default
@@ -58,12 +57,6 @@ OPTIMIZERS = tuple(OPTIMIZER_TABLE)
 _FLOAT = ir.DataType.FLOAT
 _DOUBLE = ir.DataType.DOUBLE
 _SCALAR = ir.Shape([])
-
-# The fused update ops (emit_fused_update): one op per optimizer, in their own domain so that the
-# runtime can tell them from the collectives (domain "graph_transpiler").
-FUSED_DOMAIN = "graph_transpiler.optimizer"
-FUSED_VERSION = 1
-_FUSED_OP = {"sgd": "SGD", "momentum": "Momentum", "adam": "Adam", "adamw": "AdamW"}
 
 # Key in graph.meta (in memory, never serialized) of the scalars that every parameter's update shares.
 _SHARED_META_KEY = "graph_transpiler.optimizer.shared_scalars"
@@ -75,7 +68,7 @@ def emit_step_increment(graph: ir.Graph, step: ir.Value) -> ir.Value:
     torch increments the step before its bias corrections use it, so the updates take this value.
     A float32 counter (as torch keeps it) counts exactly up to 2**24 steps.
     """
-    emitter = _Emitter(graph, prefix=step.name or "optimizer.step")
+    emitter = Emitter(graph, prefix=step.name or "optimizer.step")
     one = emitter.constant(1.0, _FLOAT, "one")
     return emitter.op(
         "Add", [step, one], "next", _FLOAT, _SCALAR, output_name=f"{step.name or 'optimizer.step'}.next"
@@ -102,8 +95,8 @@ def emit_update(
     in the graph if taken). Scalars that depend only on lr and step are emitted once per graph and
     shared by every parameter's update.
     """
-    _check_update_arguments(config, param, state, step, name)
-    emitter = _Emitter(graph, prefix=f"{name}.{config.name}", shape=param.shape, exact=exact)
+    check_update_arguments(config, param, state, step, name)
+    emitter = Emitter(graph, prefix=f"{name}.{config.name}", shape=param.shape, exact=exact)
     if config.name in ("sgd", "momentum"):
         new_param, new_state = _sgd(emitter, config, param, grad, lr, state)
     else:
@@ -116,67 +109,7 @@ def emit_update(
     return new_param, new_state
 
 
-def fused_attributes(config: OptimizerConfig) -> dict[str, float | int]:
-    """The hyper-parameters a fused update node carries, as the runtime reads them (docs/contracts.md).
-
-    Floats are the Python (float64) values the user gave: the update rounds each to float32 where
-    torch's kernels take it, and keeps float64 where torch's Python scalar math does (beta powers,
-    AdamW's ``1 - lr*wd``), so the node stores them as float64 scalar tensors, not float attributes.
-    """
-    if config.name == "sgd":
-        return {"weight_decay": config.weight_decay}
-    if config.name == "momentum":
-        return {"momentum": config.momentum, "weight_decay": config.weight_decay, "nesterov": int(config.nesterov)}
-    beta1, beta2 = config.betas
-    return {"beta1": beta1, "beta2": beta2, "eps": config.eps, "weight_decay": config.weight_decay}
-
-
-def emit_fused_update(
-    model: ir.Model,
-    config: OptimizerConfig,
-    *,
-    param: ir.Value,
-    grad: ir.Value,
-    lr: ir.Value,
-    step: ir.Value | None,
-    state: dict[str, ir.Value],
-    name: str,
-) -> tuple[ir.Value, dict[str, ir.Value]]:
-    """Append the update of one parameter (or zero slice) to ``model.graph`` as one fused node.
-
-    Same arguments, results and output names as ``emit_update``. The node is
-    ``graph_transpiler.optimizer::{SGD|Momentum|Adam|AdamW}(param, grad, lr, [step], *slots) ->
-    (param.next, *slots.next)`` with the hyper-parameters as attributes (``fused_attributes``). Its
-    model-local function, added to ``model.functions`` once, is ``emit_update``'s exact (float64-FMA)
-    ops, so onnx.checker, onnxruntime (which inlines it) and Netron read the node as those ops and
-    compute today's numbers; a backend with a native kernel for the domain runs it instead.
-    The function's body bakes the configuration in, so one graph holds updates of one configuration.
-    """
-    _check_update_arguments(config, param, state, step, name)
-    graph = model.graph
-    function = _update_function(model, config)
-    inputs = [param, grad, lr, *([step] if config.uses_step() else []), *(state[slot] for slot in config.slots())]
-    emitter = _Emitter(graph, prefix=f"{name}.{config.name}")
-    attributes = [
-        ir.AttrInt64(key, value) if isinstance(value, int) else
-        ir.AttrTensor(key, ir.tensor(np.array(value, dtype=np.float64), name=key))
-        for key, value in fused_attributes(config).items()
-    ]  # fmt: skip
-    node = ir.Node(
-        FUSED_DOMAIN, function.name, inputs, attributes, num_outputs=1 + len(config.slots()),
-        name=_unique(f"{name}.{config.name}", emitter.node_names),
-    )
-    graph.append(node)
-    graph.opset_imports[FUSED_DOMAIN] = FUSED_VERSION
-    model.ir_version = max(model.ir_version, 8)  # model-local functions need IR version 8
-    names = [f"{name}.next", *(f"{name}.{slot}.next" for slot in config.slots())]
-    for value, wanted in zip(node.outputs, names):
-        value.name = emitter.unique_value_name(wanted)
-        value.dtype, value.shape = _FLOAT, ir.Shape(param.shape) if param.shape is not None else None
-    return node.outputs[0], dict(zip(config.slots(), node.outputs[1:]))
-
-
-def _check_update_arguments(config: OptimizerConfig, param: ir.Value, state: dict, step, name: str) -> None:
+def check_update_arguments(config: OptimizerConfig, param: ir.Value, state: dict, step, name: str) -> None:
     config.validate()  # an unvalidated name would otherwise fall through to the Adam branch
     if param.dtype != _FLOAT:
         raise TranspileError(
@@ -190,47 +123,9 @@ def _check_update_arguments(config: OptimizerConfig, param: ir.Value, state: dic
         raise ValueError(f"{name}: {config.name} needs the incremented step counter")
 
 
-def _update_function(model: ir.Model, config: OptimizerConfig) -> ir.Function:
-    """The model-local function of ``config``'s fused op: created on first use, then reused."""
-    op_type = _FUSED_OP[config.name]
-    signature = f"torch.optim {config.name} update, {fused_attributes(config)}"
-    key = (FUSED_DOMAIN, op_type, "")
-    existing = model.functions.get(key)
-    if existing is not None:
-        if existing.doc_string != signature:
-            raise ValueError(f"{FUSED_DOMAIN}::{op_type}: one graph holds updates of one configuration "
-                             f"(has: {existing.doc_string!r}; asked: {signature!r})")
-        return existing
-    body = ir.Graph([], [], nodes=[], opset_imports={"": model.graph.opset_imports.get("", 18)}, name=op_type)
-
-    def formal(formal_name: str) -> ir.Value:
-        value = ir.val(formal_name, _FLOAT, None)
-        body.inputs.append(value)
-        return value
-
-    param, grad, lr = formal("param"), formal("grad"), formal("lr")
-    step = formal("step") if config.uses_step() else None
-    state = {slot: formal(slot) for slot in config.slots()}
-    new_param, new_state = emit_update(body, config, param=param, grad=grad, lr=lr, step=step, state=state, name="param")
-    new_param.name = "new_param"
-    for slot, value in new_state.items():
-        value.name = f"new_{slot}"
-    body.outputs.extend([new_param, *(new_state[slot] for slot in config.slots())])
-    # Untyped formals and values: a function is polymorphic in shape, and typed values would be written
-    # as function value_info, which models of IR version < 10 may not carry.
-    for value in [*body.inputs, *(out for node in body for out in node.outputs)]:
-        value.type, value.shape = None, None
-    declared = [ir.Attr(key, ir.AttributeType.INT if isinstance(value, int) else ir.AttributeType.TENSOR, None)
-                for key, value in fused_attributes(config).items()]
-    function = ir.Function(FUSED_DOMAIN, op_type, graph=body, attributes=declared)
-    function.doc_string = signature
-    model.functions[key] = function
-    return function
-
-
 def emit_squared_norm(graph: ir.Graph, grads: list[ir.Value], *, name: str = "grad_norm") -> ir.Value:
     """Append the float32 sum of the squares of every element of ``grads`` (0 for no gradients)."""
-    emitter = _Emitter(graph, prefix=name)
+    emitter = Emitter(graph, prefix=name)
     squares = []
     for index, grad in enumerate(grads):
         if grad.dtype != _FLOAT:
@@ -248,7 +143,7 @@ def emit_clip(graph: ir.Graph, config: OptimizerConfig, squared_norm: ir.Value, 
     """Append torch.nn.utils.clip_grad_norm_ (L2, float32): every gradient times
     ``min(1, max_norm / (sqrt(squared_norm) + 1e-6))``; return the clipped gradients."""
     assert config.max_grad_norm is not None
-    emitter = _Emitter(graph, prefix=name)
+    emitter = Emitter(graph, prefix=name)
     norm = emitter.op("Sqrt", [squared_norm], "total", _FLOAT, _SCALAR)
     denominator = emitter.op("Add", [norm, emitter.constant32(1e-6, "eps")], "total_eps", _FLOAT, _SCALAR)
     coef = emitter.op("Div", [emitter.constant32(config.max_grad_norm, "max_norm"), denominator], "coef", _FLOAT,
@@ -371,7 +266,7 @@ def _adam(emitter, config, param, grad, lr, step, state):
 Operand = ir.Value | tuple[float, str]
 
 
-class _Emitter:
+class Emitter:
     """Appends typed, readably and uniquely named nodes to a graph, in topological order."""
 
     def __init__(self, graph: ir.Graph, *, prefix: str, shape: ir.Shape | None = None, exact: bool = True):
@@ -384,19 +279,19 @@ class _Emitter:
         self.value_names |= {out.name for node in graph for out in node.outputs}
         self.node_names = {node.name for node in graph}
 
-    def child(self, prefix: str) -> _Emitter:
+    def child(self, prefix: str) -> Emitter:
         """An emitter with another name prefix that shares this one's record of taken names."""
-        child = object.__new__(_Emitter)
+        child = object.__new__(Emitter)
         child.__dict__.update(self.__dict__, prefix=prefix, shape=None)
         return child
 
     def unique_value_name(self, wanted: str) -> str:
-        return _unique(wanted, self.value_names)
+        return unique_name(wanted, self.value_names)
 
     def op(self, op_type, inputs, what, dtype, shape, attributes=None, *, output_name=None) -> ir.Value:
         base = f"{self.prefix}.{what}"
-        value = self.tape.op(op_type, inputs, attributes, name=_unique(base, self.node_names))
-        value.name = _unique(output_name or base, self.value_names)
+        value = self.tape.op(op_type, inputs, attributes, name=unique_name(base, self.node_names))
+        value.name = unique_name(output_name or base, self.value_names)
         value.dtype = dtype
         value.shape = ir.Shape(shape) if shape is not None else None
         return value
@@ -436,7 +331,7 @@ class _Emitter:
         shape = operand.shape if operand.shape is not None else self.shape
         return self.op("Cast", [operand], what, dtype, shape, {"to": dtype})
 
-    def shared(self, key: tuple[Hashable, ...], build: Callable[[_Emitter], object], *, family: str = ""):
+    def shared(self, key: tuple[Hashable, ...], build: Callable[[Emitter], object], *, family: str = ""):
         """Build the scalars for ``key`` once per graph and reuse them for every parameter.
 
         Sharing keeps the number of tiny scalar kernels per step independent of the parameter count.
@@ -461,7 +356,7 @@ def _still_in(graph: ir.Graph, value: ir.Value) -> bool:
     return producer is not None and producer.graph is graph
 
 
-def _unique(wanted: str, taken: set[str]) -> str:
+def unique_name(wanted: str, taken: set[str]) -> str:
     name, suffix = wanted, 1
     while name in taken:
         name = f"{wanted}_{suffix}"
