@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from runtime.collectives import CollectiveOp, Communicator
-from runtime.collectives.base import flat_size, flat_views
 from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner, _first_line
 from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
@@ -158,39 +157,16 @@ class OrtCudaSegment(SegmentRunner):
 
 
 class _Slots:
-    """The flat buffer(s) of one collective and the views of its inputs and outputs in them."""
+    """The flat buffer(s) of one collective and the views of its inputs and outputs in them; the
+    op says where each view lies (CollectiveOp.flat_layout and flat_inputs/flat_outputs)."""
 
     def __init__(self, op: CollectiveOp, in_shapes: list[tuple], dtype, world: int, rank: int, parities: int, cp):
         self.op = op
-        kind = op.op_type
-        out_shapes = [s.shape for s in op.output_specs]
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in (out_shapes if kind == "Broadcast" else in_shapes)]
-        if kind == "AllGather":
-            shard = sizes[0]
-            total = world * shard
-        elif kind == "ReduceScatter":
-            _, shard = flat_size(sizes, world)
-            total = world * shard
-        else:
-            shard, total = 0, sum(sizes)
-        self.buffers = [cp.zeros(total, dtype=dtype) for _ in range(parities)]  # zeros: the padding stays 0
-        self.inputs: list[dict[str, Any]] = []
-        self.outputs: list[dict[str, Any]] = []
-        self.mean_view: list[Any] = []
-        for buf in self.buffers:
-            mine = buf[rank * shard:(rank + 1) * shard]
-            if kind == "AllGather":
-                ins = {op.inputs[0]: mine}
-                outs = dict(zip(op.outputs, flat_views(buf, out_shapes)))
-            elif kind == "ReduceScatter":
-                ins = dict(zip(op.inputs, flat_views(buf, in_shapes)))
-                outs = {op.outputs[0]: mine}
-            else:
-                ins = dict(zip(op.inputs, flat_views(buf, in_shapes))) if op.inputs else {}
-                outs = dict(zip(op.outputs, flat_views(buf, out_shapes)))
-            self.inputs.append(ins)
-            self.outputs.append(outs)
-            self.mean_view.append(mine if kind == "ReduceScatter" else buf)
+        layout = op.flat_layout(in_shapes, world, rank)
+        self.buffers = [cp.zeros(layout.total, dtype=dtype) for _ in range(parities)]  # zeros: the padding stays 0
+        self.inputs: list[dict[str, Any]] = [op.flat_inputs(layout, buf) for buf in self.buffers]
+        self.outputs: list[dict[str, Any]] = [op.flat_outputs(layout, buf) for buf in self.buffers]
+        self.mean_view: list[Any] = [op.flat_mean_view(layout, buf) for buf in self.buffers]
 
 
 class GpuProgram:
@@ -243,22 +219,12 @@ class GpuProgram:
             if runner is not None:
                 results = runner.run(dict(zip(item.inputs, values)))
             else:
-                results = item.run(self.comm, values) if not self.backend.skip_collectives else self._skipped(item, values)
+                results = item.run(self.comm, values) if not self.backend.skip_collectives else item.skipped(values, self.cp)
             env.update(zip(item.outputs, results))
         self.shapes = {name: (tuple(v.shape), v.dtype) for name, v in env.items()}
         # Values onnxruntime allocated return to its arena when dropped; finish before that.
         self.backend.compute.synchronize()
         return {name: env[name] for name in self.cut.outputs}
-
-    def _skipped(self, op: CollectiveOp, values):
-        cp = self.cp
-        if op.op_type in ("AllReduce", "Reduce"):
-            return [v.copy() for v in values][:len(op.outputs)]
-        if op.op_type == "Broadcast":
-            return [v.copy() for v in values] if values else [cp.zeros(s.shape, s.dtype) for s in op.output_specs]
-        if op.op_type == "ReduceScatter":
-            return [cp.zeros(op.output_specs[0].shape, op.output_specs[0].dtype)]
-        return [cp.zeros(s.shape, s.dtype) for s in op.output_specs]
 
     # -- from the second call on: preallocated, bound once, overlapped -------------------------
     def _allocate(self) -> None:
@@ -330,7 +296,8 @@ class GpuProgram:
                     for name in self.copy_in[pos]:
                         slots.inputs[p][name][...] = env[name]
             if not backend.skip_collectives:
-                self._launch(item, slots.buffers[p], slots.mean_view[p])
+                item.launch_flat(comm, slots.buffers[p], slots.mean_view[p],
+                                 f"{item.op_type} '{item.name}' (order {item.order}) of {self.cut.where}")
             self.done[pos].record(comm.stream)
             if backend.debug_sync:
                 self.cp.cuda.Device().synchronize()
@@ -340,26 +307,6 @@ class GpuProgram:
             if c not in waited:
                 backend.wait(self.done[c])
         return {name: env[name] for name in self.cut.outputs}
-
-    def _launch(self, op: CollectiveOp, buf, mean_view) -> None:
-        comm = self.comm
-        label = f"{op.op_type} '{op.name}' (order {op.order}) of {self.cut.where}"
-        kind = op.op_type
-        if kind == "AllReduce":
-            comm.all_reduce_flat(buf, label)
-        elif kind == "Reduce":
-            comm.reduce_flat(buf, op.attrs["root"], label)
-        elif kind == "Broadcast":
-            comm.broadcast_flat(buf, op.attrs["root"], label)
-        elif kind == "ReduceScatter":
-            comm.reduce_scatter_flat(buf, label)
-        elif kind == "AllGather":
-            comm.all_gather_flat(buf, label)
-        else:
-            raise RunError(f"{op.where}: the nccl backend has no flat-buffer form of {kind}")
-        reduction = op.attrs.get("reduction")
-        if reduction == "mean" and (kind != "Reduce" or comm.rank == op.attrs["root"]):
-            comm.finish_mean(mean_view)
 
 
 class GpuBackend(Backend):
