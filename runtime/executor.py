@@ -108,34 +108,53 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-class Program:
-    """Runs a cut graph: segments on the backend, collectives on the communicator, in order.
-
-    Sessions are compiled once here. Each value is dropped right after its last reader, so a step
-    holds no more activations than the graph itself needs.
-    """
+class ProgramBase(ABC):
+    """What every program of a cut graph shares: the items in order with their runners (segments
+    and native groups are compiled once here; collectives have none and run through the
+    communicator), the constants as backend values, who produces and who reads each value, and
+    the check of the feeds. Subclasses say how a step runs (``_run``)."""
 
     def __init__(self, cut: CutGraph, backend: Backend, comm: Communicator):
-        self.cut = cut
-        self.comm = comm
-        self.steps = [(item, None if isinstance(item, CollectiveOp) else backend.compile(item, cut.where))
-                      for item in cut.items]
+        self.cut, self.backend, self.comm = cut, backend, comm
+        self.steps: list[tuple[Segment | NativeGroup | CollectiveOp, SegmentRunner | None]] = [
+            (item, None if isinstance(item, CollectiveOp) else backend.compile(item, cut.where)) for item in cut.items]
         self.constants = {name: backend.from_host(value) for name, value in cut.constants.items()}
-        last_reader: dict[str, int] = {}
+        self.producer: dict[str, int] = {}  # value -> position of the item that computes it
+        self.readers: dict[str, list[int]] = {}  # value -> positions of the items that read it, in order
         for pos, item in enumerate(cut.items):
             for name in item.inputs:
-                last_reader[name] = pos
-        keep = set(cut.outputs)
-        self.release: list[list[str]] = [[] for _ in cut.items]
-        self.timings: dict[tuple[str, int], list[float]] | None = None  # see record_timings
-        for name, pos in last_reader.items():
-            if name not in keep:
-                self.release[pos].append(name)
+                self.readers.setdefault(name, []).append(pos)
+            for name in item.outputs:
+                self.producer[name] = pos
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One call of the graph: ``feeds`` has every graph input; returns the graph's outputs."""
         missing = [name for name in self.cut.inputs if name not in feeds]
         if missing:
             raise RunError(f"{self.cut.where}: not fed: {', '.join(missing)}")
+        return self._run(feeds)
+
+    @abstractmethod
+    def _run(self, feeds: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class Program(ProgramBase):
+    """Runs a cut graph: segments on the backend, collectives on the communicator, in order.
+
+    Each value is dropped right after its last reader, so a step holds no more activations than
+    the graph itself needs.
+    """
+
+    def __init__(self, cut: CutGraph, backend: Backend, comm: Communicator):
+        super().__init__(cut, backend, comm)
+        keep = set(cut.outputs)
+        self.release: list[list[str]] = [[] for _ in cut.items]
+        self.timings: dict[tuple[str, int], list[float]] | None = None  # see record_timings
+        for name, positions in self.readers.items():
+            if name not in keep:
+                self.release[positions[-1]].append(name)
+
+    def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         env = {**self.constants, **feeds}
         for (item, runner), release in zip(self.steps, self.release):
             values = [env[name] for name in item.inputs]

@@ -1,7 +1,8 @@
 """Collectives: the Communicator interface, its backends, and one executor class per collective op.
 
-To add a collective: write ``runtime/collectives/<op>.py`` with a ``CollectiveOp`` subclass and list
-it in ``_EXECUTORS`` below; every backend then runs it through the Communicator calls it makes.
+To add a collective: write ``runtime/collectives/<op>.py`` with a ``CollectiveOp`` subclass (its list
+form ``run`` and its flat form: ``flat_layout``, ``call_flat``, ...; see op.py) and list it in
+``_EXECUTORS`` below; every backend then runs it through the Communicator calls it makes.
 """
 
 from __future__ import annotations

@@ -16,3 +16,9 @@ class AllReduce(CollectiveOp):
 
     def run(self, comm, inputs):
         return comm.allreduce(inputs, self.attrs["reduction"])
+
+    def call_flat(self, comm, buf, label):
+        comm.all_reduce_flat(buf, label)
+
+    def skipped(self, values, xp):
+        return [v.copy() for v in values][:len(self.outputs)]

@@ -129,3 +129,38 @@ class Communicator(ABC):
     @abstractmethod
     def abort(self, code: int) -> None:
         """Tear down every rank, so peers blocked in a collective do not hang after this rank fails."""
+
+    # -- flat-buffer collectives ----------------------------------------------------------------
+    # In place on one persistent flat buffer per collective (``CollectiveOp.flat_layout``), enqueued
+    # rather than completed: what a device program runs every step (runtime/gpu/program.py). Always
+    # a sum; ``finish_mean`` divides afterwards, in the same order. A communicator with flat
+    # buffers (NcclCommunicator) overrides all six; the others raise.
+
+    def all_reduce_flat(self, buf, label: str) -> None:
+        """Every rank's ``buf`` becomes the sum over ranks."""
+        raise self._no_flat("all_reduce_flat", label)
+
+    def reduce_flat(self, buf, root: int, label: str) -> None:
+        """``root``'s ``buf`` becomes the sum over ranks; the others' are only read."""
+        raise self._no_flat("reduce_flat", label)
+
+    def broadcast_flat(self, buf, root: int, label: str) -> None:
+        """Every rank's ``buf`` becomes ``root``'s."""
+        raise self._no_flat("broadcast_flat", label)
+
+    def reduce_scatter_flat(self, buf, label: str) -> None:
+        """``buf`` holds N*S elements; rank r's slice ``[r*S, (r+1)*S)`` becomes the sum over ranks of it."""
+        raise self._no_flat("reduce_scatter_flat", label)
+
+    def all_gather_flat(self, buf, label: str) -> None:
+        """Rank r contributes ``buf[r*S:(r+1)*S]``; every rank ends with all N*S elements."""
+        raise self._no_flat("all_gather_flat", label)
+
+    def finish_mean(self, view) -> None:
+        """``view /= size`` in its dtype, ordered after the flat call that summed it."""
+        raise self._no_flat("finish_mean", "reduction 'mean'")
+
+    def _no_flat(self, method: str, label: str) -> RunError:
+        return RunError(f"{type(self).__name__} has no flat-buffer collectives ({method} for {label}): they run "
+                        "on a device communicator (NcclCommunicator, --backend nccl); this one takes the list "
+                        "calls (allreduce, reduce, ...) through CollectiveOp.run")

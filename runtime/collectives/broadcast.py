@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from runtime.collectives.op import CollectiveOp
+from runtime.collectives.op import CollectiveOp, FlatLayout, _size
 
 
 class Broadcast(CollectiveOp):
@@ -20,3 +20,14 @@ class Broadcast(CollectiveOp):
     def run(self, comm, inputs):
         root = self.attrs["root"]
         return comm.broadcast(inputs if self.rank == root else None, root, self.output_specs)
+
+    # Flat: sized from the outputs, which every rank has (a non-root has no inputs).
+    def flat_layout(self, in_shapes, world, rank):
+        out_shapes = self._out_shapes()
+        return FlatLayout(sum(_size(s) for s in out_shapes), 0, rank, tuple(tuple(s) for s in in_shapes), out_shapes)
+
+    def call_flat(self, comm, buf, label):
+        comm.broadcast_flat(buf, self.attrs["root"], label)
+
+    def skipped(self, values, xp):
+        return [v.copy() for v in values] if values else [xp.zeros(s.shape, s.dtype) for s in self.output_specs]

@@ -3,20 +3,52 @@
 An executor is built once per node (when a rank graph is cut into segments) from the node's
 attributes and the static types of its outputs, checks what it can against this rank's role
 (root or not), and then runs every step by calling the Communicator.
+
+Two ways to run a node, behind the same class:
+- ``run``: the list form (each backend's Communicator packs the bucket its own way); the CPU
+  program, init graphs and the GPU program's first call use it.
+- the flat form, for programs that keep one persistent flat buffer per collective (the GPU program,
+  runtime/gpu/program.py): ``flat_layout`` says how big the buffer is and which rank owns which
+  slice, ``flat_inputs``/``flat_outputs`` give the node's values as views of it, ``launch_flat``
+  enqueues the Communicator's flat call in place (and the mean division), and ``skipped`` is the
+  stand-in that moves nothing (``GpuBackend(skip_collectives=True)``, a measurement aid).
+A new collective implements both here; no program switches on the op name.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from runtime.collectives.base import Communicator, TensorSpec
+from runtime.collectives.base import Communicator, TensorSpec, flat_views
 from runtime.errors import RunError
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """One collective's flat buffer: ``total`` elements; this rank's slice is
+    ``[rank*shard, (rank+1)*shard)`` (``shard`` is 0 where no rank owns a slice); the node's inputs
+    and outputs are consecutive views shaped ``in_shapes`` / ``out_shapes`` (where the op says)."""
+
+    total: int
+    shard: int
+    rank: int
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+
+    def mine(self, buf):
+        """This rank's slice of ``buf`` (NumPy or CuPy, ``total`` elements)."""
+        return buf[self.rank * self.shard:(self.rank + 1) * self.shard]
+
+
+def _size(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
 
 
 class CollectiveOp(ABC):
@@ -48,6 +80,47 @@ class CollectiveOp(ABC):
     @abstractmethod
     def run(self, comm: Communicator, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Outputs of the node on this rank, in ``self.outputs`` order."""
+
+    # -- the flat form (one persistent buffer per collective, the collective in place) ----------
+    def flat_layout(self, in_shapes: Sequence[Sequence[int]], world: int, rank: int) -> FlatLayout:
+        """The buffer of a bucket that moves whole: the inputs back to back, no slice per rank.
+        ``in_shapes`` are the inputs' run-time shapes (the output specs give the outputs')."""
+        in_shapes = tuple(tuple(s) for s in in_shapes)
+        return FlatLayout(sum(_size(s) for s in in_shapes), 0, rank, in_shapes, self._out_shapes())
+
+    def _out_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(s.shape) for s in self.output_specs)
+
+    def flat_inputs(self, layout: FlatLayout, buf) -> dict[str, Any]:
+        """Input name -> its view of ``buf``: where the producer writes it (or it is copied in)."""
+        return dict(zip(self.inputs, flat_views(buf, layout.in_shapes))) if self.inputs else {}
+
+    def flat_outputs(self, layout: FlatLayout, buf) -> dict[str, Any]:
+        """Output name -> its view of ``buf`` once the collective is done."""
+        return dict(zip(self.outputs, flat_views(buf, layout.out_shapes)))
+
+    def flat_mean_view(self, layout: FlatLayout, buf):
+        """What ``reduction="mean"`` divides after the sum: the reduced part of ``buf``."""
+        return buf
+
+    @abstractmethod
+    def call_flat(self, comm: Communicator, buf, label: str) -> None:
+        """Enqueue this collective on ``buf`` in place: one ``Communicator.*_flat`` call."""
+
+    def receives_result(self, rank: int) -> bool:
+        """Whether ``rank`` holds the reduced result (all ranks, except for a rooted reduction)."""
+        return True
+
+    def launch_flat(self, comm: Communicator, buf, mean_view, label: str) -> None:
+        """The flat call, then the contract's mean (``sum / size``) where this rank holds the sum."""
+        self.call_flat(comm, buf, label)
+        if self.attrs.get("reduction") == "mean" and self.receives_result(comm.rank):
+            comm.finish_mean(mean_view)
+
+    def skipped(self, values: list, xp) -> list:
+        """The outputs without communication (``xp``: numpy or cupy): each rank's own values where
+        the op passes them through, zeros where it would receive. Results are wrong by design."""
+        return [xp.zeros(s.shape, s.dtype) for s in self.output_specs]
 
 
 def _attr_value(attr: onnx.AttributeProto):

@@ -19,3 +19,13 @@ class Reduce(CollectiveOp):
 
     def run(self, comm, inputs):
         return comm.reduce(inputs, self.attrs["root"], self.attrs["reduction"]) or []
+
+    # Flat: the whole bucket, reduced in place on the root; other ranks' buffers are only sent.
+    def call_flat(self, comm, buf, label):
+        comm.reduce_flat(buf, self.attrs["root"], label)
+
+    def receives_result(self, rank):
+        return rank == self.attrs["root"]
+
+    def skipped(self, values, xp):
+        return [v.copy() for v in values][:len(self.outputs)]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from runtime.collectives.op import CollectiveOp
+from runtime.collectives.base import flat_size
+from runtime.collectives.op import CollectiveOp, FlatLayout, _size
 
 
 class ReduceScatter(CollectiveOp):
@@ -23,3 +24,18 @@ class ReduceScatter(CollectiveOp):
             raise self.fail(f"ReduceScatter slice has {shard.size} elements but output '{self.outputs[0]}' is "
                             f"typed with {expected} (S = ceil(T / world size))")
         return [shard]
+
+    # Flat: the bucket zero-padded to N*S; rank r's reduced slice lands in place at [r*S, (r+1)*S).
+    def flat_layout(self, in_shapes, world, rank):
+        in_shapes = tuple(tuple(s) for s in in_shapes)
+        _, shard = flat_size([_size(s) for s in in_shapes], world)
+        return FlatLayout(world * shard, shard, rank, in_shapes, self._out_shapes())
+
+    def flat_outputs(self, layout, buf):
+        return {self.outputs[0]: layout.mine(buf)}
+
+    def flat_mean_view(self, layout, buf):
+        return layout.mine(buf)
+
+    def call_flat(self, comm, buf, label):
+        comm.reduce_scatter_flat(buf, label)

@@ -116,7 +116,7 @@ class NcclCommunicator(Communicator):
         finally:
             os._exit(3)
 
-    # -- flat-buffer collectives, enqueued on self.stream ---------------------------------------
+    # -- flat-buffer collectives (Communicator's flat interface), enqueued on self.stream -------
     def _call(self, label: str, fn, *args) -> None:
         try:
             fn(*args, self.stream.ptr)

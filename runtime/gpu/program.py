@@ -1,0 +1,181 @@
+"""GpuProgram: runs a cut rank graph on the GPU with its collectives overlapped (the sessions are
+OrtCudaSegment, session.py; the backend that makes them is GpuBackend, backend.py).
+
+Streams and order. Every session runs on one compute stream (``user_compute_stream``); every NCCL
+call runs on the communicator's stream. Collective k waits for an event recorded on the compute
+stream after the segments before it; a segment that reads a collective's outputs waits for the
+event recorded after that collective. So bucket k's collective runs while the backward of later
+buckets computes, and (with ``split_tail``) the optimizer of bucket k runs as soon as it is done.
+At the end of a step the compute stream waits for every collective, so the next step never
+writes a buffer that NCCL still reads.
+
+Buffers. The first call of a program (the init graph's only one, and the first step) runs with
+onnxruntime allocating the outputs and records every value's shape. From the second call on,
+everything is preallocated and bound once, in two IOBindings per segment (one per step parity):
+- each collective owns one flat buffer (two, by parity, if its outputs are state), laid out by its
+  op class (CollectiveOp.flat_layout, runtime/collectives/); a gradient that only its collective
+  reads is bound straight into its slot (bind_output at a pointer into the bucket), so one NCCL
+  call moves the bucket without a copy; collectives run in place (CollectiveOp.launch_flat);
+- values that leave the program (state, loss) get two buffers, by parity: step t reads step t-1's
+  values from one set while writing the other;
+- values passed between segments of one step get one buffer each.
+A step then is: rebind the few inputs whose pointer changed, run each session, enqueue each NCCL
+call. No tensor goes to the host; the loss is copied on the device into a ring read when logging.
+onnxruntime synchronizes its stream at the end of each run unless GRAPH_TRANSPILER_ORT_ASYNC=1
+(see GpuBackend): the collectives still overlap the following segments.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from runtime.collectives import CollectiveOp, Communicator
+from runtime.errors import RunError
+from runtime.executor import ProgramBase
+from runtime.segments import CutGraph
+
+if TYPE_CHECKING:
+    from runtime.gpu.backend import GpuBackend
+
+
+class _Slots:
+    """The flat buffer(s) of one collective and the views of its inputs and outputs in them; the
+    op says where each view lies (CollectiveOp.flat_layout and flat_inputs/flat_outputs)."""
+
+    def __init__(self, op: CollectiveOp, in_shapes: list[tuple], dtype, world: int, rank: int, parities: int, cp):
+        self.op = op
+        layout = op.flat_layout(in_shapes, world, rank)
+        self.buffers = [cp.zeros(layout.total, dtype=dtype) for _ in range(parities)]  # zeros: the padding stays 0
+        self.inputs: list[dict[str, Any]] = [op.flat_inputs(layout, buf) for buf in self.buffers]
+        self.outputs: list[dict[str, Any]] = [op.flat_outputs(layout, buf) for buf in self.buffers]
+        self.mean_view: list[Any] = [op.flat_mean_view(layout, buf) for buf in self.buffers]
+
+
+class GpuProgram(ProgramBase):
+    """Runs a cut graph on the GPU (see the module docstring); the interface of executor.Program."""
+
+    backend: GpuBackend
+
+    def __init__(self, cut: CutGraph, backend: GpuBackend, comm: Communicator):
+        super().__init__(cut, backend, comm)  # segments and native groups compiled, constants on the device
+        cp = self.cp = backend.cp
+        producer = self.producer
+        # Segment pos -> positions of the collectives whose outputs it reads directly.
+        self.waits = {pos: sorted({producer[n] for n in item.inputs if n in producer and self.steps[producer[n]][1] is None})
+                      for pos, (item, runner) in enumerate(self.steps) if runner is not None}
+        self.collective_pos = [pos for pos, (_, runner) in enumerate(self.steps) if runner is None]
+        self.ready = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
+        self.done = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
+        self.calls = 0
+        self.shapes: dict[str, tuple[tuple, Any]] = {}
+        self.slots: dict[int, _Slots] = {}
+        self.copy_in: dict[int, list[str]] = {}
+        self.outs: dict[int, list[dict[str, Any]]] = {}
+
+    def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        if self.calls == 1:
+            return self._run_first(feeds)
+        if self.calls == 2:
+            self._allocate()
+        return self._run_bound(feeds, self.calls % 2)
+
+    # -- first call: onnxruntime allocates, collectives synchronous -----------------------------
+    def _run_first(self, feeds):
+        env = {**self.constants, **feeds}
+        self.backend.compute.synchronize()  # constants and fed data are on the device before any run
+        for item, runner in self.steps:
+            values = [env[name] for name in item.inputs]
+            if runner is not None:
+                results = runner.run(dict(zip(item.inputs, values)))
+            else:
+                results = item.run(self.comm, values) if not self.backend.skip_collectives else item.skipped(values, self.cp)
+            env.update(zip(item.outputs, results))
+        self.shapes = {name: (tuple(v.shape), v.dtype) for name, v in env.items()}
+        # Values onnxruntime allocated return to its arena when dropped; finish before that.
+        self.backend.compute.synchronize()
+        return {name: env[name] for name in self.cut.outputs}
+
+    # -- from the second call on: preallocated, bound once, overlapped -------------------------
+    def _allocate(self) -> None:
+        cp, comm = self.cp, self.comm
+        program_outputs = set(self.cut.outputs)
+        bound_into: dict[str, tuple[int, str]] = {}  # segment output -> (collective pos, input name)
+        for pos in self.collective_pos:
+            op = self.steps[pos][0]
+            in_shapes = [self.shapes[n][0] for n in op.inputs]
+            dtypes = {np.dtype(self.shapes[n][1]) for n in op.inputs} | {np.dtype(s.dtype) for s in op.output_specs}
+            if len(dtypes) != 1:
+                raise RunError(f"{op.where}: the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
+            parities = 2 if any(n in program_outputs for n in op.outputs) else 1
+            self.slots[pos] = _Slots(op, in_shapes, dtypes.pop(), comm.size, comm.rank, parities, cp)
+            self.copy_in[pos] = []
+            for name in op.inputs:
+                src = self.producer.get(name)
+                only_reader = self.readers[name] == [pos] and op.inputs.count(name) == 1
+                if src is not None and self.steps[src][1] is not None and only_reader and name not in program_outputs:
+                    bound_into[name] = (pos, name)
+                else:
+                    self.copy_in[pos].append(name)
+        internal: dict[str, Any] = {}
+        for pos, (item, runner) in enumerate(self.steps):
+            if runner is None:
+                continue
+            per_parity = []
+            for parity in (0, 1):
+                outs = {}
+                for name in item.outputs:
+                    shape, dtype = self.shapes[name]
+                    if name in bound_into:
+                        slots = self.slots[bound_into[name][0]]
+                        outs[name] = slots.inputs[parity % len(slots.buffers)][name]
+                    elif name in program_outputs:
+                        outs[name] = cp.empty(shape, dtype)
+                    else:
+                        if name not in internal:
+                            internal[name] = cp.empty(shape, dtype)
+                        outs[name] = internal[name]
+                runner.prepare(parity, outs)
+                per_parity.append(outs)
+            self.outs[pos] = per_parity
+
+    def _run_bound(self, feeds, parity: int):
+        backend, comm = self.backend, self.comm
+        compute = backend.compute
+        env = {**self.constants, **feeds}
+        if not backend.async_runs:
+            compute.synchronize()  # the fed data's copies are done before any session reads them
+        waited: set[int] = set()
+        for pos, (item, runner) in enumerate(self.steps):
+            if runner is not None:
+                for c in self.waits[pos]:
+                    if c not in waited:
+                        backend.wait(self.done[c])
+                        waited.add(c)
+                runner.run_bound(parity, env)
+                if backend.debug_sync:
+                    self.cp.cuda.Device().synchronize()
+                env.update(self.outs[pos][parity])
+                continue
+            slots = self.slots[pos]
+            p = parity % len(slots.buffers)
+            self.ready[pos].record(compute)
+            comm.stream.wait_event(self.ready[pos])
+            if self.copy_in[pos]:
+                with comm.stream:
+                    for name in self.copy_in[pos]:
+                        slots.inputs[p][name][...] = env[name]
+            if not backend.skip_collectives:
+                item.launch_flat(comm, slots.buffers[p], slots.mean_view[p],
+                                 f"{item.op_type} '{item.name}' (order {item.order}) of {self.cut.where}")
+            self.done[pos].record(comm.stream)
+            if backend.debug_sync:
+                self.cp.cuda.Device().synchronize()
+            comm.track(pos, self.done[pos], f"{item.op_type} '{item.name}' (order {item.order}) of {self.cut.where}")
+            env.update(slots.outputs[p])
+        for c in self.collective_pos:
+            if c not in waited:
+                backend.wait(self.done[c])
+        return {name: env[name] for name in self.cut.outputs}

@@ -1,0 +1,129 @@
+"""OrtCudaSegment: one compute segment as an onnxruntime CUDA EP session, on the backend's compute
+stream, bound to device buffers (one IOBinding per step parity) and replayed as a CUDA graph where
+onnxruntime allows it. GpuProgram (program.py) decides which buffers; docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from runtime.errors import RunError
+from runtime.executor import SegmentRunner, _first_line
+from runtime.gpu.lowering import lower_for_cuda
+from runtime.segments import Segment
+from runtime.specialize import specialize
+
+if TYPE_CHECKING:
+    from runtime.gpu.backend import GpuBackend
+
+
+class OrtCudaSegment(SegmentRunner):
+    """One segment as a CUDA EP session on the backend's compute stream.
+
+    The session is made on the first call, when the shapes of the segment's inputs are known: the
+    segment is specialized to them (runtime/specialize.py), so no shape computation is left to run
+    on the host, and then, unless the backend's ``cuda_graphs`` is off, onnxruntime captures each
+    step parity's run as a CUDA graph (``gpu_graph_id`` = parity) and replays it: a step launches one
+    graph per segment instead of one kernel per node. A graph needs every node on the CUDA EP and
+    the same buffers on every replay, which the parity bindings give (GpuProgram); a segment that
+    onnxruntime will not capture runs as before, and ``graph_refused`` says why.
+    """
+
+    def __init__(self, segment: Segment, where: str, backend: GpuBackend):
+        self.backend = backend
+        self.segment = segment
+        self.where = f"{where}: segment {segment.index}" + (f" part {segment.part}" if segment.part else "")
+        self.inputs = list(segment.inputs)
+        self.outputs = list(segment.outputs)
+        self.session = None
+        self.graphs = False  # whether runs from the second call on are CUDA graph replays
+        self.graph_refused: str | None = None
+        self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
+        self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
+        self.seen = [False, False]  # per parity: bound runs made with the current pointers
+        self.captured = [False, False]  # per parity: whether its graph is captured (pointers frozen)
+
+    def _compile(self, feeds) -> None:
+        backend, ort = self.backend, self.backend.ort
+        model = self.segment.model
+        if backend.static_shapes:
+            model = lower_for_cuda(specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs}))
+        serialized = model.SerializeToString()
+        cuda = {"device_id": str(backend.device_id), "user_compute_stream": str(backend.compute.ptr),
+                "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0",
+                # Grow the arena by what is asked, not to the next power of two: a training step
+                # allocates a few large activations, and doubling can reserve up to twice what it uses.
+                "arena_extend_strategy": "kSameAsRequested"}
+
+        def session(graph: bool):
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            return ort.InferenceSession(serialized, options, providers=[
+                ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"])
+
+        if backend.cuda_graphs and backend.static_shapes:
+            try:
+                self.session, self.graphs = session(True), True
+            except Exception as exc:  # onnxruntime refuses graphs when a node is not on the CUDA EP
+                self.graph_refused = _first_line(exc)
+        if self.session is None:
+            try:
+                self.session = session(False)
+            except Exception as exc:
+                raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
+        if self.session.get_providers()[0] != "CUDAExecutionProvider":
+            raise RunError(f"{self.where}: onnxruntime did not enable the CUDA execution provider (CUDA or cuDNN "
+                           "libraries not found? onnxruntime-gpu must match the installed CUDA major version)")
+
+    def _bind_input(self, io, name: str, value) -> None:
+        io.bind_input(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+
+    def run(self, feeds):
+        """First-call path: onnxruntime allocates the outputs; they are wrapped as CuPy arrays. Never
+        captured: these buffers are not the ones later runs use."""
+        if self.session is None:
+            self._compile(feeds)
+        io = self.session.io_binding()
+        for name in self.inputs:
+            self._bind_input(io, name, feeds[name])
+        for name in self.outputs:
+            io.bind_output(name, "cuda", self.backend.device_id)
+        self._run(io, self.backend.run_options_uncaptured if self.graphs else self.backend.run_options)
+        return [self.backend.wrap(v) for v in io.get_outputs()]
+
+    def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
+        io = self.session.io_binding()
+        for name in self.outputs:
+            value = outputs[name]
+            io.bind_output(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+        self.bindings[parity] = io
+
+    def run_bound(self, parity: int, env: dict[str, Any]) -> None:
+        io, bound = self.bindings[parity], self.bound[parity]
+        changed = False
+        for name in self.inputs:
+            value = env[name]
+            if bound.get(name) != value.data.ptr:
+                self._bind_input(io, name, value)
+                bound[name] = value.data.ptr
+                changed = True
+        if not self.graphs:
+            self._run(io, self.backend.run_options)
+            return
+        # A captured graph replays with the pointers it was captured with. The first runs of a
+        # parity still read buffers that later steps no longer use (the first call's outputs), so
+        # a parity is captured only once its inputs were bound to the same buffers twice in a row.
+        if self.captured[parity] and changed:
+            raise RunError(f"{self.where}: an input moved to another buffer after its CUDA graph was captured")
+        if changed or not self.seen[parity]:
+            self.seen[parity] = True
+            self._run(io, self.backend.run_options_uncaptured)
+            return
+        self.captured[parity] = True
+        self._run(io, self.backend.run_options_graph[parity])
+
+    def _run(self, io, run_options) -> None:
+        try:
+            self.session.run_with_iobinding(io, run_options)
+        except Exception as exc:
+            raise RunError(f"{self.where}: onnxruntime failed on device {self.backend.device_id}: {_first_line(exc)}") from None
