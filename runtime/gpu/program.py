@@ -34,6 +34,7 @@ import numpy as np
 from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
 from runtime.executor import ProgramBase
+from runtime.gpu.session import OrtCudaSegment
 from runtime.segments import CutGraph
 
 if TYPE_CHECKING:
@@ -66,6 +67,15 @@ class GpuProgram(ProgramBase):
         self.waits = {pos: sorted({producer[n] for n in item.inputs if n in producer and self.steps[producer[n]][1] is None})
                       for pos, (item, runner) in enumerate(self.steps) if runner is not None}
         self.collective_pos = [pos for pos, (_, runner) in enumerate(self.steps) if runner is None]
+        # CUDA graphs only where no collective runs: on 2 H200s, onnxruntime's capture of a segment
+        # while NCCL works on the comm stream failed ("operation failed due to a previous error
+        # during capture" at cudaStreamEndCapture; NCCL's proxy thread calls CUDA during the capture,
+        # which invalidates a global-mode capture). Such programs keep the static-shape
+        # specialization and run without capture.
+        if self.collective_pos and comm.size > 1:
+            for _, runner in self.steps:
+                if isinstance(runner, OrtCudaSegment):
+                    runner.capture_allowed = False
         self.ready = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
         self.done = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
         self.calls = 0

@@ -38,6 +38,8 @@ class OrtCudaSegment(SegmentRunner):
         self.session = None
         self.graphs = False  # whether runs from the second call on are CUDA graph replays
         self.graph_refused: str | None = None
+        # Set by the program: capture only where no collective runs beside the capture (see GpuProgram).
+        self.capture_allowed = True
         self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
         self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
         self.seen = [False, False]  # per parity: bound runs made with the current pointers
@@ -61,7 +63,7 @@ class OrtCudaSegment(SegmentRunner):
             return ort.InferenceSession(serialized, options, providers=[
                 ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"])
 
-        if backend.cuda_graphs and backend.static_shapes:
+        if backend.cuda_graphs and backend.static_shapes and self.capture_allowed:
             try:
                 self.session, self.graphs = session(True), True
             except Exception as exc:  # onnxruntime refuses graphs when a node is not on the CUDA EP
