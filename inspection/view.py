@@ -61,11 +61,14 @@ def execute(args: argparse.Namespace) -> int:
     except (OSError, OverflowError) as exc:
         raise InspectError(f"cannot serve on {args.host}:{args.port} ({getattr(exc, 'strerror', None) or exc})") from None
     url = f"http://{address[0]}:{address[1]}"
+    # "press Ctrl-C to stop" holds even when a script started us in the background, where the shell
+    # hands its jobs SIGINT ignored (Python then never raises KeyboardInterrupt); SIGTERM stops as
+    # cleanly. Both are set before the address is printed: whoever reads it may signal at once.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"serving {path} at {url}" + ("" if browse else " (no display: open it in a browser, "
                                         "e.g. through 'ssh -L {0}:localhost:{0}')".format(address[1])), flush=True)
     print("press Ctrl-C to stop", flush=True)
-    # SIGTERM stops as cleanly as Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         while netron.status(address):
             time.sleep(0.2)
