@@ -22,6 +22,7 @@ last launch of that parity.
 from __future__ import annotations
 
 import contextlib
+from collections import ChainMap
 from typing import Any
 
 import numpy as np
@@ -238,7 +239,8 @@ class FusedUpdateRunner(SegmentRunner):
         self.prepared[parity] = dict(outputs)
 
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:
-        values = {**env, **self.prepared[parity]}
+        # A view, not a merged copy: run every step, and the program's env holds every value of it.
+        values = ChainMap(self.prepared[parity], env)
         with self._on_stream():
             for launch in self.launches:
                 launch.launch(self.cp, parity, values, self.where)
