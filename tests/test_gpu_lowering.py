@@ -1,5 +1,7 @@
 """runtime/gpu/lowering.py on CPU: a per-channel reduction over (0, 2, 3) becomes two reductions
-with the same values (to float32 summation order), in every opset form; others are left alone."""
+with the same values (to float32 summation order), in every opset form; others are left alone. A
+causally masked softmax becomes BiasSoftmax (checked against its documented semantics) and its
+backward Where goes."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
 
 from runtime.gpu.lowering import lower_for_cuda
 from runtime.specialize import specialize
@@ -83,3 +87,59 @@ def test_a_reduction_over_no_axis_that_is_a_no_op_becomes_an_identity():
     attrs = model.graph.node[0].attribute
     del attrs[[a.name for a in attrs].index("noop_with_empty_axes")]
     assert [n.op_type for n in lower_for_cuda(specialize(model, {"x": (2, 3)})).graph.node] == ["ReduceSum"]
+
+
+class BiasSoftmax(OpRun):
+    """onnxruntime's com.microsoft.BiasSoftmax as documented: softmax(x + bias) over ``axis``, the
+    bias repeated over the leading dims (is_inner_broadcast=0). The CPU EP has no kernel for it."""
+
+    op_domain = "com.microsoft"
+
+    def _run(self, x, bias, axis=None, is_inner_broadcast=None):
+        assert is_inner_broadcast == 0
+        z = x + bias
+        e = np.exp(z - z.max(axis=axis, keepdims=True))
+        return ((e / e.sum(axis=axis, keepdims=True)).astype(x.dtype),)
+
+
+def _attention_mask_model(fill: float, mask_shape: tuple[int, ...]) -> onnx.ModelProto:
+    """Scores [2, 3, 4, 4] masked by a causal mask, softmax, then what the transpiler's backward
+    writes for the Where: Where(mask, 0, S * g)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 4])
+    g = helper.make_tensor_value_info("g", TensorProto.FLOAT, [2, 3, 4, 4])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("s", "dx")]
+    mask = ~np.tril(np.ones((4, 4), bool))
+    inits = [numpy_helper.from_array(np.broadcast_to(mask, mask_shape).copy(), "mask"),
+             numpy_helper.from_array(np.array(fill, np.float32), "fill"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    nodes = [helper.make_node("Where", ["mask", "fill", "x"], ["masked"]),
+             helper.make_node("Softmax", ["masked"], ["s"], axis=-1),
+             helper.make_node("Mul", ["s", "g"], ["sg"]),
+             helper.make_node("Where", ["mask", "zero", "sg"], ["dx"])]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x, g], outs, inits), opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_causally_masked_softmax_becomes_bias_softmax_and_its_backward_where_goes():
+    model = _attention_mask_model(-np.inf, (4, 4))
+    lowered = lower_for_cuda(specialize(model, {"x": (2, 3, 4, 4), "g": (2, 3, 4, 4)}))
+    ops = [n.op_type for n in lowered.graph.node]
+    assert ops.count("BiasSoftmax") == 1 and "Softmax" not in ops
+    assert ops.count("Where") == 1  # only the [4, 4] additive mask is left
+    assert "com.microsoft" in {o.domain for o in lowered.opset_import}
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(2, 3, 4, 4)).astype(np.float32), "g": rng.normal(size=(2, 3, 4, 4)).astype(np.float32)}
+    expected = _run(model, feeds)
+    got = ReferenceEvaluator(lowered, new_ops=[BiasSoftmax]).run(None, feeds)
+    for e, o in zip(expected, got):
+        np.testing.assert_allclose(o, e, rtol=1e-6, atol=1e-7)
+    assert (got[1][..., ~np.tril(np.ones((4, 4), bool))] == 0).all()  # the dropped Where's zeros
+
+
+@pytest.mark.parametrize("fill, mask_shape", [(-1.0, (4, 4)),  # a fill exp() does not flush to 0
+                                              (-np.inf, (2, 1, 4, 4))])  # one mask per batch row: not an outer broadcast
+def test_masks_the_rewrite_cannot_prove_equal_are_left_alone(fill, mask_shape):
+    model = _attention_mask_model(fill, mask_shape)
+    lowered = lower_for_cuda(specialize(model, {"x": (2, 3, 4, 4), "g": (2, 3, 4, 4)}))
+    assert [n.op_type for n in lowered.graph.node] == ["Where", "Softmax", "Mul", "Where"]

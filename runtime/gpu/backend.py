@@ -59,6 +59,7 @@ class GpuBackend(Backend):
         self.static_shapes = env_flag("GRAPH_TRANSPILER_STATIC_SHAPES") if static_shapes is None else static_shapes
         self.cuda_graphs = env_flag("GRAPH_TRANSPILER_CUDA_GRAPHS") if cuda_graphs is None else cuda_graphs
         self.shrink_arena = env_flag("GRAPH_TRANSPILER_SHRINK_ARENA")
+        self.mem_pattern = env_flag("GRAPH_TRANSPILER_MEM_PATTERN")
         self.run_options_uncaptured = self._run_options(graph_id=-1)
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
         # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);

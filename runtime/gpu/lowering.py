@@ -12,6 +12,14 @@ of float32 sums.
   which onnxruntime then removes. The backward of a batched MatMul writes them where both operands
   have the same batch dims, which the symbolic batch hid until specialization; run as reductions
   they copy the tensor (twice per attention layer).
+- **Masked softmax** (attention's causal mask: ``Softmax(Where(mask, -inf, scores))``). Forward:
+  onnxruntime's ``com.microsoft.BiasSoftmax(scores, Where(mask, -inf, 0))``, one kernel instead of
+  a Where and a Softmax over the [batch, heads, T, T] scores (the additive mask is [T, T]);
+  ``x + (-inf) = -inf`` and ``x + 0 = x``, so its input equals the Where's. Backward: the gradient
+  of that Where, ``Where(mask, 0, S * g)`` where S is the softmax's output, is dropped: S is exactly 0
+  wherever the mask filled (exp of a fill at or below -1e30 underflows to 0 in float32), so S * g
+  already is 0 there (for finite g). Two passes over the scores per layer fewer (0.07 ms each for
+  GPT-2-small at batch 8).
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 _SPLIT_REDUCTIONS = ("ReduceSum", "ReduceMean")
+# A mask fill at or below this makes exp(fill - row max) exactly 0 in float32 (exp underflows below
+# about -104), for any row max a real score reaches.
+_MASK_FILL_AT_MOST = -1e30
 
 
 def lower_for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -43,6 +54,8 @@ def lower_for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
     if changed:
         del graph.node[:]
         graph.node.extend(nodes)
+    if _masked_softmax(graph, constants, opset) and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return model
 
 
@@ -104,3 +117,83 @@ def _split_reduction(node: onnx.NodeProto, ranks: dict[str, int], constants: dic
     # the (now size-1) trailing axes, keeping dims as the original did. Its input is tiny (N, C, 1...).
     return [reduce(node.input[0], trailing, 1, inner, "trailing"),
             reduce(inner, [0, *trailing], keepdims, node.output[0], "batch")]
+
+
+def _scalar(constants: dict[str, onnx.TensorProto], name: str) -> float | None:
+    tensor = constants.get(name)
+    if tensor is None or int(np.prod(tensor.dims, dtype=np.int64)) != 1:
+        return None
+    return float(numpy_helper.to_array(tensor).reshape(-1)[0])
+
+
+def _masked_softmax(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto], opset: int) -> bool:
+    """The masked-softmax rewrites of the module docstring, in place. A Where qualifies when its
+    fill is a scalar at or below _MASK_FILL_AT_MOST, its only readers are Softmax over the last axis
+    and its mask has the scores' trailing shape (one mask row per score row, repeated over the
+    leading dims: BiasSoftmax's outer broadcast). Returns whether anything changed."""
+    producer = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    shapes = _shapes(graph)
+    masked: dict[str, str] = {}  # softmax output -> its mask
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    for where in graph.node:
+        if where.op_type != "Where" or where.domain not in ("", "ai.onnx") or where.output[0] in {o.name for o in graph.output}:
+            continue
+        mask, fill_name, scores = where.input
+        fill = _scalar(constants, fill_name)
+        softmaxes = readers.get(where.output[0], [])
+        score_shape, mask_shape = shapes.get(scores), shapes.get(mask)
+        if fill is None or fill > _MASK_FILL_AT_MOST or not softmaxes or score_shape is None or mask_shape is None:
+            continue
+        if not all(s.op_type == "Softmax" and _softmax_axis(s, opset) in (-1, len(score_shape) - 1) for s in softmaxes):
+            continue
+        trailing = list(mask_shape)
+        while len(trailing) > 2 and trailing[0] == 1:
+            trailing = trailing[1:]
+        if len(trailing) < 2 or list(score_shape[-len(trailing):]) != trailing or shapes.get(where.output[0]) != score_shape:
+            continue
+        base = where.name or where.output[0]
+        zero = f"{base}.lowered.zero"
+        bias = f"{base}.lowered.bias"
+        graph.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), zero))
+        new = [helper.make_node("Where", [mask, fill_name, zero], [bias], name=f"{base}/bias")]
+        for softmax in softmaxes:
+            new.append(helper.make_node("BiasSoftmax", [scores, bias], list(softmax.output), name=f"{softmax.name or base}/bias_softmax",
+                                        domain="com.microsoft", axis=len(score_shape) - 1, is_inner_broadcast=0))
+            replace[id(softmax)] = []
+            masked[softmax.output[0]] = mask
+        replace[id(where)] = new
+    if not masked:
+        return False
+    for where in graph.node:
+        if where.op_type != "Where" or where.domain not in ("", "ai.onnx") or id(where) in replace:
+            continue
+        mask, zero_name, grad = where.input
+        product = producer.get(grad)
+        if _scalar(constants, zero_name) != 0.0 or product is None or product.op_type != "Mul":
+            continue
+        if not any(masked.get(name) == mask for name in product.input):
+            continue
+        replace[id(where)] = [helper.make_node("Identity", [grad], list(where.output), name=f"{where.name or grad}/dropped")]
+    nodes = [new for node in graph.node for new in replace.get(id(node), [node])]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return True
+
+
+def _softmax_axis(node: onnx.NodeProto, opset: int) -> int:
+    return next((a.i for a in node.attribute if a.name == "axis"), -1 if opset >= 13 else 1)
+
+
+def _shapes(graph: onnx.GraphProto) -> dict[str, list[int]]:
+    shapes = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        t = value.type.tensor_type if value.type.HasField("tensor_type") else None
+        if t is not None and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+            shapes[value.name] = [d.dim_value for d in t.shape.dim]
+    for tensor in graph.initializer:
+        shapes[tensor.name] = list(tensor.dims)
+    return shapes

@@ -60,6 +60,7 @@ class OrtCudaSegment(SegmentRunner):
         def session(graph: bool):
             options = ort.SessionOptions()
             options.log_severity_level = 3
+            options.enable_mem_pattern = backend.mem_pattern
             return ort.InferenceSession(serialized, options, providers=[
                 ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"])
 
