@@ -75,8 +75,13 @@ class Trainer:
             raise RunError(f"{init_file}: graph outputs lack state value(s) {', '.join(lacking)}")
 
     def initialize(self) -> None:
+        if self.init_program is None:
+            raise RunError(f"{self.plan.path}: the init graph already ran; a Trainer initializes once")
         outputs = self.init_program.run({})
         self.state = {s.input: outputs[s.input] for s in self.state_entries}
+        # The init graph runs once: drop its program, so that its sessions (and, on the GPU, their
+        # memory arena, about the size of the state) go as soon as the first steps replace the state.
+        self.init_program = None
 
     def load_state(self, arrays: dict[str, np.ndarray], where: str) -> None:
         """Start from saved state (a checkpoint) instead of the init graph."""
