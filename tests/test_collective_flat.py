@@ -35,24 +35,26 @@ def _op(op_type: str, inputs, outputs, out_shapes, rank: int = RANK, **attrs) ->
     return make_collective(node, [TensorSpec(s, F32) for s in out_shapes], rank, "rank1.onnx")
 
 
+# A bucket that moves whole (AllReduce, Reduce, Broadcast) starts each tensor at a multiple of
+# FLAT_ALIGN = 64 elements (cuDNN needs 16-byte aligned weights): b at 64, 69 elements in all.
 # op, input shapes, total, shard, input name -> (start, stop, shape), output name -> ..., mean view (start, stop),
 # the flat call (method, args after buf), whether this rank divides by N for reduction="mean".
 CASES = {
     "AllReduce": (lambda: _op("AllReduce", ["a", "b"], ["ya", "yb"], [A, B], reduction="mean"), [A, B],
-                  11, 0, {"a": (0, 6, A), "b": (6, 11, B)}, {"ya": (0, 6, A), "yb": (6, 11, B)},
-                  (0, 11), ("all_reduce_flat", ()), True),
+                  69, 0, {"a": (0, 6, A), "b": (64, 69, B)}, {"ya": (0, 6, A), "yb": (64, 69, B)},
+                  (0, 69), ("all_reduce_flat", ()), True),
     "Reduce(root)": (lambda: _op("Reduce", ["a", "b"], ["ya", "yb"], [A, B], root=1, reduction="mean"), [A, B],
-                     11, 0, {"a": (0, 6, A), "b": (6, 11, B)}, {"ya": (0, 6, A), "yb": (6, 11, B)},
-                     (0, 11), ("reduce_flat", (1,)), True),
+                     69, 0, {"a": (0, 6, A), "b": (64, 69, B)}, {"ya": (0, 6, A), "yb": (64, 69, B)},
+                     (0, 69), ("reduce_flat", (1,)), True),
     "Reduce(non-root)": (lambda: _op("Reduce", ["a", "b"], [], [], root=0, reduction="mean"), [A, B],
-                         11, 0, {"a": (0, 6, A), "b": (6, 11, B)}, {},
-                         (0, 11), ("reduce_flat", (0,)), False),
+                         69, 0, {"a": (0, 6, A), "b": (64, 69, B)}, {},
+                         (0, 69), ("reduce_flat", (0,)), False),
     "Broadcast(root)": (lambda: _op("Broadcast", ["a", "b"], ["ya", "yb"], [A, B], root=1), [A, B],
-                        11, 0, {"a": (0, 6, A), "b": (6, 11, B)}, {"ya": (0, 6, A), "yb": (6, 11, B)},
-                        (0, 11), ("broadcast_flat", (1,)), False),
+                        69, 0, {"a": (0, 6, A), "b": (64, 69, B)}, {"ya": (0, 6, A), "yb": (64, 69, B)},
+                        (0, 69), ("broadcast_flat", (1,)), False),
     "Broadcast(non-root)": (lambda: _op("Broadcast", [], ["ya", "yb"], [A, B], root=2), [],
-                            11, 0, {}, {"ya": (0, 6, A), "yb": (6, 11, B)},
-                            (0, 11), ("broadcast_flat", (2,)), False),
+                            69, 0, {}, {"ya": (0, 6, A), "yb": (64, 69, B)},
+                            (0, 69), ("broadcast_flat", (2,)), False),
     # T = 11, N = 3: S = 4, the buffer is 12 (one zero of padding); rank 1 owns [4, 8).
     "ReduceScatter": (lambda: _op("ReduceScatter", ["a", "b"], ["s"], [(4,)], reduction="mean"), [A, B],
                       12, 4, {"a": (0, 6, A), "b": (6, 11, B)}, {"s": (4, 8, (4,))},

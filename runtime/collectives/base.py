@@ -56,14 +56,24 @@ def pack_padded(arrays: Sequence[np.ndarray], world: int) -> np.ndarray:
     return flat
 
 
-def flat_views(flat, shapes: Sequence[Sequence[int]]) -> list:
-    """Consecutive views of a flat buffer (NumPy or CuPy) with the given shapes: a bucket's tensors."""
-    out, offset = [], 0
-    for shape in shapes:
+def flat_views(flat, shapes: Sequence[Sequence[int]], align: int = 1) -> list:
+    """Views of a flat buffer (NumPy or CuPy) with the given shapes, in order, each starting at a
+    multiple of ``align`` elements (1: back to back): a bucket's tensors."""
+    out = []
+    for offset, shape in zip(aligned_offsets(shapes, align), shapes):
         n = int(np.prod(shape, dtype=np.int64))
         out.append(flat[offset:offset + n].reshape(shape))
-        offset += n
     return out
+
+
+def aligned_offsets(shapes: Sequence[Sequence[int]], align: int = 1) -> list[int]:
+    """Start of each view of ``flat_views``; one more entry at the end: the elements they span."""
+    offsets, offset = [], 0
+    for shape in shapes:
+        offset = -(-offset // align) * align
+        offsets.append(offset)
+        offset += int(np.prod(shape, dtype=np.int64))
+    return offsets + [offset]
 
 
 def unpack_gathered(flat: np.ndarray, specs: Sequence[TensorSpec]) -> list[np.ndarray]:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from runtime.collectives.op import CollectiveOp, FlatLayout, _size
+from runtime.collectives.base import aligned_offsets
+from runtime.collectives.op import FLAT_ALIGN, CollectiveOp, FlatLayout
 
 
 class Broadcast(CollectiveOp):
@@ -24,7 +25,8 @@ class Broadcast(CollectiveOp):
     # Flat: sized from the outputs, which every rank has (a non-root has no inputs).
     def flat_layout(self, in_shapes, world, rank):
         out_shapes = self._out_shapes()
-        return FlatLayout(sum(_size(s) for s in out_shapes), 0, rank, tuple(tuple(s) for s in in_shapes), out_shapes)
+        return FlatLayout(aligned_offsets(out_shapes, FLAT_ALIGN)[-1], 0, rank, tuple(tuple(s) for s in in_shapes),
+                          out_shapes, FLAT_ALIGN)
 
     def call_flat(self, comm, buf, label):
         comm.broadcast_flat(buf, self.attrs["root"], label)

@@ -26,21 +26,31 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from runtime.collectives.base import Communicator, TensorSpec, flat_views
+from runtime.collectives.base import Communicator, TensorSpec, aligned_offsets, flat_views
 from runtime.errors import RunError
+
+# Where a bucket's layout is the runtime's own (a bucket that moves whole), each tensor starts at a
+# multiple of this many elements (256 bytes in float32): the tensors are bound as device views into
+# the bucket, and cuDNN refuses a Conv weight at an address not aligned to 16 bytes
+# (CUDNN_STATUS_BAD_PARAM_MISALIGNED_POINTER, ResNet-18 on 2 GPUs); cuBLAS is fastest from 256.
+# The padding is zeros and stays zeros (sums and copies of zeros). ReduceScatter/AllGather keep the
+# contract's packed layout (docs/contracts.md).
+FLAT_ALIGN = 64
 
 
 @dataclass(frozen=True)
 class FlatLayout:
     """One collective's flat buffer: ``total`` elements; this rank's slice is
     ``[rank*shard, (rank+1)*shard)`` (``shard`` is 0 where no rank owns a slice); the node's inputs
-    and outputs are consecutive views shaped ``in_shapes`` / ``out_shapes`` (where the op says)."""
+    and outputs are views shaped ``in_shapes`` / ``out_shapes`` (where the op says), in order, each
+    at a multiple of ``align`` elements."""
 
     total: int
     shard: int
     rank: int
     in_shapes: tuple[tuple[int, ...], ...]
     out_shapes: tuple[tuple[int, ...], ...]
+    align: int = 1  # each view starts at a multiple of this many elements
 
     def mine(self, buf):
         """This rank's slice of ``buf`` (NumPy or CuPy, ``total`` elements)."""
@@ -86,18 +96,18 @@ class CollectiveOp(ABC):
         """The buffer of a bucket that moves whole: the inputs back to back, no slice per rank.
         ``in_shapes`` are the inputs' run-time shapes (the output specs give the outputs')."""
         in_shapes = tuple(tuple(s) for s in in_shapes)
-        return FlatLayout(sum(_size(s) for s in in_shapes), 0, rank, in_shapes, self._out_shapes())
+        return FlatLayout(aligned_offsets(in_shapes, FLAT_ALIGN)[-1], 0, rank, in_shapes, self._out_shapes(), FLAT_ALIGN)
 
     def _out_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(s.shape) for s in self.output_specs)
 
     def flat_inputs(self, layout: FlatLayout, buf) -> dict[str, Any]:
         """Input name -> its view of ``buf``: where the producer writes it (or it is copied in)."""
-        return dict(zip(self.inputs, flat_views(buf, layout.in_shapes))) if self.inputs else {}
+        return dict(zip(self.inputs, flat_views(buf, layout.in_shapes, layout.align))) if self.inputs else {}
 
     def flat_outputs(self, layout: FlatLayout, buf) -> dict[str, Any]:
         """Output name -> its view of ``buf`` once the collective is done."""
-        return dict(zip(self.outputs, flat_views(buf, layout.out_shapes)))
+        return dict(zip(self.outputs, flat_views(buf, layout.out_shapes, layout.align)))
 
     def flat_mean_view(self, layout: FlatLayout, buf):
         """What ``reduction="mean"`` divides after the sum: the reduced part of ``buf``."""
