@@ -203,8 +203,8 @@ def test_tied_embedding_is_not_a_merge(tmp_path):
 
 
 def test_plan_records_reasons_and_inspect_lists_them(tmp_path):
-    from inspection.report import build_report
     from inspection.render import plain, sections_of
+    from inspection.report import build_report
 
     path = scalar_and_exponent_model(tmp_path / "m.onnx")
     plan = transpile(path, tmp_path / "out", Options(world_size=2))
