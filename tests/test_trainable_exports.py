@@ -360,3 +360,23 @@ def test_dynamo_default_export_folds_batchnorm_and_transpile_says_so(tmp_path):
     assert job.problem.warnings == []
     assert sorted(n for n, (s, _) in job.problem.selection.status.items() if s == "buffer") == \
         ["bn.running_mean", "bn.running_var"]
+
+
+def test_torchscript_eval_export_merges_through_identity_and_is_warned(tmp_path):
+    """TorchScript in eval mode with constant folding (its defaults) keeps one LayerNorm weight and
+    copies it with Identity nodes; the warning follows the copies."""
+    torch.manual_seed(0)
+    module = GPT(CONFIG).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, _example(), str(tmp_path / "m.onnx"), dynamo=False, input_names=["tokens", "targets"],
+                          output_names=["loss"], dynamic_axes={"tokens": {0: "b"}, "targets": {0: "b"}})
+    assert any(n.op_type == "Identity" for n in onnx.load(tmp_path / "m.onnx").graph.node)
+    warned = build(tmp_path / "m.onnx", Options()).problem.warnings
+    assert len(warned) == 2
+    assert warned[0].startswith("'blocks.0.ln_1.weight' (all 1) feeds 5 LayerNormalization nodes (/blocks/blocks.0/ln_1, ")
+    # the faithful TorchScript export of the same module: nothing merged
+    from models.torch_twins import export_onnx
+
+    export_onnx(module, _example(), tmp_path / "f.onnx", input_names=["tokens", "targets"], output_names=["loss"])
+    assert build(tmp_path / "f.onnx", Options()).problem.warnings == []
