@@ -260,3 +260,31 @@ def test_folded_batchnorm_warned_from_dynamo_metadata(tmp_path):
     assert "node_Conv_3 (weight 'c.weight')" in job.problem.warnings[0]
     job = build(_model(nodes, inits, tmp_path / "n.onnx"), Options())
     assert job.problem.warnings == []
+
+
+def test_epsilon_of_shape_one_before_sqrt_is_a_constant(tmp_path):
+    """sqrt(mean(x^2) + eps) with eps stored as [1]: frozen; a [1] tensor added elsewhere is trained."""
+    inits = {"eps": np.array([1e-6], np.float32), "two": np.array(2.0, np.float32),
+             "g": np.full(4, 1.1, np.float32), "shift": np.array([1e-6], np.float32)}
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq"], ["ms"], keepdims=1),
+             helper.make_node("Add", ["ms", "eps"], ["mse"]), helper.make_node("Sqrt", ["mse"], ["rms"]),
+             helper.make_node("Div", ["x", "rms"], ["n"]), helper.make_node("Mul", ["n", "g"], ["y"]),
+             helper.make_node("Add", ["y", "shift"], ["z"]),
+             helper.make_node("ReduceMean", ["z"], ["loss"], keepdims=0)]
+    job = build(_model(nodes, inits, tmp_path / "m.onnx"), Options())
+    status = _status(job)
+    assert status["eps"] == ("frozen", "epsilon")
+    assert status["shift"] == ("trained", None)
+    assert sorted(job.problem.params) == ["g", "shift"]
+
+
+def test_every_rule_is_documented():
+    from pathlib import Path
+
+    from transpiler.trainable import REASONS, RULE_REASONS
+
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    section = text[text.index("### Frozen by default, and why"):]
+    for code in RULE_REASONS:
+        assert code in REASONS and f"| `{code}` |" in section, code

@@ -9,6 +9,9 @@ candidate is **frozen** when its role or its name says it is not a parameter (do
   parameter of shape ``[]`` is rare and can be trained with ``--train``.
 - ``exponent``: the exponent of a Pow (input 1), whatever its shape. Its gradient ``y*ln(x)`` is NaN
   for ``x < 0``: training ``x**3`` turns every parameter to NaN after one step.
+- ``epsilon``: one element, ``0 < |v| <= 1e-3``, only ever added to a value that goes straight into a
+  Sqrt (``sqrt(var + eps)`` with eps stored as shape ``[1]``). Other one-element tensors in an Add or
+  Mul are parameters (linear regression's slope and intercept are shape ``[1]``).
 - ``non-finite``: holds inf or NaN (a mask fill value such as ``-inf``): no update keeps it finite.
 - name rules (``NAME_RULES``), on the last component of the name: rotary embeddings' ``inv_freq``
   and their precomputed ``cos``/``sin`` tables, BatchNorm's ``running_mean``/``running_var``/
@@ -39,6 +42,7 @@ REASONS = {
     "scalar": "0-d constant",
     "exponent": "Pow exponent",
     "non-finite": "holds inf/nan (a fill value)",
+    "epsilon": "epsilon added before a Sqrt",
     "rotary": "rotary embedding buffer",
     "batchnorm-stat": "BatchNorm running statistic",
     "position-ids": "position ids buffer",
@@ -49,7 +53,7 @@ REASONS = {
     "train": "matches --train",
 }
 # Reasons --train may override (the default rules); the others are facts about the graph.
-RULE_REASONS = ("scalar", "exponent", "non-finite", "rotary", "batchnorm-stat", "position-ids", "mask")
+RULE_REASONS = ("scalar", "exponent", "epsilon", "non-finite", "rotary", "batchnorm-stat", "position-ids", "mask")
 
 _LAST = r"(?:^|[./:_])"
 NAME_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -124,9 +128,23 @@ def rule_reason(value: ir.Value) -> str | None:
         return "non-finite"
     if value.shape is not None and value.shape.rank() == 0:
         return "scalar"
+    if array is not None and array.size == 1 and 0 < abs(float(array.flat[0])) <= 1e-3 and _is_epsilon(value):
+        return "epsilon"
     if _ATTENTION_BIAS.search(name) and array is not None and array.ndim >= 2 and np.all((array == 0) | (array == 1)):
         return "mask"
     return None
+
+
+def _is_epsilon(value: ir.Value) -> bool:
+    """Every use adds it to something whose every consumer is a Sqrt: ``sqrt(var + eps)``."""
+    uses = _uses_through_identity(value)
+    for use in uses:
+        if use.node.op_type != "Add":
+            return False
+        consumers = list(use.node.outputs[0].uses())
+        if not consumers or any(c.node.op_type != "Sqrt" for c in consumers):
+            return False
+    return bool(uses)
 
 
 def _uses_through_identity(value: ir.Value) -> list[ir.Usage]:
