@@ -288,3 +288,21 @@ def test_every_rule_is_documented():
     section = text[text.index("### Frozen by default, and why"):]
     for code in RULE_REASONS:
         assert code in REASONS and f"| `{code}` |" in section, code
+
+
+@pytest.mark.parametrize("copy, warned", [("transposed", True), ("independent", False), ("constant", False)])
+def test_transposed_copy_of_a_trained_tensor_is_warned(tmp_path, copy, warned):
+    r = _rng()
+    a = r.normal(size=(4, 3)).astype(np.float32)
+    b = {"transposed": a.T.copy(), "independent": r.normal(size=(3, 4)).astype(np.float32),
+         "constant": np.full((3, 4), 0.5, np.float32)}[copy]
+    if copy == "constant":
+        a = np.full((4, 3), 0.5, np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "a"], ["h"]), helper.make_node("MatMul", ["h", "b"], ["y"]),
+             helper.make_node("ReduceMean", ["y"], ["loss"], keepdims=0)]
+    warnings = build(_model(nodes, {"a": a, "b": b}, tmp_path / "m.onnx"), Options()).problem.warnings
+    assert bool(warnings) == warned, warnings
+    if warned:
+        assert warnings == ["'b' is 'a' transposed: the exporter folded a Transpose of a shared (tied) weight into a "
+                            "copy, so the two would be trained apart; re-export with dynamo optimize=False "
+                            "(TorchScript: training=TrainingMode.TRAINING, do_constant_folding=False)"]

@@ -43,12 +43,15 @@ class NewGELU(nn.Module):
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-def gpt2(distinct: bool) -> GPT:
+def gpt2(distinct: bool, tied: bool = False) -> GPT:
     torch.manual_seed(0)
     module = GPT(CONFIG)
     for block in module.blocks:
         block.mlp.act = NewGELU()
-    return init_weights(module, 0) if distinct else module
+    module = init_weights(module, 0) if distinct else module
+    if tied:  # GPT-2 proper: the LM head is the token embedding
+        module.head.weight = module.wte.weight
+    return module
 
 
 class RMSNorm(nn.Module):
@@ -142,6 +145,8 @@ def exported(tmp_path_factory):
     makers = {
         "gpt2_torch_init": lambda p: export(gpt2(False), p),
         "gpt2_distinct": lambda p: export(gpt2(True), p),
+        "gpt2_tied_default": lambda p: export(gpt2(True, tied=True), p),
+        "gpt2_tied_faithful": lambda p: export(gpt2(True, tied=True), p, optimize=False),
         "llama_faithful": lambda p: export(llama(), p, optimize=False),
         "llama_default": lambda p: export(llama(), p),
     }
@@ -183,7 +188,9 @@ def torch_names_of(path: Path, module: nn.Module) -> dict[str, tuple[str, bool]]
             continue
         array = numpy_helper.to_array(t)
         for name, p in params.items():
-            if p.ndim == 2 and array.shape == tuple(p.shape[::-1]) and np.array_equal(array, p.detach().numpy().T):
+            if array.shape == tuple(p.shape) and np.array_equal(array, p.detach().numpy()):
+                out[t.name] = (name, False)  # a tied parameter exported under its other name
+            elif p.ndim == 2 and array.shape == tuple(p.shape[::-1]) and np.array_equal(array, p.detach().numpy().T):
                 out[t.name] = (name, True)
     return out
 
@@ -280,6 +287,24 @@ def test_gpt2_default_export_with_distinct_init_trains_at_torch_parity(exported,
     assert len(trained) == n_params  # every torch parameter, each once (transposed copies included)
     assert error <= TOLERANCE, f"max relative parameter error {error:.3g}"
     assert loss_error <= TOLERANCE, f"max relative loss error {loss_error:.3g}"
+
+
+def test_gpt2_tied_head_faithful_export_is_not_warned_and_trains_at_parity(exported, tmp_path):
+    """wte feeds the lookup (Gather) and the LM head (through Transpose -> MatMul): a tie, not a merge."""
+    path = exported("gpt2_tied_faithful")
+    job = build(path, Options())
+    assert job.problem.warnings == []
+    error, loss_error, trained = parity(path, gpt2(True, tied=True), tmp_path)
+    assert len(trained) == len(list(gpt2(True, tied=True).parameters()))  # the tied tensor once
+    assert error <= TOLERANCE and loss_error <= TOLERANCE, (error, loss_error)
+
+
+def test_gpt2_tied_head_default_export_unties_and_is_warned(exported):
+    """optimize=True folds Transpose(wte) into a new initializer: two tensors trained apart."""
+    warned = build(exported("gpt2_tied_default"), Options()).problem.warnings
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("'val_") and "is 'head.weight' transposed" in warned[0]
+    assert "optimize=False" in warned[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from transpiler.autodiff import check_supported, differentiable_values
 from transpiler.autodiff._context import FLOAT_TYPES
 from transpiler.batchnorm import decompose_batchnorm
 from transpiler.errors import TranspileError, UnsupportedOpsError
-from transpiler.trainable import Selection, folded_batchnorm, merged_parameters, select
+from transpiler.trainable import Selection, folded_batchnorm, merged_parameters, select, transposed_copies
 from transpiler.weights import attach_weights, detach_weights
 
 # Graphs handed to autodiff and the optimizer are at least this opset, so every Reduce* op takes
@@ -271,7 +271,8 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         external_data=external,
         selection=selection,
         # Read on the graph as exported (metadata and Identity copies intact, BatchNorm not decomposed).
-        warnings=merged_parameters(model.graph, params) + folded_batchnorm(model.graph),
+        warnings=(merged_parameters(model.graph, params) + transposed_copies(model.graph, params)
+                  + folded_batchnorm(model.graph)),
     )
 
 

@@ -301,6 +301,36 @@ def merged_parameters(graph: ir.Graph, params: list[str]) -> list[str]:
     return warnings
 
 
+def transposed_copies(graph: ir.Graph, params: list[str]) -> list[str]:
+    """One warning per pair of trained 2-D tensors where one is exactly the other transposed.
+
+    dynamo's default export folds ``Transpose(W)`` into a new initializer (``val_94 = W.T``), which is
+    harmless for a weight used once but unties a tied one: GPT-2's ``wte`` feeds the token lookup as
+    itself and the LM head as a transposed copy, and the two would be trained apart. Random values
+    do not come out as each other's transpose by chance; constant fills (all elements equal) and
+    symmetric matrices equal to their partner are left out, as their equality says nothing.
+    """
+    groups: dict[tuple, list[tuple[str, np.ndarray]]] = {}
+    for name in params:
+        value = graph.initializers[name]
+        if value.shape is None or value.shape.rank() != 2:
+            continue
+        array = _array(value)
+        if array is None or array.size < 2 or np.all(array == array.flat[0]):
+            continue
+        key = (tuple(sorted(array.shape)), float(array.max()), float(array.min()))
+        groups.setdefault(key, []).append((name, array))
+    warnings = []
+    for members in groups.values():
+        for i, (a_name, a) in enumerate(members):
+            for b_name, b in members[i + 1:]:
+                if a.shape == b.shape[::-1] and np.array_equal(a.T, b) and not np.array_equal(a, b):
+                    warnings.append(
+                        f"'{b_name}' is '{a_name}' transposed: the exporter folded a Transpose of a shared "
+                        f"(tied) weight into a copy, so the two would be trained apart; {EXPORT_SETTINGS}")
+    return warnings
+
+
 def folded_batchnorm(graph: ir.Graph) -> list[str]:
     """A warning where BatchNormalization was visibly folded into a convolution by the exporter.
 
