@@ -22,6 +22,10 @@ Besides: BatchNormalization's running mean and variance (inputs 3 and 4, by role
 updated every step (``buffer``); initializers the loss does not depend on are ``unreachable``;
 ``--freeze REGEX`` freezes (``freeze``) and ``--train REGEX`` trains what a rule above would freeze
 (``train``). A tensor matched by both is an error.
+
+Exporter rewrites, warned about (one line each, naming the tensors): parameters merged because they
+started equal (``merged_parameters``), a tied weight split into itself and a transposed copy
+(``transposed_copies``), BatchNorm folded into a convolution (``folded_batchnorm``).
 """
 
 from __future__ import annotations
