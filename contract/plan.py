@@ -25,6 +25,11 @@ SOURCE_MODEL_FILE = "model.onnx"  # the user's model, copied unchanged
 SINGLE_STEM = "train"  # train.onnx, train_init.onnx, train_accum.onnx: the single-device graphs
 # Top-level fields that only describe the rewrite (inspect shows them; the runtime does not read them).
 REPORT_FIELDS = {"frozen": list, "placement": dict, "buckets": list, "collectives": dict}
+# Descriptive and optional (plans written before it lack it; readers then show "not recorded"):
+# every float initializer with trained/frozen/buffer and the reason, the transpile summary line and
+# the exporter rewrites it warned about. Checked for shape where present.
+TRAINABLE_FIELD = "trainable"
+TRAINABLE_STATUSES = ("trained", "frozen", "buffer")
 
 
 def rank_stem(rank: int) -> str:
@@ -199,6 +204,7 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
     if report_fields:
         for key, kind in REPORT_FIELDS.items():
             r.get(raw, key, kind, "")
+        _trainable(raw, r)
 
     world_size = r.get(raw, "world_size", int, "")
     if world_size < 1:
@@ -254,6 +260,26 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
         grad_accumulation=accumulation,
         raw=raw,
     )
+
+
+def _trainable(raw: dict, r: _Reader) -> None:
+    section = r.get(raw, TRAINABLE_FIELD, dict, "", optional=True)
+    if section is None:
+        return
+    r.get(section, "summary", str, TRAINABLE_FIELD)
+    for i, w in enumerate(r.get(section, "warnings", list, TRAINABLE_FIELD)):
+        if not isinstance(w, str):
+            raise r.fail(f"{TRAINABLE_FIELD}.warnings[{i}]", "must be a string")
+    for i, entry in enumerate(r.get(section, "initializers", list, TRAINABLE_FIELD)):
+        where = f"{TRAINABLE_FIELD}.initializers[{i}]"
+        if not isinstance(entry, dict):
+            raise r.fail(where, "must be an object")
+        r.get(entry, "name", str, where)
+        status = r.get(entry, "status", str, where)
+        if status not in TRAINABLE_STATUSES:
+            raise r.fail(f"{where}.status", f"is {status!r}, expected one of {', '.join(TRAINABLE_STATUSES)}")
+        r.get(entry, "reason", str, where, optional=True)
+        r.get(entry, "why", str, where, optional=True)
 
 
 def _data_input(d: Any, r: _Reader, where: str) -> DataInput:

@@ -78,6 +78,20 @@ def out_sections(rep: dict) -> list[Section]:
     ]
     sections.append(summary)
 
+    t = rep.get("trainable")
+    if t is not None:
+        ts = Section("initializers: trained or frozen, and why" + ("" if t["recorded"] else
+                                                                   " (older plan: reasons not recorded)"),
+                     ["initializer", "shape", "status", "reason"])
+        for e in t["initializers"]:
+            shape = "" if e["shape"] is None else _shape(e["shape"])
+            why = e["why"] or ("" if e["status"] == "trained" else "?")
+            ts.rows.append([e["name"], shape, e["status"], why])
+        if t["summary"]:
+            ts.notes.append(t["summary"])
+        ts.notes += [f"warning: {w}" for w in t["warnings"]]
+        sections.append(ts)
+
     place = rep["placement"]
     methods = place["methods"]
     cols = ["root rank"]

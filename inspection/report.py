@@ -65,6 +65,21 @@ def _rank_report(out: Path, plan: dict, r: int, rows: int, with_segments: bool) 
     return report
 
 
+def _trainable(plan: dict) -> dict:
+    """Every float initializer with its decision and reason (plan's optional "trainable" section); a
+    plan written before it names the trained and frozen tensors only, without reasons."""
+    section = plan.get("trainable")
+    if section is not None:
+        return {"recorded": True, "summary": section["summary"], "warnings": list(section["warnings"]),
+                "initializers": [{"name": e["name"], "shape": e.get("shape"), "status": e["status"],
+                                  "reason": e.get("reason"), "why": e.get("why")} for e in section["initializers"]]}
+    entries = [{"name": p["name"], "shape": p["shape"], "status": "trained", "reason": None, "why": None}
+               for p in plan["parameters"]]
+    entries += [{"name": n, "shape": None, "status": "frozen", "reason": None, "why": "not recorded (older plan)"}
+                for n in plan["frozen"]]
+    return {"recorded": False, "summary": "", "warnings": [], "initializers": entries}
+
+
 def build_report(path: Path, ranks: list[int] | None = None, *, rows_per_rank: int = DEFAULT_ROWS_PER_RANK,
                  segments: bool = True, diff: bool = False) -> dict:
     """The whole inspection of OUT (or of a plain model.onnx) as one JSON-able dict."""
@@ -94,6 +109,7 @@ def build_report(path: Path, ranks: list[int] | None = None, *, rows_per_rank: i
         "parameters": len(params), "parameter_bytes": sum(p["bytes"] for p in params),
         "frozen": list(plan["frozen"]),
     }
+    report["trainable"] = _trainable(plan)
     place = plan["placement"]
     methods = {place["method"]: place, **place.get("other_methods", {})}
     report["placement"] = {

@@ -28,11 +28,16 @@ __all__ = [
 ]
 
 
-def build(model_path: str | Path, options: Options, *, loss: str | None = None, freeze: str | None = None) -> Job:
-    """Run every pass and return the Job (graphs in memory, nothing written)."""
+def build(model_path: str | Path, options: Options, *, loss: str | None = None, freeze: str | None = None,
+          train: str | None = None) -> Job:
+    """Run every pass and return the Job (graphs in memory, nothing written).
+
+    ``freeze``/``train``: regular expressions on initializer names, not trained / trained even where
+    the default rules freeze them (transpiler/trainable.py)."""
     options.validate()
     validate_freeze(freeze)
-    problem = load_problem(model_path, loss=loss, freeze=freeze)
+    validate_freeze(train, "--train")
+    problem = load_problem(model_path, loss=loss, freeze=freeze, train=train)
     _check_reserved_names(problem)
     job = Job(problem=problem, options=options)
     run_passes(job)
@@ -46,10 +51,11 @@ def transpile(
     *,
     loss: str | None = None,
     freeze: str | None = None,
+    train: str | None = None,
 ) -> dict:
     """Transpile ``model_path`` into ``out_dir``; returns the plan (also written as plan.json)."""
     check_out_dir(out_dir)  # before minutes of work, not after
-    job = build(model_path, options or Options(), loss=loss, freeze=freeze)
+    job = build(model_path, options or Options(), loss=loss, freeze=freeze, train=train)
     return write_out(job, out_dir)
 
 

@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (default 25)")
     p.add_argument("--loss", help="the graph output to minimize (default: the only scalar float output)")
     p.add_argument("--freeze", metavar="REGEX", help="initializers whose name matches are not trained")
+    p.add_argument("--train", metavar="REGEX",
+                   help="initializers whose name matches are trained even where the default rules freeze them "
+                        "(0-d constants, Pow exponents, rotary inv_freq, masks, ...; docs/models.md)")
     p.add_argument("--flat-update", action="store_true",
                    help="deprecated, ignored: every update is one fused node, and the GPU backend updates a "
                         "bucket in one kernel (docs/optimizers.md)")
@@ -94,7 +97,12 @@ def execute(args: argparse.Namespace) -> int:
         flat_update=args.flat_update,
         grad_accumulation=args.grad_accumulation,
     )
-    plan = transpile(args.model, args.out, options, loss=args.loss, freeze=args.freeze)
+    plan = transpile(args.model, args.out, options, loss=args.loss, freeze=args.freeze, train=args.train)
+    trainable = plan.get("trainable", {})
+    for warning in trainable.get("warnings", []):
+        print(f"transpile: warning: {warning}", file=sys.stderr)
+    if trainable.get("summary"):
+        print(trainable["summary"])
     n_bytes = sum(p["bytes"] for p in plan["parameters"])
     print(
         f"wrote {args.out}: {plan['world_size']} rank(s), strategy {plan['strategy']}, "

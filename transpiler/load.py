@@ -18,6 +18,7 @@ from transpiler.autodiff import check_supported, differentiable_values
 from transpiler.autodiff._context import FLOAT_TYPES
 from transpiler.batchnorm import decompose_batchnorm
 from transpiler.errors import TranspileError, UnsupportedOpsError
+from transpiler.trainable import Selection, folded_batchnorm, merged_parameters, select, transposed_copies
 from transpiler.weights import attach_weights, detach_weights
 
 # Graphs handed to autodiff and the optimizer are at least this opset, so every Reduce* op takes
@@ -49,6 +50,9 @@ class Problem:
     frozen: list[str] = field(default_factory=list)  # float initializers not trained
     external_data: bool = False  # the model file keeps its tensors in separate files
     buffers: list[str] = field(default_factory=list)  # updated every step, not trained (BN running stats)
+    # Every float initializer: name -> (trained | frozen | buffer, reason code; transpiler/trainable.py)
+    selection: Selection | None = None
+    warnings: list[str] = field(default_factory=list)  # exporter rewrites seen (merged parameters, folded BN)
 
     @property
     def opset(self) -> int:
@@ -186,7 +190,8 @@ def _find_loss(graph: ir.Graph, loss: str | None, path: Path) -> ir.Value:
     )
 
 
-def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | None = None) -> Problem:
+def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | None = None,
+                 train: str | None = None) -> Problem:
     """Read, check and normalise the user's model; raise TranspileError with a one-line reason."""
     path = Path(path)
     source, raw, external = read_model(path)
@@ -231,20 +236,15 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
                              "data parallelism splits the inputs' batch axis, so the data must be graph inputs")
 
     reachable = differentiable_values(graph, loss_value)
-    pattern = re.compile(freeze) if freeze else None
-    params, frozen = [], []
-    for name, value in graph.initializers.items():
-        if value.dtype not in FLOAT_TYPES or name in buffers:
-            continue
-        if value in reachable and not (pattern and pattern.search(name)):
-            params.append(name)
-        else:
-            frozen.append(name)
-    if pattern and not any(pattern.search(name) for name in graph.initializers):
-        some = ", ".join(list(graph.initializers)[:5])
-        raise TranspileError(f"{path}: --freeze '{freeze}' matches no initializer (the names look like: {some})")
+    selection = select(graph, reachable, buffers, freeze=freeze, train=train, where=str(path))
+    params, frozen = selection.params, selection.frozen
     if not params:
         why = f" after --freeze '{freeze}'" if freeze else ""
+        counts = selection.counts()
+        if counts:
+            from transpiler.trainable import REASONS
+
+            why += " (frozen: " + ", ".join(f"{n} {REASONS[r]}" for r, n in counts.most_common()) + ")"
         raise TranspileError(
             f"{path}: loss '{loss_value.name}' is not reachable from any float parameter{why}; nothing to train"
         )
@@ -269,13 +269,17 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         frozen=frozen,
         buffers=buffers,
         external_data=external,
+        selection=selection,
+        # Read on the graph as exported (metadata and Identity copies intact, BatchNorm not decomposed).
+        warnings=(merged_parameters(model.graph, params) + transposed_copies(model.graph, params)
+                  + folded_batchnorm(model.graph)),
     )
 
 
-def validate_freeze(freeze: str | None) -> None:
+def validate_freeze(freeze: str | None, option: str = "--freeze") -> None:
     if freeze is None:
         return
     try:
         re.compile(freeze)
     except re.error as exc:
-        raise TranspileError(f"--freeze '{freeze}' is not a valid regular expression ({exc})") from None
+        raise TranspileError(f"{option} '{freeze}' is not a valid regular expression ({exc})") from None

@@ -163,6 +163,13 @@ def plan_json(job: Job) -> dict:
         "grad_accumulation": opts.grad_accumulation,
         "parameters": params_json,
         "frozen": list(problem.frozen),
+        # Optional (older plans lack it): every float initializer with its decision and reason, the
+        # one-line summary `transpile` prints, and the exporter rewrites it warned about.
+        "trainable": {
+            "summary": problem.selection.summary() if problem.selection else "",
+            "initializers": problem.selection.to_json(problem.model.graph) if problem.selection else [],
+            "warnings": list(problem.warnings),
+        },
         "placement": {**placement.to_json(), "other_methods": others},
         "buckets": [b.to_json() for b in job.buckets],
         "graphs": {
