@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
+import onnx
 
 from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
@@ -46,6 +47,11 @@ class Backend(ABC):
         """Whether the last segment is cut by collective (segments.py): worth it only where
         collectives run asynchronously, as on the GPU."""
         return False
+
+    def prepare_step_graph(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """The step graph as this backend runs it, before it is cut: a backend may rewrite it into
+        nodes of its ``native_domains`` (the GPU fuses elementwise chains). Same values."""
+        return model
 
     def from_host(self, array: np.ndarray) -> Any:
         """A host array as this backend's value (a device buffer on GPU)."""

@@ -69,6 +69,13 @@ class NativeGroup:
     inputs: tuple[str, ...]  # read from graph inputs, constants, earlier items
     outputs: tuple[str, ...]  # every output of its nodes
 
+    def only(self, domain: str) -> NativeGroup | None:
+        """The group of this one's nodes of ``domain`` (None if it has none)."""
+        nodes = [node for node in self.nodes if node.domain == domain]
+        if len(nodes) == len(self.nodes):
+            return self
+        return _build_native(nodes, (self.index, self.part, self.stage)) if nodes else None
+
 
 @dataclass
 class CutGraph:

@@ -33,7 +33,7 @@ class Trainer:
         self.state_entries = files.state
         role = 0 if rank is None else rank
         split = self.backend.split_tail()
-        step_model = load_graph(files.step)
+        step_model = self.backend.prepare_step_graph(load_graph(files.step))
         # Declared (dtype, shape) of every state input, to check state loaded from a checkpoint.
         self._state_types = {vi.name: (onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type),
                                        tuple(d.dim_value if d.HasField("dim_value") else None

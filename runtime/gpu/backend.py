@@ -7,19 +7,52 @@ docs/gpu.md.
 from __future__ import annotations
 
 import os
+from collections import ChainMap
 from typing import Any
 
 import numpy as np
 
-from runtime.executor import Backend
+from runtime.executor import Backend, SegmentRunner
 from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
+from runtime.gpu.elementwise import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.elementwise import ElementwiseRunner, fuse_elementwise
 from runtime.gpu.fused_update import FusedUpdateRunner
 from runtime.gpu.program import GpuProgram
 from runtime.gpu.session import OrtCudaSegment
 from runtime.segments import NativeGroup
 
 LOSS_RING = 4096  # device slots for losses not yet read; Trainer flushes long before it wraps
+
+
+# Native domain -> its runner, in the order a NativeGroup holding several runs them.
+_NATIVE_RUNNERS = ((ELEMENTWISE_DOMAIN, ElementwiseRunner), (FUSED_UPDATE_DOMAIN, FusedUpdateRunner))
+
+
+class NativeSequence(SegmentRunner):
+    """Runners of one NativeGroup's nodes, split by domain, run in turn (the runner interface); a
+    later runner may read an earlier one's outputs."""
+
+    def __init__(self, runners: list, outputs):
+        self.runners = runners
+        self.outputs = list(outputs)
+        self.prepared: list[dict | None] = [None, None]
+
+    def run(self, feeds):
+        values = dict(feeds)
+        for runner in self.runners:
+            values.update(zip(runner.outputs, runner.run(values)))
+        return [values[name] for name in self.outputs]
+
+    def prepare(self, parity, outputs):
+        self.prepared[parity] = dict(outputs)
+        for runner in self.runners:
+            runner.prepare(parity, {name: outputs[name] for name in runner.outputs})
+
+    def run_bound(self, parity, env):
+        values = ChainMap(self.prepared[parity], env)
+        for runner in self.runners:
+            runner.run_bound(parity, values)
 
 
 class GpuBackend(Backend):
@@ -64,8 +97,15 @@ class GpuBackend(Backend):
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
         # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
         # GRAPH_TRANSPILER_FUSED_UPDATE=0 leaves them to onnxruntime (their function bodies), to compare.
+        native = set()
         if os.environ.get("GRAPH_TRANSPILER_FUSED_UPDATE", "1") != "0":
-            self.native_domains = frozenset({FUSED_UPDATE_DOMAIN})
+            native.add(FUSED_UPDATE_DOMAIN)
+        # Chains of elementwise nodes run as one CuPy kernel each (runtime/gpu/elementwise.py);
+        # GRAPH_TRANSPILER_FUSE_ELEMENTWISE=0 leaves them to onnxruntime, to compare.
+        self.fuse_elementwise = env_flag("GRAPH_TRANSPILER_FUSE_ELEMENTWISE")
+        if self.fuse_elementwise:
+            native.add(ELEMENTWISE_DOMAIN)
+        self.native_domains = frozenset(native)
         self._staging: dict[str, tuple[Any, np.ndarray, Any]] = {}
         self._ring = cp.zeros(LOSS_RING, dtype=np.float64)
         self._ring_next = 0
@@ -95,9 +135,16 @@ class GpuBackend(Backend):
             event.synchronize()
 
     def compile(self, segment, where):
-        if isinstance(segment, NativeGroup):
-            return FusedUpdateRunner(segment, where, self)
-        return OrtCudaSegment(segment, where, self)
+        if not isinstance(segment, NativeGroup):
+            return OrtCudaSegment(segment, where, self)
+        # One runner per domain; a group may hold both (independent nodes share a stage), and
+        # elementwise nodes never read an update's output within a step, so they run first.
+        runners = [runner(sub, where, self) for domain, runner in _NATIVE_RUNNERS
+                   if (sub := segment.only(domain)) is not None]
+        return runners[0] if len(runners) == 1 else NativeSequence(runners, segment.outputs)
+
+    def prepare_step_graph(self, model):
+        return fuse_elementwise(model) if self.fuse_elementwise else model
 
     def make_program(self, cut, comm):
         return GpuProgram(cut, self, comm)

@@ -1,0 +1,340 @@
+"""Elementwise fusion on the GPU: a chain of elementwise float32 nodes over one shape runs as one
+CuPy kernel instead of one onnxruntime kernel per node.
+
+Why: onnxruntime's CUDA EP launches one kernel per node, and each reads and writes its whole tensor.
+The backward of GELU is ten such nodes over the [batch, T, 4C] MLP activation, the forward five,
+LayerNorm's backward a dozen; PyTorch runs each as one or two kernels. A fused kernel reads each
+input once and writes only what is read outside the chain.
+
+``fuse_elementwise`` (before the graph is cut, runtime/segments.py) replaces each cluster by one node
+of the runtime-internal domain ``DOMAIN``; the backend lists the domain in ``native_domains``, so
+the cut takes these nodes out of the onnxruntime segments, and ``ElementwiseRunner`` runs them.
+
+Clusters: nodes of ``OPS`` whose output is float32 of the same (possibly symbolic) shape, joined
+along producer -> consumer edges; an input may be any float32 tensor that broadcasts (numpy rules,
+as ONNX and CuPy both broadcast), or a scalar constant, which is written into the kernel as its exact
+bits. A cluster stays convex: no path leaves it and comes back (the fused node must be placeable in
+a topological order). Only clusters of at least ``MIN_NODES`` nodes over a tensor with a symbolic
+(batch) dimension or at least ``MIN_ELEMENTS`` elements are kept, and not those of additions only
+(a bias and a residual: onnxruntime folds the bias into its Gemm): every fused node costs a cut of
+the onnxruntime graph.
+
+Arithmetic: each node computes what onnxruntime's kernel computes, in float32, with the
+round-to-nearest intrinsics (``__fadd_rn``...), which the compiler never contracts into an FMA, and
+the same CUDA math functions (``expf``, ``erff``, ``tanhf``, ``powf``); so values equal the unfused
+graph's on the GPU up to the math library's own last-bit behaviour. The table also holds a NumPy
+form of each op, so the CPU tests check a cluster's wiring against onnxruntime without a GPU.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from collections import ChainMap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from runtime.errors import RunError
+from runtime.executor import SegmentRunner
+
+DOMAIN = "graph_transpiler.elementwise"
+OP_TYPE = "Fused"
+MIN_NODES = 2
+MIN_ELEMENTS = 1 << 16
+_ADDS = frozenset({"Add", "Sum"})
+
+_erf = np.vectorize(math.erf, otypes=[np.float32])
+
+
+@dataclass(frozen=True)
+class _Op:
+    arity: int | None  # None: variadic (Sum)
+    cuda: Callable[[list[str]], str]
+    numpy: Callable[[list[np.ndarray]], np.ndarray]
+
+
+def _fold(fmt: str, args: list[str]) -> str:
+    expr = args[0]
+    for arg in args[1:]:
+        expr = fmt.format(expr, arg)
+    return expr
+
+
+OPS: dict[str, _Op] = {
+    "Add": _Op(2, lambda a: f"__fadd_rn({a[0]}, {a[1]})", lambda a: a[0] + a[1]),
+    "Sub": _Op(2, lambda a: f"__fsub_rn({a[0]}, {a[1]})", lambda a: a[0] - a[1]),
+    "Mul": _Op(2, lambda a: f"__fmul_rn({a[0]}, {a[1]})", lambda a: a[0] * a[1]),
+    "Div": _Op(2, lambda a: f"__fdiv_rn({a[0]}, {a[1]})", lambda a: a[0] / a[1]),
+    "Sum": _Op(None, lambda a: _fold("__fadd_rn({0}, {1})", a), lambda a: sum(a[1:], a[0])),
+    "Neg": _Op(1, lambda a: f"(-{a[0]})", lambda a: -a[0]),
+    "Abs": _Op(1, lambda a: f"fabsf({a[0]})", lambda a: np.abs(a[0])),
+    "Exp": _Op(1, lambda a: f"expf({a[0]})", lambda a: np.exp(a[0])),
+    "Erf": _Op(1, lambda a: f"erff({a[0]})", lambda a: _erf(a[0])),
+    "Tanh": _Op(1, lambda a: f"tanhf({a[0]})", lambda a: np.tanh(a[0])),
+    "Sqrt": _Op(1, lambda a: f"__fsqrt_rn({a[0]})", lambda a: np.sqrt(a[0])),
+    "Reciprocal": _Op(1, lambda a: f"__fdiv_rn(1.0f, {a[0]})", lambda a: np.float32(1) / a[0]),
+    "Relu": _Op(1, lambda a: f"fmaxf({a[0]}, 0.0f)", lambda a: np.maximum(a[0], np.float32(0))),
+    "Pow": _Op(2, lambda a: f"powf({a[0]}, {a[1]})", lambda a: np.power(a[0], a[1])),
+}
+
+
+def _literal(value: float) -> str:
+    """A float32 scalar in CUDA source, bit-exact."""
+    bits = int(np.array(value, np.float32).view(np.uint32))
+    return f"__int_as_float(0x{bits:08x})"
+
+
+# -- the pass ----------------------------------------------------------------------------------
+
+def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` with its elementwise clusters (module docstring) as ``DOMAIN`` nodes."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]}
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    nodes = list(model.graph.node)
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+
+    def shape_of(name: str) -> tuple | None:
+        t = types.get(name)
+        if t is None or not t.HasField("tensor_type") or t.tensor_type.elem_type != TensorProto.FLOAT:
+            return None
+        if not t.tensor_type.HasField("shape"):
+            return None
+        dims = []
+        for d in t.tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(d.dim_value)
+            elif d.HasField("dim_param"):
+                dims.append(d.dim_param)
+            else:
+                return None
+        return tuple(dims)
+
+    def scalar(name: str) -> float | None:
+        value = constants.get(name)
+        if value is None or value.size != 1 or value.dtype != np.float32:
+            return None
+        return float(value.reshape(-1)[0])
+
+    def eligible(node: onnx.NodeProto) -> tuple | None:
+        op = OPS.get(node.op_type)
+        if op is None or node.domain not in ("", "ai.onnx") or len(node.output) != 1 or node.attribute:
+            return None
+        if op.arity is not None and len(node.input) != op.arity:
+            return None
+        if node.op_type == "Pow" and scalar(node.input[1]) is None:
+            return None
+        out = shape_of(node.output[0])
+        if out is None or any(name == "" or (scalar(name) is None and shape_of(name) is None) for name in node.input):
+            return None
+        return out
+
+    cluster_of: dict[int, int] = {}
+    members: dict[int, list[int]] = {}
+    shape_of_cluster: dict[int, tuple] = {}
+
+    def depends_on(start: int, cluster: set[int], low: int) -> bool:
+        """Whether node ``start`` (outside ``cluster``) reads, through any path, a node of
+        ``cluster``. A node of another cluster stands for all of that cluster's members, since
+        the fused node will read all of their inputs."""
+        stack = list(members[cluster_of[start]]) if start in cluster_of else [start]
+        seen = set(stack)
+        while stack:
+            i = stack.pop()
+            for name in nodes[i].input:
+                j = producer.get(name)
+                if j is None or j < low or j in seen:
+                    continue
+                if j in cluster:
+                    return True
+                for k in members[cluster_of[j]] if j in cluster_of else (j,):
+                    if k not in seen:
+                        seen.add(k)
+                        stack.append(k)
+        return False
+
+    for i, node in enumerate(nodes):
+        out = eligible(node)
+        if out is None:
+            continue
+        joined = None
+        for name in node.input:
+            j = producer.get(name)
+            c = cluster_of.get(j) if j is not None else None
+            if c is None or shape_of_cluster[c] != out:
+                continue
+            cluster = set(members[c])
+            low = min(cluster)
+            outside = {producer[n] for n in node.input if n in producer and producer[n] not in cluster}
+            if not any(depends_on(p, cluster, low) for p in outside):
+                joined = c
+                break
+        if joined is None:
+            joined = i
+            members[joined] = []
+            shape_of_cluster[joined] = out
+        members[joined].append(i)
+        cluster_of[i] = joined
+
+    readers: dict[str, set[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, set()).add(i)
+    graph_outputs = {o.name for o in model.graph.output}
+    fused: dict[int, onnx.NodeProto] = {}  # first member -> the fused node
+    dropped: set[int] = set()
+    for c, idx in members.items():
+        shape = shape_of_cluster[c]
+        size = math.prod(d for d in shape if isinstance(d, int))
+        if len(idx) < MIN_NODES or (size < MIN_ELEMENTS and all(isinstance(d, int) for d in shape)):
+            continue
+        if all(nodes[i].op_type in _ADDS for i in idx):
+            continue  # a bias add and a residual add: onnxruntime folds the bias into its Gemm instead
+        fused[idx[0]] = _fused_node([nodes[i] for i in idx], set(idx), readers, graph_outputs, scalar)
+        dropped |= set(idx)
+    if not fused:
+        return model
+    # Place the fused nodes: a topological order that keeps the original one wherever it can
+    # (each fused node takes its first member's place in the priority).
+    items = [(i, fused[i]) for i in sorted(fused)] + [(i, nodes[i]) for i in range(len(nodes)) if i not in dropped]
+    ordered = _topological(items, {n.name for n in model.graph.input} | {t.name for t in model.graph.initializer})
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    del result.graph.node[:]
+    result.graph.node.extend(ordered)
+    if not any(o.domain == DOMAIN for o in result.opset_import):
+        result.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return result
+
+
+def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[str, set[int]],
+                graph_outputs: set[str], scalar: Callable[[str], float | None]) -> onnx.NodeProto:
+    """One DOMAIN node for ``members`` (in graph order): its inputs are the tensors they read from
+    outside, its outputs the values read outside (or graph outputs); attribute ``code`` is the
+    kernel's body over parameters ``x0..`` / ``y0..``, ``ops`` the member op types (for the NumPy
+    form and for reading the graph)."""
+    produced = {node.output[0]: k for k, node in enumerate(members)}
+    inputs: list[str] = []
+    lines, steps = [], []
+    for k, node in enumerate(members):
+        args, refs = [], []
+        for name in node.input:
+            if name in produced:
+                args.append(f"t{produced[name]}")
+                refs.append(("t", produced[name]))
+                continue
+            value = scalar(name)
+            if value is not None:
+                args.append(_literal(value))
+                refs.append(("c", value))
+                continue
+            if name not in inputs:
+                inputs.append(name)
+            args.append(f"x{inputs.index(name)}")
+            refs.append(("x", inputs.index(name)))
+        lines.append(f"float t{k} = {OPS[node.op_type].cuda(args)};")
+        steps.append((node.op_type, refs))
+    outputs = [node.output[0] for node in members
+               if node.output[0] in graph_outputs or readers.get(node.output[0], set()) - indices]
+    lines += [f"y{j} = t{produced[name]};" for j, name in enumerate(outputs)]
+    first = members[0].name or members[0].output[0]
+    node = helper.make_node(OP_TYPE, inputs, outputs, name=f"{first}/fused_elementwise", domain=DOMAIN,
+                            code=" ".join(lines), ops=[n.op_type for n in members],
+                            steps=json.dumps(steps), results=[produced[name] for name in outputs])
+    return node
+
+
+def _topological(items: list[tuple[int, onnx.NodeProto]], available: set[str]) -> list[onnx.NodeProto]:
+    """Kahn's order of ``items`` (priority: their index), given the values ``available`` up front."""
+    producer = {name: k for k, (_, node) in enumerate(items) for name in node.output if name}
+    waiting = [len({producer[n] for n in node.input if n in producer}) for _, node in items]
+    consumers: dict[int, list[int]] = {}
+    for k, (_, node) in enumerate(items):
+        for p in {producer[n] for n in node.input if n in producer}:
+            consumers.setdefault(p, []).append(k)
+    ready = [(items[k][0], k) for k in range(len(items)) if waiting[k] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        out.append(items[k][1])
+        for c in consumers.get(k, []):
+            waiting[c] -= 1
+            if waiting[c] == 0:
+                heapq.heappush(ready, (items[c][0], c))
+    if len(out) != len(items):  # a cycle: the convexity check failed (a bug, never the user's graph)
+        raise RunError("elementwise fusion made a cycle; set GRAPH_TRANSPILER_FUSE_ELEMENTWISE=0 and report it")
+    return out
+
+
+def evaluate_numpy(node: onnx.NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """A fused node's outputs computed with the NumPy form of its ops (float32), for tests."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    steps = json.loads(attrs["steps"].decode())
+    values: list[np.ndarray] = []
+    for op_type, refs in steps:
+        args = [values[i] if kind == "t" else np.float32(i) if kind == "c" else np.asarray(inputs[i], np.float32)
+                for kind, i in refs]
+        values.append(np.asarray(OPS[op_type].numpy(args), np.float32))
+    return [values[k] for k in attrs["results"]]
+
+
+# -- the runner --------------------------------------------------------------------------------
+
+class ElementwiseRunner(SegmentRunner):
+    """A NativeGroup of fused elementwise nodes: one CuPy ElementwiseKernel launch per node on the
+    backend's compute stream; the interface of OrtCudaSegment (``run`` on the first call, then
+    ``prepare`` per parity and ``run_bound``)."""
+
+    def __init__(self, group, where: str, backend):
+        self.cp = backend.cp
+        self.stream = backend.compute
+        self.where = f"{where}: fused elementwise nodes in segment {group.index}"
+        self.outputs = list(group.outputs)
+        self.kernels: list[tuple[onnx.NodeProto, Any]] = []
+        cache: dict[tuple, Any] = {}
+        for node in group.nodes:
+            if node.domain != DOMAIN:
+                raise RunError(f"{self.where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused elementwise node")
+            code = next(a.s.decode() for a in node.attribute if a.name == "code")
+            key = (len(node.input), len(node.output), code)
+            if key not in cache:
+                params_in = ", ".join(f"float32 x{i}" for i in range(len(node.input)))
+                params_out = ", ".join(f"float32 y{j}" for j in range(len(node.output)))
+                cache[key] = self.cp.ElementwiseKernel(params_in, params_out, code, f"fused_elementwise_{len(cache)}")
+            self.kernels.append((node, cache[key]))
+        self.prepared: list[dict[str, Any] | None] = [None, None]
+
+    def _launch(self, values, allocate: bool) -> None:
+        with self.stream:
+            for node, kernel in self.kernels:
+                args = [values[name] for name in node.input]
+                try:
+                    if allocate:
+                        result = kernel(*args)
+                        values.update(zip(node.output, result if isinstance(result, tuple) else (result,)))
+                    else:
+                        kernel(*args, *[values[name] for name in node.output])
+                except Exception as exc:  # CuPy's broadcast/dtype errors name no node
+                    raise RunError(f"{self.where}: '{node.name}': {str(exc).splitlines()[0]}") from None
+
+    def run(self, feeds):
+        values = dict(feeds)
+        self._launch(values, allocate=True)
+        return [values[name] for name in self.outputs]
+
+    def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
+        self.prepared[parity] = dict(outputs)
+
+    def run_bound(self, parity: int, env: dict[str, Any]) -> None:
+        self._launch(ChainMap(self.prepared[parity], env), allocate=False)

@@ -1,0 +1,159 @@
+"""runtime/gpu/elementwise.py: elementwise chains become one fused node, wired to compute what their
+nodes computed (checked on CPU through the NumPy form of each op against onnxruntime's values of the
+unfused graph), in a valid order, never through a cycle; on a GPU the CuPy kernels equal that form."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from runtime.gpu.elementwise import DOMAIN, ElementwiseRunner, evaluate_numpy, fuse_elementwise
+
+
+def _session(model: onnx.ModelProto, extra_outputs: list[str]) -> ort.InferenceSession:
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    known = {o.name for o in model.graph.output}
+    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in dict.fromkeys(extra_outputs) if n not in known)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _ops(node: onnx.NodeProto) -> list[str]:
+    return [s.decode() for s in next(a.strings for a in node.attribute if a.name == "ops")]
+
+
+def _check_order(model: onnx.ModelProto) -> None:
+    known = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer} | {""}
+    for node in model.graph.node:
+        missing = [n for n in node.input if n not in known]
+        assert not missing, f"{node.name} reads {missing} before they are produced"
+        known |= set(node.output)
+
+
+def _check_fused_values(original: onnx.ModelProto, fused: onnx.ModelProto, feeds: dict) -> int:
+    """Every fused node's NumPy outputs, from the unfused graph's values of its inputs, equal the
+    unfused graph's values of its outputs. Returns how many fused nodes there are."""
+    nodes = [n for n in fused.graph.node if n.domain == DOMAIN]
+    names = [name for n in nodes for name in (*n.input, *n.output)]
+    session = _session(original, names)
+    values = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    values.update(feeds)
+    for init in original.graph.initializer:
+        values.setdefault(init.name, onnx.numpy_helper.to_array(init))
+    for node in nodes:
+        got = evaluate_numpy(node, [values[n] for n in node.input])
+        for name, value in zip(node.output, got):
+            np.testing.assert_allclose(value, values[name], rtol=2e-5, atol=1e-6, err_msg=f"{node.name}: {name}")
+    return len(nodes)
+
+
+@pytest.fixture(scope="module")
+def gpt_train(tmp_path_factory):
+    """The single-device training graph of the built-in small GPT, with feeds for one step."""
+    import models
+    from transpiler import OptimizerConfig, Options, transpile
+
+    tmp = tmp_path_factory.mktemp("gpt")
+    models.generate("gpt", tmp / "model", seed=0, rows=8)
+    transpile(tmp / "model" / "model.onnx", tmp / "out", Options(optimizer=OptimizerConfig("adamw")))
+    model = onnx.load(str(tmp / "out" / "train.onnx"))
+    init = onnx.load(str(tmp / "out" / "train_init.onnx"))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    init_session = ort.InferenceSession(init.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    state = dict(zip([o.name for o in init_session.get_outputs()], init_session.run(None, {})))
+    data = dict(np.load(tmp / "model" / "data.npz"))
+    feeds = {**{k: v[:4] for k, v in data.items()}, **state, "lr": np.array(1e-3, np.float32)}
+    return model, {i.name: feeds[i.name] for i in model.graph.input}
+
+
+def test_the_gpt_s_gelu_and_layernorm_chains_fuse_and_compute_what_they_computed(gpt_train):
+    model, feeds = gpt_train
+    fused = fuse_elementwise(model)
+    _check_order(fused)
+    nodes = [n for n in fused.graph.node if n.domain == DOMAIN]
+    # GELU's forward (x/sqrt2, erf, +1, *x, *0.5, with the backward's exp(-u^2)) and its backward.
+    assert any({"Erf", "Exp"} <= set(_ops(n)) and len(_ops(n)) >= 8 for n in nodes)
+    assert any(_ops(n).count("Mul") >= 4 and "Sum" in _ops(n) for n in nodes)
+    assert not any(set(_ops(n)) <= {"Add", "Sum"} for n in nodes)  # left to onnxruntime's Gemm bias
+    assert len(fused.graph.node) < len(model.graph.node)
+    assert _check_fused_values(model, fused, feeds) == len(nodes)
+
+
+def _model(nodes, inputs, outputs, inits=()):
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_merge_that_would_make_a_cycle_is_refused():
+    """a = x*x feeds a Softmax s; c = a + s. Fusing c into a's cluster would make the fused node read
+    s, which reads the fused node."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])
+    out = helper.make_tensor_value_info("c2", TensorProto.FLOAT, ["n", 8])
+    nodes = [helper.make_node("Mul", ["x", "x"], ["a"]), helper.make_node("Exp", ["a"], ["a2"]),
+             helper.make_node("Softmax", ["a2"], ["s"], axis=-1),
+             helper.make_node("Add", ["a2", "s"], ["c"]), helper.make_node("Mul", ["c", "c"], ["c2"])]
+    model = _model(nodes, [x], [out])
+    fused = fuse_elementwise(model)
+    _check_order(fused)
+    groups = [set(_ops(n)) for n in fused.graph.node if n.domain == DOMAIN]
+    assert groups == [{"Mul", "Exp"}, {"Add", "Mul"}]
+    feeds = {"x": np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32)}
+    assert _check_fused_values(model, fused, feeds) == 2
+
+
+def test_scalar_constants_are_inlined_exactly_and_small_or_additive_chains_are_left_alone():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])
+    third = onnx.numpy_helper.from_array(np.array(1 / 3, np.float32), "third")
+    nodes = [helper.make_node("Mul", ["x", "third"], ["t"]), helper.make_node("Pow", ["t", "third"], ["p"]),
+             helper.make_node("Add", ["p", "b"], ["y"])]
+    fused = fuse_elementwise(_model(nodes, [x, b], [y], [third]))
+    (node,) = [n for n in fused.graph.node if n.domain == DOMAIN]
+    code = next(a.s.decode() for a in node.attribute if a.name == "code")
+    assert "__int_as_float(0x3eaaaaab)" in code and "powf" in code  # 1/3 in float32, to the bit
+    assert list(node.input) == ["x", "b"] and list(node.output) == ["y"]
+    steps = json.loads(next(a.s.decode() for a in node.attribute if a.name == "steps"))
+    assert [op for op, _ in steps] == ["Mul", "Pow", "Add"]
+    # Additions only (a bias and a residual): left to onnxruntime.
+    adds = [helper.make_node("Add", ["x", "b"], ["t"]), helper.make_node("Add", ["t", "x"], ["y"])]
+    assert [n.op_type for n in fuse_elementwise(_model(adds, [x, b], [y])).graph.node] == ["Add", "Add"]
+    # A small static tensor: not worth a cut of the onnxruntime graph.
+    small = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    assert fuse_elementwise(_model(nodes, [small, b], [y], [third])).graph.node[0].op_type == "Mul"
+
+
+@pytest.mark.gpu
+def test_the_cupy_kernels_equal_the_numpy_form(gpt_train):
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        pytest.skip("no CUDA device")
+    from runtime.segments import NativeGroup
+
+    model, _ = gpt_train
+    nodes = [n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN]
+
+    class _Backend:
+        compute = cp.cuda.Stream()
+
+    _Backend.cp = cp
+    rng = np.random.default_rng(0)
+    for node in nodes:
+        inputs = [rng.uniform(-2, 2, size=(4, 3, 16)).astype(np.float32) for _ in node.input]
+        group = NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output))
+        runner = ElementwiseRunner(group, "test", _Backend)
+        got = runner.run({name: cp.asarray(v) for name, v in zip(node.input, inputs)})
+        for g, e in zip(got, evaluate_numpy(node, inputs)):
+            np.testing.assert_allclose(cp.asnumpy(g), e, rtol=1e-6, atol=1e-6, err_msg=node.name)
