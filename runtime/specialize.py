@@ -25,6 +25,7 @@ FOLD_LIMIT = 1 << 16  # elements
 # Ops that must never be evaluated ahead of time (random, or with side effects on state).
 _NEVER = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                     "Bernoulli", "Dropout"})
+NEVER_FOLDED = _NEVER  # for other passes that must not evaluate these ahead of time either
 _MAX_ROUNDS = 8  # folding then re-inferring converges in 2-3 rounds on the graphs seen
 # Float results are folded only where every implementation rounds the same way (IEEE basic
 # operations, data movement); a transcendental (Exp, Pow, Erf...) may differ by an ulp between numpy

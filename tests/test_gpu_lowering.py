@@ -143,3 +143,34 @@ def test_masks_the_rewrite_cannot_prove_equal_are_left_alone(fill, mask_shape):
     model = _attention_mask_model(fill, mask_shape)
     lowered = lower_for_cuda(specialize(model, {"x": (2, 3, 4, 4), "g": (2, 3, 4, 4)}))
     assert [n.op_type for n in lowered.graph.node] == ["Where", "Softmax", "Mul", "Where"]
+
+
+def test_outputs_onnxruntime_would_copy_at_run_start_are_taken_out_of_the_session():
+    """A segment output computable from constants alone, or an Identity of an input, would be
+    copied by onnxruntime with a blocking cudaMemcpy when a run starts (illegal while a CUDA graph
+    is captured): the segment computes the first once on the host and copies the second itself."""
+    from runtime.gpu.session import OrtCudaSegment
+    from runtime.segments import Segment
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("mask", "same", "y")]
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["ones"], value=numpy_helper.from_array(np.ones(1, np.float32))),
+             helper.make_node("Trilu", ["ones"], ["mask"], upper=0),
+             helper.make_node("Identity", ["x"], ["same"]),
+             helper.make_node("Mul", ["x", "x"], ["y"])]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], outs, [numpy_helper.from_array(np.array([3, 3], np.int64), "shape")]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+
+    class Host:  # the backend as the session uses it here: host arrays stand in for device ones
+        from_host = staticmethod(np.asarray)
+
+    segment = OrtCudaSegment(Segment(0, ("n",), ("x",), ("mask", "same", "y"), model), "rank0.onnx", Host)
+    kept = segment._take_fixed_outputs(model, ort)
+    assert [o.name for o in kept.graph.output] == ["y"]
+    np.testing.assert_array_equal(segment.constants["mask"], np.tril(np.ones((3, 3), np.float32)))
+    assert segment.copies == {"same": "x"}
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    fixed = segment._fixed_values(feeds)
+    np.testing.assert_array_equal(fixed["same"], feeds["x"])
+    assert not np.shares_memory(fixed["same"], feeds["x"])

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import onnx
+
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner, _first_line
 from runtime.gpu.lowering import lower_for_cuda
 from runtime.segments import Segment
-from runtime.specialize import specialize
+from runtime.specialize import NEVER_FOLDED, specialize
 
 if TYPE_CHECKING:
     from runtime.gpu.backend import GpuBackend
@@ -36,6 +38,11 @@ class OrtCudaSegment(SegmentRunner):
         self.inputs = list(segment.inputs)
         self.outputs = list(segment.outputs)
         self.session = None
+        self.session_inputs: list[str] = []
+        self.compiled = False
+        self.constants: dict[str, Any] = {}  # outputs computed once from constants (see _take_fixed_outputs)
+        self.copies: dict[str, str] = {}  # outputs that copy an input: output -> input
+        self.copy_into: list[list] = [[], []]  # per parity: (bound output buffer, input name)
         self.graphs = False  # whether runs from the second call on are CUDA graph replays
         self.graph_refused: str | None = None
         # Set by the program: capture only where no collective runs beside the capture (see GpuProgram).
@@ -50,6 +57,9 @@ class OrtCudaSegment(SegmentRunner):
         model = self.segment.model
         if backend.static_shapes:
             model = lower_for_cuda(specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs}))
+            model = self._take_fixed_outputs(model, ort)
+            if not model.graph.output:
+                return  # every output is a constant or a copy of an input: no session
         serialized = model.SerializeToString()
         cuda = {"device_id": str(backend.device_id), "user_compute_stream": str(backend.compute.ptr),
                 "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0",
@@ -74,9 +84,58 @@ class OrtCudaSegment(SegmentRunner):
                 self.session = session(False)
             except Exception as exc:
                 raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
+        self.session_inputs = [i.name for i in self.session.get_inputs()]
         if self.session.get_providers()[0] != "CUDAExecutionProvider":
             raise RunError(f"{self.where}: onnxruntime did not enable the CUDA execution provider (CUDA or cuDNN "
                            "libraries not found? onnxruntime-gpu must match the installed CUDA major version)")
+
+    def _take_fixed_outputs(self, model, ort):
+        """Outputs onnxruntime would not compute on the stream take no part in the session: a
+        value computable from constants alone (onnxruntime folds it into an initializer) and an
+        Identity of an input (it removes the Identity). It copies such an output into its bound
+        buffer with a blocking cudaMemcpy when a run starts, which is illegal while a CUDA graph is
+        captured (CUDA error 906, "operation would make the legacy stream depend on a capturing
+        blocking stream"). Segments cut finely (elementwise fusion) pass constants and copies
+        between them; here a constant is computed once on the host and written into its buffers
+        once, and a copy is a device copy on the compute stream each step."""
+        graph = model.graph
+        known = {t.name for t in graph.initializer}
+        inputs = {i.name for i in graph.input}
+        source: dict[str, str] = {}  # Identity output -> the graph input it copies
+        for node in graph.node:
+            ins = [n for n in node.input if n]
+            if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and ins:
+                if ins[0] in inputs or ins[0] in source:
+                    source[node.output[0]] = source.get(ins[0], ins[0])
+            if node.domain in ("", "ai.onnx") and node.op_type not in NEVER_FOLDED and all(n in known for n in ins):
+                known.update(o for o in node.output if o)
+        constant = [o.name for o in graph.output if o.name in known]
+        self.copies = {o.name: source[o.name] for o in graph.output if o.name in source and o.name not in known}
+        self.constants = {}
+        if constant:
+            # A model of the constant nodes alone (no graph inputs), evaluated once on the host.
+            nodes = [n for n in graph.node if n.output and all(o in known for o in n.output if o)]
+            fold = onnx.helper.make_graph(nodes, "constants", [], [onnx.helper.make_empty_tensor_value_info(n) for n in constant],
+                                          list(graph.initializer))
+            fold_model = onnx.helper.make_model(fold, opset_imports=model.opset_import, ir_version=model.ir_version,
+                                                functions=model.functions)
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            values = ort.InferenceSession(fold_model.SerializeToString(), options,
+                                          providers=["CPUExecutionProvider"]).run(constant, {})
+            self.constants = {name: self.backend.from_host(value) for name, value in zip(constant, values)}
+        if not constant and not self.copies:
+            return model
+        fixed = set(constant) | set(self.copies)
+        kept = [o for o in graph.output if o.name not in fixed]
+        del graph.output[:]
+        graph.output.extend(kept)
+        return model
+
+    def _fixed_values(self, feeds) -> dict:
+        values = dict(self.constants)
+        values.update({name: feeds[src].copy() for name, src in self.copies.items()})
+        return values
 
     def _bind_input(self, io, name: str, value) -> None:
         io.bind_input(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
@@ -84,27 +143,44 @@ class OrtCudaSegment(SegmentRunner):
     def run(self, feeds):
         """First-call path: onnxruntime allocates the outputs; they are wrapped as CuPy arrays. Never
         captured: these buffers are not the ones later runs use."""
-        if self.session is None:
+        if not self.compiled:
             self._compile(feeds)
+            self.compiled = True
+        fixed = self._fixed_values(feeds)
+        if self.session is None:
+            return [fixed[name] for name in self.outputs]
         io = self.session.io_binding()
-        for name in self.inputs:
+        for name in self.session_inputs:
             self._bind_input(io, name, feeds[name])
-        for name in self.outputs:
+        computed = [name for name in self.outputs if name not in fixed]
+        for name in computed:
             io.bind_output(name, "cuda", self.backend.device_id)
         self._run(io, self.backend.run_options_uncaptured if self.graphs else self.backend.run_options)
-        return [self.backend.wrap(v) for v in io.get_outputs()]
+        fixed.update(zip(computed, (self.backend.wrap(v) for v in io.get_outputs())))
+        return [fixed[name] for name in self.outputs]
 
     def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
+        for name, value in self.constants.items():
+            outputs[name][...] = value  # once: nothing writes these buffers again
+        self.copy_into[parity] = [(outputs[name], src) for name, src in self.copies.items()]
+        if self.session is None:
+            return
         io = self.session.io_binding()
         for name in self.outputs:
+            if name in self.constants or name in self.copies:
+                continue
             value = outputs[name]
             io.bind_output(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
         self.bindings[parity] = io
 
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:
+        for buffer, src in self.copy_into[parity]:
+            buffer[...] = env[src]  # on the current (compute) stream, in order with the sessions
+        if self.session is None:
+            return
         io, bound = self.bindings[parity], self.bound[parity]
         changed = False
-        for name in self.inputs:
+        for name in self.session_inputs:
             value = env[name]
             if bound.get(name) != value.data.ptr:
                 self._bind_input(io, name, value)
