@@ -115,22 +115,29 @@ def _fold_once(model: onnx.ModelProto) -> bool:
     }
     outputs = {value.name for value in graph.output}
     folded: list[onnx.NodeProto] = []
+    # A folded node that writes a graph output becomes Constant nodes (an initializer cannot be a
+    # graph output of a segment); the runtime then sees the output is a constant (session.py).
+    as_constants: dict[int, list[onnx.NodeProto]] = {}
     for node in graph.node:
         value = _evaluate(node, known, shapes, opset)
         if value is None:
             continue
         for name, array in zip(node.output, value):
             known[name] = array
-        if node.op_type != "Constant" and not outputs.intersection(node.output):
-            folded.append(node)
+        if node.op_type == "Constant":
+            continue
+        folded.append(node)
+        if outputs.intersection(node.output):
+            as_constants[id(node)] = [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(known[name], name))
+                                      for name in node.output if name in outputs]
     if not folded:
         return False
     gone = {id(node) for node in folded}
-    keep = [node for node in graph.node if id(node) not in gone]
+    keep = [new for node in graph.node for new in (as_constants.get(id(node), []) if id(node) in gone else [node])]
     used = {name for node in keep for name in node.input} | outputs
     for node in folded:
         for name in node.output:
-            if name in used:
+            if name in used and name not in outputs:
                 graph.initializer.append(numpy_helper.from_array(known[name], name))
     del graph.node[:]
     graph.node.extend(keep)
