@@ -48,6 +48,10 @@ class Spec:
     # ConvTranspose, AveragePool, GlobalAveragePool, Erf, Gelu); those specs set eps/rtol too.
     dtype: type = np.float64
     opset: int = 18
+    # Ops that only occur in a pattern (SequenceAt reads a sequence SplitToSequence made): these
+    # nodes replace the single op node; they read in0, in1, ... and `pattern_outputs` enter the loss.
+    pattern: list[onnx.NodeProto] | None = None
+    pattern_outputs: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -368,6 +372,45 @@ SPECS = [
         "Einsum", [(2, 1, 3, 4), (1, 3, 4, 5)], {"equation": "...ij,...jk->...ik"}, name="-ellipsis-broadcast"
     ),
     Spec("Einsum", [(3, 4)], {"equation": "ij->ji"}, name="-transpose"),
+    # Activations added for MobileNetV3 (HardSigmoid, HardSwish) and rotary embeddings (Sin, Cos).
+    # The range (-4, 4) covers both kinks of the hard functions; random points miss them.
+    Spec("HardSigmoid", [(3, 4)], ranges={0: (-4.0, 4.0)}),
+    Spec("HardSigmoid", [(3, 4)], {"alpha": 1 / 6, "beta": 0.5}, ranges={0: (-4.0, 4.0)}, name="-torch"),
+    Spec("HardSwish", [(4, 5)], ranges={0: (-4.0, 4.0)}),
+    Spec("Reciprocal", [(3, 4)], ranges={0: AWAY_FROM_ZERO}),
+    Spec("Sin", [(3, 4)]),
+    Spec("Cos", [(3, 4)]),
+    # Sequences: SplitToSequence, then SequenceAt at constant positions (dynamo's `split`/`chunk`).
+    *(
+        Spec(
+            op,
+            [shape, split],
+            pattern=[
+                onnx.helper.make_node(
+                    "SplitToSequence", ["in0", "in1"] if split is not None else ["in0"], ["seq"], **attrs
+                ),
+                *(
+                    node
+                    for j, position in enumerate(positions)
+                    for node in (
+                        onnx.helper.make_node(
+                            "Constant", [], [f"at{j}"], value=onnx.helper.make_tensor("v", 7, [], [position])
+                        ),
+                        onnx.helper.make_node("SequenceAt", ["seq", f"at{j}"], [f"y{j}"]),
+                    )
+                ),
+            ],
+            pattern_outputs=tuple(f"y{j}" for j in range(len(positions))),
+            wrt=(0,),
+            name=name,
+        )
+        for op, shape, split, attrs, positions, name in [
+            ("SplitToSequence", (2, 12), np.array([3, 5, 4]), {"axis": 1}, [0, -1, 0], "-sizes-repeat"),
+            ("SplitToSequence", (2, 12), np.array(5), {"axis": -1}, [2, 0], "-chunks-short-last"),
+            ("SequenceAt", (3, 4), None, {"axis": 0, "keepdims": 0}, [1, 2], "-unbind"),
+            ("SequenceAt", (4, 3), None, {"axis": 0}, [3], "-keepdims"),
+        ]
+    ),
 ]
 
 
@@ -399,8 +442,12 @@ def _forward_model(
             initializers.append(onnx.numpy_helper.from_array(entry, name))
         else:
             inputs.append(_graph_input(name, feeds[name], symbolic))
-    out_names = _output_names(spec)
-    nodes = [onnx.helper.make_node(spec.op, names, out_names, name="op", **spec.attrs)]
+    if spec.pattern is not None:
+        out_names = list(spec.pattern_outputs)
+        nodes = list(spec.pattern)
+    else:
+        out_names = _output_names(spec)
+        nodes = [onnx.helper.make_node(spec.op, names, out_names, name="op", **spec.attrs)]
     if cotangents is None:
         outputs = [onnx.helper.make_value_info(n, onnx.TypeProto()) for n in out_names]
     else:

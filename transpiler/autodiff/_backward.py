@@ -139,7 +139,9 @@ class _Backward:
             self.held[part] -= 1
         if len(parts) > 1:
             total = self.emitter.op("Sum", parts, scope=f"{value.name}/grad")[0]
-            annotate(total, value)
+            # Typed like the parts, not the value: a sequence's gradient is one dense tensor
+            # (rules/sequences.py); for tensors the parts are annotated like the value anyway.
+            annotate(total, parts[0])
         else:
             total = parts[0] if parts else None  # no part: every consumer's gradient was zero
         self.final[value] = total

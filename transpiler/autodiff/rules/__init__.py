@@ -15,6 +15,7 @@ from . import (
     non_differentiable,
     normalization,
     reduce,
+    sequences,
     shape_ops,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "non_differentiable",
     "normalization",
     "reduce",
+    "sequences",
     "shape_ops",
 ]
