@@ -52,6 +52,9 @@ class Spec:
     # nodes replace the single op node; they read in0, in1, ... and `pattern_outputs` enter the loss.
     pattern: list[onnx.NodeProto] | None = None
     pattern_outputs: tuple[str, ...] = ()
+    # Declare the outputs' types (rank known, dims not) for ops onnx's shape inference cannot type
+    # (GroupNormalization, a function op).
+    declare_outputs: bool = False
 
     @property
     def id(self) -> str:
@@ -380,6 +383,27 @@ SPECS = [
     Spec("Reciprocal", [(3, 4)], ranges={0: AWAY_FROM_ZERO}),
     Spec("Sin", [(3, 4)]),
     Spec("Cos", [(3, 4)]),
+    # Normalizations the exporters write for torch's GroupNorm, and nearest upsampling.
+    Spec("InstanceNormalization", [(2, 3, 4, 5), (3,), (3,)], {"epsilon": 0.1}, dtype=np.float32, eps=1e-2, rtol=2e-3),
+    Spec("InstanceNormalization", [(2, 3, 6), (3,), (3,)], dtype=np.float32, eps=1e-2, rtol=2e-3, name="-1d"),
+    # GroupNormalization-21 (18's per-group scale is deprecated: onnx.checker rejects it).
+    # stash_type=11 makes onnxruntime compute the statistics in float64.
+    Spec("GroupNormalization", [(2, 6, 3, 2), (6,), (6,)], {"num_groups": 3, "stash_type": 11}, opset=21,
+         declare_outputs=True),
+    Spec("GroupNormalization", [(2, 4, 5), (4,), (4,)], {"num_groups": 2, "epsilon": 0.1}, opset=21,
+         declare_outputs=True, dtype=np.float32, eps=1e-2, rtol=2e-3, name="-float32"),
+    *(
+        Spec("Resize", [(2, 3, 4, 5), None, scales, sizes], attrs, dtype=np.float32, eps=0.5, rtol=1e-4, name=name)
+        for scales, sizes, attrs, name in [
+            (
+                np.array([1, 1, 2, 3], dtype=np.float32),
+                None,
+                {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"},
+                "-torch-nearest",
+            ),
+            (None, np.array([2, 3, 8, 10]), {"mode": "nearest"}, "-half-pixel-sizes"),
+        ]
+    ),
     # Sequences: SplitToSequence, then SequenceAt at constant positions (dynamo's `split`/`chunk`).
     *(
         Spec(
@@ -461,10 +485,19 @@ def _forward_model(
             terms.append(f"term{j}")
         nodes.append(onnx.helper.make_node("Sum", terms, ["loss"], name="loss"))
         dtype = next(iter(cotangents.values())).dtype
+        if spec.declare_outputs:
+            value_info = [
+                onnx.helper.make_tensor_value_info(
+                    out_names[j], onnx.helper.np_dtype_to_tensor_dtype(c.dtype), [None] * c.ndim
+                )
+                for j, c in cotangents.items()
+            ]
         outputs = [
             onnx.helper.make_tensor_value_info("loss", onnx.helper.np_dtype_to_tensor_dtype(dtype), [])
         ]
     graph = onnx.helper.make_graph(nodes, "spec", inputs, outputs, initializers)
+    if cotangents is not None and spec.declare_outputs:
+        graph.value_info.extend(value_info)
     opsets = [onnx.helper.make_opsetid("", spec.opset)]
     return onnx.helper.make_model(graph, ir_version=10, opset_imports=opsets)
 

@@ -54,9 +54,10 @@ CASES = [(m, e, o) for m in ZOO for e, o in EXPORTS + EXTRA.get(m, [])]
 
 # Cases that cannot pass today, with the first line of their error.
 XFAIL: dict[tuple[str, str, int], str] = {
-    ("unet", "torchscript", 17): "UnsupportedOpsError: no gradient rule for InstanceNormalization, Resize",
-    ("unet", "dynamo", 18): "UnsupportedOpsError: no gradient rule for InstanceNormalization, Resize",
-    ("unet", "dynamo", 23): "UnsupportedOpsError: no gradient rule for GroupNormalization, Resize",
+    # onnx's shape inference leaves GroupNormalization's output (a function op) untyped, and so
+    # everything after it; a fix belongs to loading (transpiler/load.py), not to the rules.
+    ("unet", "dynamo", 23): "GradientError: gradient of Conv node 'node_conv2d_9': the rank of 'silu_6' is "
+                            "unknown (run shape inference first)",
 }
 
 RESULTS: dict[tuple[str, str, int], dict] = {}
