@@ -83,6 +83,16 @@ def make_gpt2() -> nn.Module:
     return _CausalLM(GPT2LMHeadModel(config))
 
 
+def make_gpt2_sdpa() -> nn.Module:
+    """GPT-2 with torch's scaled_dot_product_attention: dynamo writes opset 23's Attention op."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    return _CausalLM(GPT2LMHeadModel(config))
+
+
 def make_bert() -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -100,6 +110,17 @@ def make_llama() -> nn.Module:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                          attn_implementation="eager")
+    return _CausalLM(LlamaForCausalLM(config))
+
+
+def make_llama_sdpa() -> nn.Module:
+    """Llama with SDPA attention and grouped-query heads: opset 23's Attention with kv_num_heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         attn_implementation="sdpa")
     return _CausalLM(LlamaForCausalLM(config))
 
 
@@ -343,8 +364,10 @@ def unet_data(rows: int) -> dict[str, np.ndarray]:
 
 ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("gpt2", make_gpt2, lambda rows: {"input_ids": _tokens(rows)}),
+    ZooModel("gpt2_sdpa", make_gpt2_sdpa, lambda rows: {"input_ids": _tokens(rows)}),
     ZooModel("bert", make_bert, bert_data),
     ZooModel("llama", make_llama, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq"),
+    ZooModel("llama_sdpa", make_llama_sdpa, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq"),
     ZooModel("t5", make_t5, t5_data),
     ZooModel("whisper_encoder", make_whisper, whisper_data, freeze=r"embed_positions"),
     ZooModel("mobilenet_v3", make_mobilenet_v3, _images, sync_bn=True),
