@@ -404,6 +404,14 @@ SPECS = [
             (None, np.array([2, 3, 8, 10]), {"mode": "nearest"}, "-half-pixel-sizes"),
         ]
     ),
+    # Opset 23's Attention (4-D Q, K, V): masks, causal, grouped-query heads.
+    Spec("Attention", [(2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 6)], opset=23),
+    Spec("Attention", [(2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4), (3, 5)], {"scale": 0.7}, opset=23,
+         name="-float-mask"),
+    Spec("Attention", [(1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3, 4), np.array([[True, False, True]] * 3)], opset=23,
+         name="-bool-mask"),
+    Spec("Attention", [(2, 2, 4, 3), (2, 2, 4, 3), (2, 2, 4, 3)], {"is_causal": 1}, opset=23, name="-causal"),
+    Spec("Attention", [(2, 4, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4)], opset=23, name="-grouped-query"),
     # Sequences: SplitToSequence, then SequenceAt at constant positions (dynamo's `split`/`chunk`).
     *(
         Spec(

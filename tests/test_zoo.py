@@ -66,10 +66,6 @@ OPTIMIZE_REASON = ("dynamo's default optimize=True stores constants (GELU's 0.5,
 XFAIL: dict[tuple[str, str, int], str] = {
     # onnx's shape inference leaves GroupNormalization's output (a function op) untyped, and so
     # everything after it; a fix belongs to loading (transpiler/load.py), not to the rules.
-    ("gpt2_sdpa", "dynamo", 23): "UnsupportedOpsError: gradient rule not implemented for 1 op type(s) on the path "
-                                 "to the loss: 'Attention'",
-    ("llama_sdpa", "dynamo", 23): "UnsupportedOpsError: gradient rule not implemented for 1 op type(s) on the path "
-                                  "to the loss: 'Attention'",
     ("unet", "dynamo", 23): "GradientError: gradient of Conv node 'node_conv2d_9': the rank of 'silu_6' is "
                             "unknown (run shape inference first)",
 }

@@ -6,6 +6,7 @@ Modules group rules by kind of op; each rule is a small function registered with
 
 from . import (
     activations,
+    attention,
     collectives,
     conv,
     elementwise,
@@ -21,6 +22,7 @@ from . import (
 
 __all__ = [
     "activations",
+    "attention",
     "collectives",
     "conv",
     "elementwise",
