@@ -154,14 +154,34 @@ def train_torch(module, data: dict[str, np.ndarray]) -> tuple[list[float], dict[
     ids=[f"{m}-{e}{o}" for m, e, o in CASES],
 )
 def test_two_ranks_train_like_pytorch(model, exporter, opset, zoo_export, tmp_path):
+    measured: dict = {}
     try:
-        _train_and_compare(model, exporter, opset, zoo_export, tmp_path)
+        _train_and_compare(model, exporter, opset, zoo_export, tmp_path, measured)
     except Exception as exc:  # the table shows the first line of what went wrong
         FAILURES[model, exporter, opset] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         raise
+    finally:
+        if measured:
+            RESULTS[model, exporter, opset] = measured
 
 
-def _train_and_compare(model, exporter, opset, zoo_export, tmp_path):
+# The other strategies on a few exports (each must equal allreduce, the reference, and so PyTorch).
+STRATEGY_CASES = [("gpt2", "dynamo", 18), ("llama_sdpa", "dynamo", 23), ("mobilenet_v3", "torchscript", 17)]
+STRATEGY_RESULTS: dict[tuple[str, str, int, str], float] = {}
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "zero"])
+@pytest.mark.parametrize("model,exporter,opset", STRATEGY_CASES, ids=[f"{m}-{e}{o}" for m, e, o in STRATEGY_CASES])
+def test_other_strategies_train_like_pytorch(model, exporter, opset, strategy, zoo_export, tmp_path):
+    measured: dict = {}
+    try:
+        _train_and_compare(model, exporter, opset, zoo_export, tmp_path, measured, strategy=strategy)
+    finally:
+        if measured:
+            STRATEGY_RESULTS[model, exporter, opset, strategy] = measured["error"]
+
+
+def _train_and_compare(model, exporter, opset, zoo_export, tmp_path, measured: dict, strategy: str = "sharded"):
     from runtime import simulate
     from transpiler import OptimizerConfig, Options, transpile
 
@@ -172,7 +192,7 @@ def _train_and_compare(model, exporter, opset, zoo_export, tmp_path):
         freeze = None  # TorchScript writes such buffers as Constant nodes: nothing to freeze
     start = time.perf_counter()
     transpile(path, tmp_path / "out", Options(world_size=WORLD, optimizer=OptimizerConfig("sgd", lr=LR),
-                                              sync_bn=entry.sync_bn), freeze=freeze)
+                                              strategy=strategy, sync_bn=entry.sync_bn), freeze=freeze)
     transpile_s = time.perf_counter() - start
     start = time.perf_counter()
     result = simulate(tmp_path / "out", data, batch=BATCH, steps=STEPS)
@@ -201,9 +221,8 @@ def _train_and_compare(model, exporter, opset, zoo_export, tmp_path):
     noise_error = max((float(np.max(np.abs(ours[n].astype(np.float64) - expected[n]))) for n in noise), default=0.0)
     moved = max_rel_error({n: initial[n] for n in ours}, {n: expected[n] for n in ours})
     loss_error = float(np.max(np.abs(np.array(result.losses) - torch_losses) / np.abs(torch_losses)))
-    RESULTS[model, exporter, opset] = {"error": error, "loss": loss_error, "moved": moved, "tensors": len(ours),
-                                       "noise": len(noise),
-                                       "export_s": export_s, "transpile_s": transpile_s, "run_s": run_s}
+    measured.update(error=error, loss=loss_error, moved=moved, tensors=len(ours), noise=len(noise),
+                    export_s=export_s, transpile_s=transpile_s, run_s=run_s)
     assert moved > 1e-4, "3 SGD steps did not move the parameters"
     assert loss_error <= TOLERANCE, f"losses {result.losses} vs torch {torch_losses}"
     worst = max(resolvable, key=lambda n: max_rel_error({n: ours[n]}, {n: expected[n]}))
@@ -231,9 +250,11 @@ def zoo_table() -> str:
 
 def test_report():
     """Print the table (visible with -s); runs last in this file."""
-    if not RESULTS:
+    if not RESULTS and not STRATEGY_RESULTS:
         pytest.skip("no case ran")
     table = zoo_table()
     print("\n" + table)
+    for (model, exporter, opset, strategy), error in STRATEGY_RESULTS.items():
+        print(f"{model} {exporter} {opset} --strategy {strategy}: max rel error {error:.1e}")
     if os.environ.get("ZOO_TABLE"):
         Path(os.environ["ZOO_TABLE"]).write_text(table + "\n")
