@@ -9,7 +9,7 @@ Dropout and stochastic depth are 0: N ranks can only equal PyTorch when the forw
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ class ZooModel:
     # the transpiler freezes known buffers itself (issue 11, part 2).
     freeze: str | None = None
     sync_bn: bool = False  # BatchNorm: N ranks equal one device (and PyTorch) only with --sync-bn
-    notes: dict = field(default_factory=dict)
+    transformers: bool = False  # built from a Hugging Face transformers config
 
 
 def _tokens(rows: int, seed: int = 0, low: int = 0) -> np.ndarray:
@@ -363,13 +363,13 @@ def unet_data(rows: int) -> dict[str, np.ndarray]:
 
 
 ZOO: dict[str, ZooModel] = {m.name: m for m in [
-    ZooModel("gpt2", make_gpt2, lambda rows: {"input_ids": _tokens(rows)}),
-    ZooModel("gpt2_sdpa", make_gpt2_sdpa, lambda rows: {"input_ids": _tokens(rows)}),
-    ZooModel("bert", make_bert, bert_data),
-    ZooModel("llama", make_llama, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq"),
-    ZooModel("llama_sdpa", make_llama_sdpa, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq"),
-    ZooModel("t5", make_t5, t5_data),
-    ZooModel("whisper_encoder", make_whisper, whisper_data, freeze=r"embed_positions"),
+    ZooModel("gpt2", make_gpt2, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
+    ZooModel("gpt2_sdpa", make_gpt2_sdpa, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
+    ZooModel("bert", make_bert, bert_data, transformers=True),
+    ZooModel("llama", make_llama, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq", transformers=True),
+    ZooModel("llama_sdpa", make_llama_sdpa, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq", transformers=True),
+    ZooModel("t5", make_t5, t5_data, transformers=True),
+    ZooModel("whisper_encoder", make_whisper, whisper_data, freeze=r"embed_positions", transformers=True),
     ZooModel("mobilenet_v3", make_mobilenet_v3, _images, sync_bn=True),
     ZooModel("efficientnet", make_efficientnet, _images, sync_bn=True),
     ZooModel("convnext", make_convnext, _images),
