@@ -48,6 +48,13 @@ class Spec:
     # ConvTranspose, AveragePool, GlobalAveragePool, Erf, Gelu); those specs set eps/rtol too.
     dtype: type = np.float64
     opset: int = 18
+    # Ops that only occur in a pattern (SequenceAt reads a sequence SplitToSequence made): these
+    # nodes replace the single op node; they read in0, in1, ... and `pattern_outputs` enter the loss.
+    pattern: list[onnx.NodeProto] | None = None
+    pattern_outputs: tuple[str, ...] = ()
+    # Declare the outputs' types (rank known, dims not) for ops onnx's shape inference cannot type
+    # (GroupNormalization, a function op).
+    declare_outputs: bool = False
 
     @property
     def id(self) -> str:
@@ -368,6 +375,74 @@ SPECS = [
         "Einsum", [(2, 1, 3, 4), (1, 3, 4, 5)], {"equation": "...ij,...jk->...ik"}, name="-ellipsis-broadcast"
     ),
     Spec("Einsum", [(3, 4)], {"equation": "ij->ji"}, name="-transpose"),
+    # Activations added for MobileNetV3 (HardSigmoid, HardSwish) and rotary embeddings (Sin, Cos).
+    # The range (-4, 4) covers both kinks of the hard functions; random points miss them.
+    Spec("HardSigmoid", [(3, 4)], ranges={0: (-4.0, 4.0)}),
+    Spec("HardSigmoid", [(3, 4)], {"alpha": 1 / 6, "beta": 0.5}, ranges={0: (-4.0, 4.0)}, name="-torch"),
+    Spec("HardSwish", [(4, 5)], ranges={0: (-4.0, 4.0)}),
+    Spec("Reciprocal", [(3, 4)], ranges={0: AWAY_FROM_ZERO}),
+    Spec("Sin", [(3, 4)]),
+    Spec("Cos", [(3, 4)]),
+    # Normalizations the exporters write for torch's GroupNorm, and nearest upsampling.
+    Spec("InstanceNormalization", [(2, 3, 4, 5), (3,), (3,)], {"epsilon": 0.1}, dtype=np.float32, eps=1e-2, rtol=2e-3),
+    Spec("InstanceNormalization", [(2, 3, 6), (3,), (3,)], dtype=np.float32, eps=1e-2, rtol=2e-3, name="-1d"),
+    # GroupNormalization-21 (18's per-group scale is deprecated: onnx.checker rejects it).
+    # stash_type=11 makes onnxruntime compute the statistics in float64.
+    Spec("GroupNormalization", [(2, 6, 3, 2), (6,), (6,)], {"num_groups": 3, "stash_type": 11}, opset=21,
+         declare_outputs=True),
+    Spec("GroupNormalization", [(2, 4, 5), (4,), (4,)], {"num_groups": 2, "epsilon": 0.1}, opset=21,
+         declare_outputs=True, dtype=np.float32, eps=1e-2, rtol=2e-3, name="-float32"),
+    *(
+        Spec("Resize", [(2, 3, 4, 5), None, scales, sizes], attrs, dtype=np.float32, eps=0.5, rtol=1e-4, name=name)
+        for scales, sizes, attrs, name in [
+            (
+                np.array([1, 1, 2, 3], dtype=np.float32),
+                None,
+                {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"},
+                "-torch-nearest",
+            ),
+            (None, np.array([2, 3, 8, 10]), {"mode": "nearest"}, "-half-pixel-sizes"),
+        ]
+    ),
+    # Opset 23's Attention (4-D Q, K, V): masks, causal, grouped-query heads.
+    Spec("Attention", [(2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 6)], opset=23),
+    Spec("Attention", [(2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4), (3, 5)], {"scale": 0.7}, opset=23,
+         name="-float-mask"),
+    Spec("Attention", [(1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3, 4), np.array([[True, False, True]] * 3)], opset=23,
+         name="-bool-mask"),
+    Spec("Attention", [(2, 2, 4, 3), (2, 2, 4, 3), (2, 2, 4, 3)], {"is_causal": 1}, opset=23, name="-causal"),
+    Spec("Attention", [(2, 4, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4)], opset=23, name="-grouped-query"),
+    # Sequences: SplitToSequence, then SequenceAt at constant positions (dynamo's `split`/`chunk`).
+    *(
+        Spec(
+            op,
+            [shape, split],
+            pattern=[
+                onnx.helper.make_node(
+                    "SplitToSequence", ["in0", "in1"] if split is not None else ["in0"], ["seq"], **attrs
+                ),
+                *(
+                    node
+                    for j, position in enumerate(positions)
+                    for node in (
+                        onnx.helper.make_node(
+                            "Constant", [], [f"at{j}"], value=onnx.helper.make_tensor("v", 7, [], [position])
+                        ),
+                        onnx.helper.make_node("SequenceAt", ["seq", f"at{j}"], [f"y{j}"]),
+                    )
+                ),
+            ],
+            pattern_outputs=tuple(f"y{j}" for j in range(len(positions))),
+            wrt=(0,),
+            name=name,
+        )
+        for op, shape, split, attrs, positions, name in [
+            ("SplitToSequence", (2, 12), np.array([3, 5, 4]), {"axis": 1}, [0, -1, 0], "-sizes-repeat"),
+            ("SplitToSequence", (2, 12), np.array(5), {"axis": -1}, [2, 0], "-chunks-short-last"),
+            ("SequenceAt", (3, 4), None, {"axis": 0, "keepdims": 0}, [1, 2], "-unbind"),
+            ("SequenceAt", (4, 3), None, {"axis": 0}, [3], "-keepdims"),
+        ]
+    ),
 ]
 
 
@@ -399,8 +474,12 @@ def _forward_model(
             initializers.append(onnx.numpy_helper.from_array(entry, name))
         else:
             inputs.append(_graph_input(name, feeds[name], symbolic))
-    out_names = _output_names(spec)
-    nodes = [onnx.helper.make_node(spec.op, names, out_names, name="op", **spec.attrs)]
+    if spec.pattern is not None:
+        out_names = list(spec.pattern_outputs)
+        nodes = list(spec.pattern)
+    else:
+        out_names = _output_names(spec)
+        nodes = [onnx.helper.make_node(spec.op, names, out_names, name="op", **spec.attrs)]
     if cotangents is None:
         outputs = [onnx.helper.make_value_info(n, onnx.TypeProto()) for n in out_names]
     else:
@@ -414,10 +493,19 @@ def _forward_model(
             terms.append(f"term{j}")
         nodes.append(onnx.helper.make_node("Sum", terms, ["loss"], name="loss"))
         dtype = next(iter(cotangents.values())).dtype
+        if spec.declare_outputs:
+            value_info = [
+                onnx.helper.make_tensor_value_info(
+                    out_names[j], onnx.helper.np_dtype_to_tensor_dtype(c.dtype), [None] * c.ndim
+                )
+                for j, c in cotangents.items()
+            ]
         outputs = [
             onnx.helper.make_tensor_value_info("loss", onnx.helper.np_dtype_to_tensor_dtype(dtype), [])
         ]
     graph = onnx.helper.make_graph(nodes, "spec", inputs, outputs, initializers)
+    if cotangents is not None and spec.declare_outputs:
+        graph.value_info.extend(value_info)
     opsets = [onnx.helper.make_opsetid("", spec.opset)]
     return onnx.helper.make_model(graph, ir_version=10, opset_imports=opsets)
 

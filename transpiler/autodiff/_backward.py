@@ -139,7 +139,8 @@ class _Backward:
             self.held[part] -= 1
         if len(parts) > 1:
             total = self.emitter.op("Sum", parts, scope=f"{value.name}/grad")[0]
-            annotate(total, value)
+            # A sequence's gradient is one dense tensor (rules/sequences.py): typed like its parts.
+            annotate(total, parts[0] if isinstance(value.type, ir.SequenceType) else value)
         else:
             total = parts[0] if parts else None  # no part: every consumer's gradient was zero
         self.final[value] = total

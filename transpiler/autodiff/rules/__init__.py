@@ -6,6 +6,7 @@ Modules group rules by kind of op; each rule is a small function registered with
 
 from . import (
     activations,
+    attention,
     collectives,
     conv,
     elementwise,
@@ -15,11 +16,13 @@ from . import (
     non_differentiable,
     normalization,
     reduce,
+    sequences,
     shape_ops,
 )
 
 __all__ = [
     "activations",
+    "attention",
     "collectives",
     "conv",
     "elementwise",
@@ -29,5 +32,6 @@ __all__ = [
     "non_differentiable",
     "normalization",
     "reduce",
+    "sequences",
     "shape_ops",
 ]

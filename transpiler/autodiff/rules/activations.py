@@ -1,5 +1,5 @@
 """Activations and piecewise functions: Softmax/LogSoftmax (from the output), Erf, Gelu, Abs, Clip,
-LeakyRelu, and the variadic Max/Min."""
+LeakyRelu, HardSigmoid, HardSwish, and the variadic Max/Min."""
 
 from __future__ import annotations
 
@@ -158,3 +158,36 @@ def _extremum(ctx: RuleContext) -> list[ir.Value | None]:
 
 register("Max")(_extremum)
 register("Min")(_extremum)
+
+
+@register("HardSigmoid")
+def _hard_sigmoid(ctx: RuleContext) -> list[ir.Value | None]:
+    # y = max(0, min(1, alpha x + beta)): alpha dy strictly inside the linear part (0 < y < 1), as
+    # torch's hardsigmoid_backward (-3 < x < 3 for alpha 1/6, beta 1/2), else 0.
+    y = ctx.output
+    alpha = ctx.node.attributes.get_float("alpha", 0.2)
+
+    def grad() -> ir.Value:
+        zero = ctx.scalar(0, like=y)
+        inside = ctx.op("And", [ctx.op("Greater", [y, zero]), ctx.op("Less", [y, ctx.scalar(1, like=y)])])
+        return ctx.op("Where", [inside, ctx.op("Mul", [ctx.dy, ctx.scalar(alpha, like=y)]), zero], like=y)
+
+    return ctx.wanted_grads(grad)
+
+
+@register("HardSwish")
+def _hard_swish(ctx: RuleContext) -> list[ir.Value | None]:
+    # y = x max(0, min(1, x/6 + 1/2)); y' = 0 for x < -3, x/3 + 1/2 for -3 <= x <= 3, 1 above: the
+    # branches and bounds of torch's hardswish_backward.
+    x = ctx.inputs[0]
+
+    def grad() -> ir.Value:
+        def c(number: float) -> ir.Value:
+            return ctx.scalar(number, like=x)
+
+        middle = ctx.op("Add", [ctx.op("Div", [x, c(3.0)]), c(0.5)])
+        upper = ctx.op("Where", [ctx.op("LessOrEqual", [x, c(3.0)]), middle, c(1.0)])
+        local = ctx.op("Where", [ctx.op("Less", [x, c(-3.0)]), c(0.0), upper])
+        return _mul_dy(ctx, local)
+
+    return ctx.wanted_grads(grad)

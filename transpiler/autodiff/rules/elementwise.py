@@ -1,4 +1,5 @@
-"""Elementwise ops. Binary ones broadcast, so each input gradient goes through `unbroadcast`."""
+"""Elementwise ops (arithmetic, Reciprocal, Sin, Cos, ...). Binary ones broadcast, so each input
+gradient goes through `unbroadcast`."""
 
 from __future__ import annotations
 
@@ -145,3 +146,21 @@ def _mean(ctx: RuleContext) -> list[ir.Value | None]:
     y = ctx.output
     share = ctx.op("Div", [ctx.dy, ctx.scalar(len(ctx.inputs), like=y)], like=y)
     return ctx.wanted_grads(*(lambda x=x: unbroadcast(ctx, share, x) for x in ctx.inputs))
+
+
+@unary_from_output("Reciprocal")
+def _reciprocal(ctx: RuleContext, y: ir.Value) -> ir.Value:
+    # d(1/x)/dx = -1/x^2 = -y^2
+    return ctx.op("Neg", [ctx.op("Mul", [y, y])])
+
+
+@register("Sin")
+def _sin(ctx: RuleContext) -> list[ir.Value | None]:
+    x = ctx.inputs[0]
+    return ctx.wanted_grads(lambda: ctx.op("Mul", [ctx.dy, ctx.op("Cos", [x])], like=x))
+
+
+@register("Cos")
+def _cos(ctx: RuleContext) -> list[ir.Value | None]:
+    x = ctx.inputs[0]
+    return ctx.wanted_grads(lambda: ctx.op("Neg", [ctx.op("Mul", [ctx.dy, ctx.op("Sin", [x])])], like=x))

@@ -1,5 +1,6 @@
-"""LayerNormalization (from its Mean/InvStdDev outputs), Dropout (from its mask output) and
-BatchNormalization (inference mode; the training-mode gradient when fed its own batch statistics)."""
+"""LayerNormalization (from its Mean/InvStdDev outputs), Dropout (from its mask output),
+BatchNormalization (inference mode; the training-mode gradient when fed its own batch statistics),
+InstanceNormalization and GroupNormalization (statistics recomputed)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from transpiler.autodiff._context import RuleContext, unbroadcast
+from transpiler.autodiff._context import RuleContext, annotate, unbroadcast
 from transpiler.autodiff._registry import register
 from transpiler.autodiff.rules.collectives import DOMAIN as COLLECTIVES_DOMAIN
 
@@ -301,3 +302,93 @@ def _all_reduce_mean(ctx: RuleContext, value: ir.Value, x: ir.Value, stat: ir.Va
     for v in (value, out):
         v.dtype, v.shape = ctx.dtype(x), ir.Shape(shape)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# InstanceNormalization, GroupNormalization (how the exporters write torch's GroupNorm)
+
+
+def _normalized_grad(ctx: RuleContext, x: ir.Value, g: ir.Value, axes: ir.Value, epsilon: float,
+                     dtype_of: ir.Value):
+    """(xhat, dx) of xhat = (x - mean) / sqrt(var + eps) over ``axes`` with output gradient ``g``:
+    dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)). The statistics are recomputed in the
+    type of ``dtype_of`` (x itself may be an unannotated view)."""
+    mean = ctx.op("ReduceMean", [x, axes], {"keepdims": 1})
+    centered = ctx.op("Sub", [x, mean])
+    var = ctx.op("ReduceMean", [ctx.op("Mul", [centered, centered]), axes], {"keepdims": 1})
+    inv = ctx.op("Reciprocal", [ctx.op("Sqrt", [ctx.op("Add", [var, ctx.scalar(epsilon, like=dtype_of)])])])
+    xhat = ctx.op("Mul", [centered, inv])
+    mean_g = ctx.op("ReduceMean", [g, axes], {"keepdims": 1})
+    mean_gx = ctx.op("ReduceMean", [ctx.op("Mul", [g, xhat]), axes], {"keepdims": 1})
+    inner = ctx.op("Sub", [ctx.op("Sub", [g, mean_g]), ctx.op("Mul", [xhat, mean_gx])])
+    return xhat, ctx.op("Mul", [inner, inv])
+
+
+def _per_channel(ctx: RuleContext, value: ir.Value, rank: int) -> ir.Value:
+    """A (C,) vector viewed as (C, 1, ...) to broadcast over an (N, C, ...) tensor."""
+    return ctx.op("Unsqueeze", [value, ctx.const(list(range(1, rank - 1)))]) if rank > 2 else value
+
+
+@register("InstanceNormalization")
+def _instance_norm(ctx: RuleContext) -> list[ir.Value | None]:
+    # y = xhat * scale[c] + B[c], xhat normalized over the spatial axes of each (n, c).
+    x, scale, bias = ctx.inputs
+    rank = ctx.rank(x)
+    if rank < 3:
+        raise ctx.error("the input must be (N, C, D1, ...)")
+    epsilon = ctx.node.attributes.get_float("epsilon", 1e-5)
+    spatial = ctx.const(list(range(2, rank)))
+    outer = ctx.const([0, *range(2, rank)])
+    cache: dict[str, ir.Value] = {}
+
+    def both() -> tuple[ir.Value, ir.Value]:
+        if not cache:
+            g = ctx.op("Mul", [ctx.dy, _per_channel(ctx, scale, rank)], like=x)
+            cache["xhat"], dx = _normalized_grad(ctx, x, g, spatial, epsilon, x)
+            annotate(cache["xhat"], x)
+            annotate(dx, x)
+            cache["dx"] = dx
+        return cache["xhat"], cache["dx"]
+
+    return ctx.wanted_grads(
+        lambda: both()[1],
+        lambda: ctx.op("ReduceSum", [ctx.op("Mul", [ctx.dy, both()[0]]), outer], {"keepdims": 0}, like=scale),
+        lambda: ctx.op("ReduceSum", [ctx.dy, outer], {"keepdims": 0}, like=bias),
+    )
+
+
+@register("GroupNormalization")
+def _group_norm(ctx: RuleContext) -> list[ir.Value | None]:
+    # x (N, C, ...) viewed as (N, G, C/G * D1 * ...) and normalized over the last axis; scale and
+    # bias per channel (opset 21; opset 18's per-group form is deprecated, onnx.checker rejects it).
+    x, scale, bias = ctx.inputs
+    rank = ctx.rank(x)
+    groups = ctx.node.attributes.get_int("num_groups", 0)
+    epsilon = ctx.node.attributes.get_float("epsilon", 1e-5)
+    if groups <= 0:
+        raise ctx.error("num_groups must be positive")
+    grouped_shape = ctx.const([0, groups, -1])
+    full_shape = ctx.shape_of(x)
+    last = ctx.const([2])
+    cache: dict[str, ir.Value] = {}
+
+    def grouped(value: ir.Value) -> ir.Value:
+        return ctx.op("Reshape", [value, grouped_shape])
+
+    def both() -> tuple[ir.Value, ir.Value]:
+        # (xhat in the grouped view, dx in x's shape)
+        if not cache:
+            g = grouped(ctx.op("Mul", [ctx.dy, _per_channel(ctx, scale, rank)]))
+            xhat, dx = _normalized_grad(ctx, grouped(x), g, last, epsilon, x)
+            cache["xhat"], cache["dx"] = xhat, ctx.op("Reshape", [dx, full_shape], like=x)
+        return cache["xhat"], cache["dx"]
+
+    outer = ctx.const([0, *range(2, rank)])
+
+    def grad_scale() -> ir.Value:
+        product = ctx.op("Mul", [ctx.dy, ctx.op("Reshape", [both()[0], full_shape])])
+        return ctx.op("ReduceSum", [product, outer], {"keepdims": 0}, like=scale)
+
+    return ctx.wanted_grads(
+        lambda: both()[1], grad_scale, lambda: ctx.op("ReduceSum", [ctx.dy, outer], {"keepdims": 0}, like=bias)
+    )

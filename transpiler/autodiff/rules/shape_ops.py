@@ -63,3 +63,53 @@ def _concat(ctx: RuleContext) -> list[ir.Value | None]:
     for piece, x in zip(pieces, inputs):
         annotate(piece, x)
     return ctx.wanted_grads(*(lambda piece=piece: piece for piece in pieces))
+
+
+# Nearest-neighbour Resize by integer factors copies each input element into an s0 x s1 x ... block
+# for these coordinate modes: asymmetric with floor (torch's F.interpolate(mode="nearest")), and the
+# half-pixel modes with either rounding (x_in = (i + 1/2)/s - 1/2 never lands on a .5 tie).
+_BLOCK_NEAREST = {
+    ("asymmetric", "floor"),
+    ("half_pixel", "round_prefer_floor"),
+    ("half_pixel", "round_prefer_ceil"),
+    ("pytorch_half_pixel", "round_prefer_floor"),
+    ("pytorch_half_pixel", "round_prefer_ceil"),
+}
+
+
+@register("Resize", inputs=(0,))
+def _resize(ctx: RuleContext) -> list[ir.Value | None]:
+    # dx sums each block of dy: dy viewed as (d0, s0, d1, s1, ...) and summed over the s axes. The
+    # factors s = output dims / input dims come from the shapes (exporters write scales or sizes,
+    # as constants or not), at run time where a dim is symbolic; nearest mode, whole factors.
+    x, y = ctx.inputs[0], ctx.output
+    attributes = ctx.node.attributes
+    mode = attributes.get_string("mode", "nearest")
+    coordinates = attributes.get_string("coordinate_transformation_mode", "half_pixel")
+    rounding = attributes.get_string("nearest_mode", "round_prefer_floor")
+    if mode != "nearest" or (coordinates, rounding) not in _BLOCK_NEAREST:
+        raise ctx.error(f"only nearest upsampling by whole factors is supported (mode={mode}, "
+                        f"coordinate_transformation_mode={coordinates}, nearest_mode={rounding})")
+    rank = ctx.rank(x)
+    dims_in = list(x.shape)
+    dims_out = list(y.shape) if y.shape is not None else [None] * rank
+    static = all(isinstance(d, int) for d in dims_in + dims_out)
+    for d_in, d_out in zip(dims_in, dims_out):
+        if isinstance(d_in, int) and isinstance(d_out, int) and (d_in == 0 or d_out % d_in):
+            raise ctx.error(f"only upsampling by whole factors is supported ({dims_in} -> {dims_out})")
+
+    def grad() -> ir.Value:
+        odd = ctx.const(list(range(1, 2 * rank, 2)))
+        if static:
+            target = ctx.const([d for d_in, d_out in zip(dims_in, dims_out) for d in (d_in, d_out // d_in)])
+        else:
+            shape_in, shape_out = ctx.shape_of(x), ctx.op("Shape", [y])
+            factors = ctx.op("Div", [shape_out, shape_in])
+            last = ctx.const([1])
+            pairs = ctx.op("Concat", [ctx.op("Unsqueeze", [shape_in, last]), ctx.op("Unsqueeze", [factors, last])],
+                           {"axis": 1})
+            target = ctx.op("Reshape", [pairs, ctx.const([-1])])
+        blocks = ctx.op("Reshape", [ctx.dy, target])
+        return ctx.op("ReduceSum", [blocks, odd], {"keepdims": 0}, like=x)
+
+    return ctx.wanted_grads(grad)

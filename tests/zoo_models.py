@@ -1,0 +1,378 @@
+"""The zoo's models: tiny random-init versions of the architectures people train today, each wrapped
+so that ``forward(*inputs)`` returns the loss (tests/test_zoo.py).
+
+Text models come from Hugging Face transformers' configs (no downloaded weights). Vision models are
+written here, block for block after torchvision's (torchvision's wheels do not load with
+torch 2.13.0+cpu: ``operator torchvision::nms does not exist``), at widths 8-32 on 16x16 images.
+Dropout and stochastic depth are 0: N ranks can only equal PyTorch when the forward is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB = 64
+SEQ = 8
+IMAGE = 16
+
+
+@dataclass
+class ZooModel:
+    name: str
+    make: object  # () -> nn.Module, seeded
+    data: object  # (rows) -> dict of arrays keyed by forward()'s argument names, in order
+    # Float buffers exported as initializers that PyTorch does not train: frozen with --freeze until
+    # the transpiler freezes known buffers itself (issue 11, part 2).
+    freeze: str | None = None
+    sync_bn: bool = False  # BatchNorm: N ranks equal one device (and PyTorch) only with --sync-bn
+    transformers: bool = False  # built from a Hugging Face transformers config
+
+
+def _tokens(rows: int, seed: int = 0, low: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(low, VOCAB, size=(rows, SEQ), dtype=np.int64)
+
+
+def bert_data(rows: int) -> dict[str, np.ndarray]:
+    # No padding token (0): BERT's word embedding has padding_idx=0, whose row PyTorch never
+    # updates through the embedding; both exporters write a plain Gather, which loses that, so a
+    # batch holding token 0 trains that row (docs/models.md).
+    return {"input_ids": _tokens(rows, low=1)}
+
+
+def _images(rows: int, classes: int = 4, channels: int = 3, size: int = IMAGE) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((rows, channels, size, size), dtype=np.float32),
+            "labels": rng.integers(0, classes, size=rows, dtype=np.int64)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Text: transformers
+
+
+class _CausalLM(nn.Module):
+    """Loss of next-token prediction on the input itself (transformers shifts the labels)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+
+class _Seq2SeqLM(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def make_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    return _CausalLM(GPT2LMHeadModel(config))
+
+
+def make_gpt2_sdpa() -> nn.Module:
+    """GPT-2 with torch's scaled_dot_product_attention: dynamo writes opset 23's Attention op."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    return _CausalLM(GPT2LMHeadModel(config))
+
+
+def make_bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    return _CausalLM(BertForMaskedLM(config))  # labels = inputs: a masked-LM loss on every token
+
+
+def make_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         attn_implementation="eager")
+    return _CausalLM(LlamaForCausalLM(config))
+
+
+def make_llama_sdpa() -> nn.Module:
+    """Llama with SDPA attention and grouped-query heads: opset 23's Attention with kv_num_heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         attn_implementation="sdpa")
+    return _CausalLM(LlamaForCausalLM(config))
+
+
+def make_t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                      relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0,
+                      pad_token_id=0, attn_implementation="eager")
+    return _Seq2SeqLM(T5ForConditionalGeneration(config))
+
+
+def t5_data(rows: int) -> dict[str, np.ndarray]:
+    return {"input_ids": _tokens(rows, 0), "labels": _tokens(rows, 1)}
+
+
+class _WhisperClassifier(nn.Module):
+    """Whisper's encoder (Conv1d + GELU stem, sinusoidal positions, pre-LN transformer) and a
+    mean-pooled linear head with cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import WhisperConfig
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+        config = WhisperConfig(num_mel_bins=8, d_model=32, encoder_layers=2, encoder_attention_heads=4,
+                               encoder_ffn_dim=64, max_source_positions=8, dropout=0.0, attention_dropout=0.0,
+                               activation_dropout=0.0, attn_implementation="eager")
+        self.encoder = WhisperEncoder(config)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(x).last_hidden_state
+        return F.cross_entropy(self.head(hidden.mean(dim=1)), labels)
+
+
+def make_whisper() -> nn.Module:
+    torch.manual_seed(0)
+    return _WhisperClassifier()
+
+
+def whisper_data(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((rows, 8, 16), dtype=np.float32),
+            "labels": rng.integers(0, 4, size=rows, dtype=np.int64)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Vision: written after torchvision's blocks
+
+
+class _Classifier(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.body(x), labels)
+
+
+def _conv_bn(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1, act: type | None = nn.ReLU):
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False),
+                               nn.BatchNorm2d(cout)]
+    if act is not None:
+        layers.append(act())
+    return nn.Sequential(*layers)
+
+
+class _SqueezeExcite(nn.Module):
+    def __init__(self, channels: int, squeezed: int, act: type, gate: type) -> None:
+        super().__init__()
+        self.fc1 = nn.Conv2d(channels, squeezed, 1)
+        self.fc2 = nn.Conv2d(squeezed, channels, 1)
+        self.act, self.gate = act(), gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = F.adaptive_avg_pool2d(x, 1)
+        return x * self.gate(self.fc2(self.act(self.fc1(scale))))
+
+
+class _InvertedResidual(nn.Module):
+    """MobileNetV3's / EfficientNet's MBConv: expand 1x1, depthwise kxk, squeeze-excite, project 1x1."""
+
+    def __init__(self, cin: int, expanded: int, cout: int, k: int, stride: int, act: type, se: tuple | None):
+        super().__init__()
+        layers: list[nn.Module] = []
+        if expanded != cin:
+            layers.append(_conv_bn(cin, expanded, 1, act=act))
+        layers.append(_conv_bn(expanded, expanded, k, stride, groups=expanded, act=act))
+        if se is not None:
+            layers.append(_SqueezeExcite(expanded, max(4, expanded // 4), *se))
+        layers.append(_conv_bn(expanded, cout, 1, act=None))
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return x + y if self.residual else y
+
+
+def make_mobilenet_v3() -> nn.Module:
+    """MobileNetV3-small's layout: HardSwish stem, blocks with ReLU/HardSwish and an SE gated by
+    HardSigmoid, a HardSwish classifier head."""
+    torch.manual_seed(0)
+    body = nn.Sequential(
+        _conv_bn(3, 8, 3, 2, act=nn.Hardswish),
+        _InvertedResidual(8, 8, 8, 3, 1, nn.ReLU, (nn.ReLU, nn.Hardsigmoid)),
+        _InvertedResidual(8, 24, 16, 3, 2, nn.ReLU, None),
+        _InvertedResidual(16, 32, 16, 5, 1, nn.Hardswish, (nn.ReLU, nn.Hardsigmoid)),
+        _conv_bn(16, 32, 1, act=nn.Hardswish),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(32, 32), nn.Hardswish(), nn.Linear(32, 4),
+    )
+    return _Classifier(body)
+
+
+def make_efficientnet() -> nn.Module:
+    """EfficientNet-B0's layout: SiLU stem, MBConv blocks with SiLU and a Sigmoid-gated SE."""
+    torch.manual_seed(0)
+    se = (nn.SiLU, nn.Sigmoid)
+    body = nn.Sequential(
+        _conv_bn(3, 8, 3, 2, act=nn.SiLU),
+        _InvertedResidual(8, 8, 8, 3, 1, nn.SiLU, se),
+        _InvertedResidual(8, 32, 16, 3, 2, nn.SiLU, se),
+        _InvertedResidual(16, 64, 16, 5, 1, nn.SiLU, se),
+        _conv_bn(16, 32, 1, act=nn.SiLU),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4),
+    )
+    return _Classifier(body)
+
+
+class _LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over channels of an NCHW tensor (torchvision's ConvNeXt downsampling)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class _ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.layer_scale = nn.Parameter(torch.full((dim, 1, 1), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        y = self.fc2(F.gelu(self.fc1(y))).permute(0, 3, 1, 2)
+        return x + self.layer_scale * y
+
+
+def make_convnext() -> nn.Module:
+    torch.manual_seed(0)
+    body = nn.Sequential(
+        nn.Conv2d(3, 16, 4, 4), _LayerNorm2d(16, eps=1e-6),
+        _ConvNeXtBlock(16),
+        _LayerNorm2d(16, eps=1e-6), nn.Conv2d(16, 32, 2, 2),
+        _ConvNeXtBlock(32),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(32, eps=1e-6), nn.Linear(32, 4),
+    )
+    return _Classifier(body)
+
+
+class _ViT(nn.Module):
+    """torchvision's VisionTransformer: conv patch embedding, class token, learned positions,
+    pre-LN encoder blocks (nn.MultiheadAttention, GELU MLP), head on the class token."""
+
+    def __init__(self, patch: int = 4, dim: int = 32, depth: int = 2, heads: int = 4, classes: int = 4) -> None:
+        super().__init__()
+        tokens = (IMAGE // patch) ** 2 + 1
+        self.patch = nn.Conv2d(3, dim, patch, patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, tokens, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        x = self.norm(self.encoder(x))
+        return F.cross_entropy(self.head(x[:, 0]), labels)
+
+
+def make_vit() -> nn.Module:
+    torch.manual_seed(0)
+    return _ViT()
+
+
+class _ResBlock(nn.Module):
+    """Diffusion UNets' residual block: GroupNorm, SiLU, conv, twice; a 1x1 skip when widths differ."""
+
+    def __init__(self, cin: int, cout: int, groups: int = 4) -> None:
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(groups, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(groups, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return self.skip(x) + h
+
+
+class _UNet(nn.Module):
+    """Two levels: down by a strided conv, up by nearest-neighbour Resize, skip by concatenation;
+    the loss is the mean squared error against a target image (a denoiser's objective)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.down_block = _ResBlock(width, width)
+        self.down = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1)
+        self.mid = _ResBlock(2 * width, 2 * width)
+        self.up_block = _ResBlock(3 * width, width)
+        self.out_norm = nn.GroupNorm(4, width)
+        self.out = nn.Conv2d(width, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        skip = self.down_block(self.stem(x))
+        h = self.mid(self.down(skip))
+        h = F.interpolate(h, scale_factor=2.0, mode="nearest")
+        h = self.up_block(torch.cat([h, skip], dim=1))
+        return F.mse_loss(self.out(F.silu(self.out_norm(h))), target)
+
+
+def make_unet() -> nn.Module:
+    torch.manual_seed(0)
+    return _UNet()
+
+
+def unet_data(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shape = (rows, 3, IMAGE, IMAGE)
+    return {"x": rng.standard_normal(shape, dtype=np.float32), "target": rng.standard_normal(shape, dtype=np.float32)}
+
+
+ZOO: dict[str, ZooModel] = {m.name: m for m in [
+    ZooModel("gpt2", make_gpt2, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
+    ZooModel("gpt2_sdpa", make_gpt2_sdpa, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
+    ZooModel("bert", make_bert, bert_data, transformers=True),
+    ZooModel("llama", make_llama, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq", transformers=True),
+    ZooModel("llama_sdpa", make_llama_sdpa, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq", transformers=True),
+    ZooModel("t5", make_t5, t5_data, transformers=True),
+    ZooModel("whisper_encoder", make_whisper, whisper_data, freeze=r"embed_positions", transformers=True),
+    ZooModel("mobilenet_v3", make_mobilenet_v3, _images, sync_bn=True),
+    ZooModel("efficientnet", make_efficientnet, _images, sync_bn=True),
+    ZooModel("convnext", make_convnext, _images),
+    ZooModel("vit", make_vit, _images),
+    ZooModel("unet", make_unet, unet_data),
+]}
