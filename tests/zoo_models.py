@@ -26,8 +26,8 @@ class ZooModel:
     name: str
     make: object  # () -> nn.Module, seeded
     data: object  # (rows) -> dict of arrays keyed by forward()'s argument names, in order
-    # Float buffers exported as initializers that PyTorch does not train: frozen with --freeze until
-    # the transpiler freezes known buffers itself (issue 11, part 2).
+    # Float tensors exported as initializers that PyTorch does not train and that the transpiler's
+    # rules (transpiler/trainable.py) cannot tell from a parameter: frozen with --freeze, as a user would.
     freeze: str | None = None
     sync_bn: bool = False  # BatchNorm: N ranks equal one device (and PyTorch) only with --sync-bn
     transformers: bool = False  # built from a Hugging Face transformers config
@@ -366,8 +366,8 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("gpt2", make_gpt2, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
     ZooModel("gpt2_sdpa", make_gpt2_sdpa, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
     ZooModel("bert", make_bert, bert_data, transformers=True),
-    ZooModel("llama", make_llama, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq", transformers=True),
-    ZooModel("llama_sdpa", make_llama_sdpa, lambda rows: {"input_ids": _tokens(rows)}, freeze=r"inv_freq", transformers=True),
+    ZooModel("llama", make_llama, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
+    ZooModel("llama_sdpa", make_llama_sdpa, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
     ZooModel("t5", make_t5, t5_data, transformers=True),
     ZooModel("whisper_encoder", make_whisper, whisper_data, freeze=r"embed_positions", transformers=True),
     ZooModel("mobilenet_v3", make_mobilenet_v3, _images, sync_bn=True),
