@@ -255,6 +255,9 @@ SPECS = [
     Spec("LayerNormalization", [(2, 3, 4), (3, 4)], {"axis": 1, "epsilon": 0.1}, name="-axis1-no-bias"),
     Spec("LayerNormalization", [(2, 3, 4), (4,), (1,)], outputs=3, loss_outputs=(0,), name="-stats-given"),
     Spec("LayerNormalization", [(4, 6), (6,), (6,)], dtype=np.float32, eps=1e-2, rtol=2e-3, name="-float32"),
+    # RMSNormalization-23 (dynamo's form of torch.nn.RMSNorm).
+    Spec("RMSNormalization", [(3, 5), (5,)], opset=23),
+    Spec("RMSNormalization", [(2, 3, 4), (3, 4)], {"axis": 1, "epsilon": 0.1}, opset=23, name="-axis1"),
     # BatchNormalization in inference mode (transpiler/batchnorm.py feeds it the batch statistics;
     # that pattern's training-mode gradient is checked in tests/test_batchnorm_formulation.py).
     Spec("BatchNormalization", [(2, 3, 4, 5), (3,), (3,), (3,), (3,)], ranges={4: POSITIVE}),

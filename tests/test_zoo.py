@@ -58,6 +58,7 @@ EXTRA: dict[str, list[tuple[str, int]]] = {
 ONLY: dict[str, list[tuple[str, int]]] = {  # variants run at these exports only
     "gpt2_sdpa": [("dynamo", 23)],
     "llama_sdpa": [("dynamo", 23)],
+    "rmsnorm_lm": [("dynamo", 18), ("dynamo", 23)],  # 23: RMSNormalization
 }
 CASES = [(m, e, o) for m in ZOO for e, o in ONLY.get(m, EXPORTS + EXTRA.get(m, []))]
 OPTIMIZE_REASON = ("dynamo's default optimize=True merges equal-valued parameters, folds constants such as "

@@ -362,6 +362,30 @@ def unet_data(rows: int) -> dict[str, np.ndarray]:
     return {"x": rng.standard_normal(shape, dtype=np.float32), "target": rng.standard_normal(shape, dtype=np.float32)}
 
 
+class _RMSNormLM(nn.Module):
+    """torch.nn.RMSNorm in a small language model: dynamo writes RMSNormalization from opset 23."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.norm1, self.fc, self.norm2 = nn.RMSNorm(width), nn.Linear(width, width), nn.RMSNorm(width, eps=1e-6)
+        self.head = nn.Linear(width, VOCAB)
+        with torch.no_grad():  # scales away from their all-ones start, so a wrong scale gradient shows
+            self.norm1.weight.uniform_(0.5, 1.5)
+            self.norm2.weight.uniform_(0.5, 1.5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(self.embed(input_ids))
+        h = self.norm2(h + F.silu(self.fc(h)))
+        logits = self.head(h)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1))
+
+
+def make_rmsnorm_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return _RMSNormLM()
+
+
 ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("gpt2", make_gpt2, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
     ZooModel("gpt2_sdpa", make_gpt2_sdpa, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
@@ -375,4 +399,5 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("convnext", make_convnext, _images),
     ZooModel("vit", make_vit, _images),
     ZooModel("unet", make_unet, unet_data),
+    ZooModel("rmsnorm_lm", make_rmsnorm_lm, lambda rows: {"input_ids": _tokens(rows)}),
 ]}

@@ -1,4 +1,4 @@
-"""LayerNormalization (from its Mean/InvStdDev outputs), Dropout (from its mask output),
+"""LayerNormalization (from its Mean/InvStdDev outputs), RMSNormalization (statistics recomputed), Dropout (from its mask output),
 BatchNormalization (inference mode; the training-mode gradient when fed its own batch statistics),
 InstanceNormalization and GroupNormalization (statistics recomputed)."""
 
@@ -70,6 +70,40 @@ def _layer_norm(ctx: RuleContext) -> list[ir.Value | None]:
         return unbroadcast(ctx, ctx.op("Mul", [dy, xhat], like=x), scale)
 
     return ctx.wanted_grads(grad_x, grad_scale, lambda: unbroadcast(ctx, dy, ctx.inputs[2]))
+
+
+@register("RMSNormalization")
+def _rms_norm(ctx: RuleContext) -> list[ir.Value | None]:
+    # Opset 23 (dynamo writes it for torch.nn.RMSNorm): y = x * inv * scale, inv = 1/sqrt(mean(x^2) + eps)
+    # over the axes from ``axis`` on. With xhat = x * inv and g = dy * scale:
+    # dx = inv * (g - xhat * mean(g * xhat)); dscale = sum(dy * xhat) over the broadcast axes.
+    # The statistics are recomputed in x's precision (the node has no statistics outputs).
+    x, scale = ctx.inputs[0], ctx.inputs[1]
+    rank = ctx.rank(x)
+    attributes = ctx.node.attributes
+    axes = ctx.const(list(range(attributes.get_int("axis", -1) % rank, rank)))
+    epsilon = attributes.get_float("epsilon", 1e-5)
+    dy = ctx.dy
+    cache: dict[str, ir.Value] = {}
+
+    def statistics() -> tuple[ir.Value, ir.Value]:
+        if "xhat" not in cache:
+            mean_square = ctx.op("ReduceMean", [ctx.op("Mul", [x, x]), axes], {"keepdims": 1})
+            inv = ctx.op("Reciprocal", [ctx.op("Sqrt", [ctx.op("Add", [mean_square, ctx.scalar(epsilon, like=x)])])])
+            cache["inv"], cache["xhat"] = inv, ctx.op("Mul", [x, inv], like=x)
+        return cache["xhat"], cache["inv"]
+
+    def grad_x() -> ir.Value:
+        xhat, inv = statistics()
+        g = ctx.op("Mul", [dy, scale], like=x)
+        mean_gx = ctx.op("ReduceMean", [ctx.op("Mul", [g, xhat]), axes], {"keepdims": 1})
+        return ctx.op("Mul", [ctx.op("Sub", [g, ctx.op("Mul", [xhat, mean_gx])]), inv], like=x)
+
+    def grad_scale() -> ir.Value:
+        xhat, _ = statistics()
+        return unbroadcast(ctx, ctx.op("Mul", [dy, xhat], like=x), scale)
+
+    return ctx.wanted_grads(grad_x, grad_scale)
 
 
 @register("Dropout", inputs=(0,))
