@@ -54,6 +54,10 @@ class NativeSequence(SegmentRunner):
         for runner in self.runners:
             runner.run_bound(parity, values)
 
+    def in_place_pairs(self) -> dict[str, str]:
+        return {out: src for runner in self.runners if hasattr(runner, "in_place_pairs")
+                for out, src in runner.in_place_pairs().items()}
+
 
 class GpuBackend(Backend):
     """onnxruntime CUDA EP on ``device_id``; ``tf32`` lets fp32 MatMul/Conv use TF32 (off for the
@@ -93,6 +97,9 @@ class GpuBackend(Backend):
         self.cuda_graphs = env_flag("GRAPH_TRANSPILER_CUDA_GRAPHS") if cuda_graphs is None else cuda_graphs
         self.shrink_arena = env_flag("GRAPH_TRANSPILER_SHRINK_ARENA")
         self.mem_pattern = env_flag("GRAPH_TRANSPILER_MEM_PATTERN")
+        # The fused update writes parameters and optimizer state in place (GpuProgram._in_place);
+        # GRAPH_TRANSPILER_UPDATE_IN_PLACE=0 keeps a buffer pair per state value instead.
+        self.update_in_place = env_flag("GRAPH_TRANSPILER_UPDATE_IN_PLACE")
         self.run_options_uncaptured = self._run_options(graph_id=-1)
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
         # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);

@@ -219,6 +219,12 @@ class FusedUpdateRunner(SegmentRunner):
         # The backend's compute stream (the one onnxruntime runs on), whatever stream is current.
         self.stream = getattr(backend, "compute", None)
 
+    def in_place_pairs(self) -> dict[str, str]:
+        """Output -> the input it may overwrite: param' -> param, slot' -> slot. Each element is
+        read once and written once, by the same thread, so the kernels are correct in place."""
+        return {out: src for launch in self.launches for op in launch.ops
+                for src, out in zip((op.param, *op.slots), op.outputs)}
+
     def _on_stream(self):
         return self.stream if self.stream is not None else contextlib.nullcontext()
 

@@ -17,7 +17,8 @@ everything is preallocated and bound once, in two IOBindings per segment (one pe
   reads is bound straight into its slot (bind_output at a pointer into the bucket), so one NCCL
   call moves the bucket without a copy; collectives run in place (CollectiveOp.launch_flat);
 - values that leave the program (state, loss) get two buffers, by parity: step t reads step t-1's
-  values from one set while writing the other;
+  values from one set while writing the other; except the state the fused optimizer update
+  writes over its own input (``_in_place``): one buffer, updated in place;
 - values passed between segments of one step get one buffer each.
 A step then is: rebind the few inputs whose pointer changed, run each session, enqueue each NCCL
 call. No tensor goes to the host; the loss is copied on the device into a ring read when logging.
@@ -89,7 +90,7 @@ class GpuProgram(ProgramBase):
         if self.calls == 1:
             return self._run_first(feeds)
         if self.calls == 2:
-            self._allocate()
+            self._allocate(feeds)
         elif self.calls == 3:
             # The first call's outputs that CuPy allocated (the native update's state, 1.8 GiB for
             # GPT-2-small) were last read by call 2; CuPy's pool keeps freed blocks for reuse, and no
@@ -114,7 +115,28 @@ class GpuProgram(ProgramBase):
         return {name: env[name] for name in self.cut.outputs}
 
     # -- from the second call on: preallocated, bound once, overlapped -------------------------
-    def _allocate(self) -> None:
+    def _in_place(self, feeds: dict[str, Any], bound_into: dict) -> dict[str, Any]:
+        """Program outputs the fused optimizer update writes over its own inputs (output -> the
+        fed buffer), instead of into the second buffer of a parity pair. Safe where the input is fed
+        (state from the previous call: the buffer the previous call's update wrote), read by no
+        item after the update, and the output goes to no collective slot. Then the state lives in
+        one buffer, its pointer never changes, and every later call passes it back in."""
+        aliased: dict[str, Any] = {}
+        program_outputs = set(self.cut.outputs)
+        for pos, (_, runner) in enumerate(self.steps):
+            pairs = runner.in_place_pairs() if hasattr(runner, "in_place_pairs") else {}
+            for out, src in pairs.items():
+                if out not in program_outputs or out in bound_into or src not in feeds:
+                    continue
+                if max(self.readers.get(src, [pos])) > pos or src in self.cut.outputs:
+                    continue
+                value = feeds[src]
+                shape, dtype = self.shapes[out]
+                if tuple(value.shape) == shape and value.dtype == dtype and value.flags.c_contiguous:
+                    aliased[out] = value
+        return aliased
+
+    def _allocate(self, feeds: dict[str, Any]) -> None:
         cp, comm = self.cp, self.comm
         program_outputs = set(self.cut.outputs)
         bound_into: dict[str, tuple[int, str]] = {}  # segment output -> (collective pos, input name)
@@ -134,6 +156,7 @@ class GpuProgram(ProgramBase):
                     bound_into[name] = (pos, name)
                 else:
                     self.copy_in[pos].append(name)
+        aliased = self._in_place(feeds, bound_into) if self.backend.update_in_place else {}
         internal: dict[str, Any] = {}
         for pos, (item, runner) in enumerate(self.steps):
             if runner is None:
@@ -146,6 +169,8 @@ class GpuProgram(ProgramBase):
                     if name in bound_into:
                         slots = self.slots[bound_into[name][0]]
                         outs[name] = slots.inputs[parity % len(slots.buffers)][name]
+                    elif name in aliased:
+                        outs[name] = aliased[name]
                     elif name in program_outputs:
                         outs[name] = cp.empty(shape, dtype)
                     else:
