@@ -67,12 +67,7 @@ OPTIMIZE_REASON = ("dynamo's default optimize=True merges equal-valued parameter
                    "model than PyTorch's")
 
 # Cases that cannot pass today, with the first line of their error.
-XFAIL: dict[tuple[str, str, int], str] = {
-    # onnx's shape inference leaves GroupNormalization's output (a function op) untyped, and so
-    # everything after it; a fix belongs to loading (transpiler/load.py), not to the rules.
-    ("unet", "dynamo", 23): "GradientError: gradient of Conv node 'node_conv2d_9': the rank of 'silu_6' is "
-                            "unknown (run shape inference first)",
-}
+XFAIL: dict[tuple[str, str, int], str] = {}  # none now (UNet from dynamo 23 passes since load.py types GroupNormalization)
 
 RESULTS: dict[tuple[str, str, int], dict] = {}
 FAILURES: dict[tuple[str, str, int], str] = {}

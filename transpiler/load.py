@@ -210,6 +210,11 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
     _fold_integer_constants(proto)
     try:
         proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+        # Typing one such output lets inference reach the next one: repeat until nothing changes.
+        for _ in range(len(proto.graph.node)):
+            if not _type_like_input(proto):
+                break
+            proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
         raise TranspileError(f"{path}: shape inference failed ({_one_line(exc)})") from None
     attach_weights(proto, weights, stand_ins)
@@ -274,6 +279,34 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         warnings=(merged_parameters(model.graph, params) + transposed_copies(model.graph, params)
                   + folded_batchnorm(model.graph)),
     )
+
+
+# Ops whose output 0 has input 0's type and shape, which onnx's shape inference leaves untyped
+# where the op is a function (GroupNormalization-21 as dynamo writes it from opset 21), and with it
+# everything downstream.
+_SAME_AS_INPUT = frozenset({"GroupNormalization", "InstanceNormalization", "RMSNormalization"})
+
+
+def _type_like_input(proto: onnx.ModelProto) -> bool:
+    """Give each untyped output 0 of a ``_SAME_AS_INPUT`` node its input's type; True if any."""
+    graph = proto.graph
+    typed = {v.name: v for v in [*graph.input, *graph.value_info, *graph.output] if v.type.HasField("tensor_type")}
+    added = False
+    for node in graph.node:
+        if node.op_type not in _SAME_AS_INPUT or node.domain not in ("", "ai.onnx") or not node.input or not node.output:
+            continue
+        source, out = typed.get(node.input[0]), node.output[0]
+        if source is None or not source.type.tensor_type.HasField("shape"):
+            continue
+        if out in typed and typed[out].type.tensor_type.HasField("shape"):
+            continue
+        if out in typed:  # typed without a shape: take the input's
+            typed[out].type.CopyFrom(source.type)
+        else:
+            typed[out] = onnx.helper.make_value_info(out, source.type)
+            graph.value_info.append(typed[out])
+        added = True
+    return added
 
 
 def validate_freeze(freeze: str | None, option: str = "--freeze") -> None:
