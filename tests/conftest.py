@@ -59,3 +59,36 @@ def initial_parameters(model_path: Path) -> dict[str, np.ndarray]:
     model = onnx.load(model_path)
     arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     return {k: v for k, v in arrays.items() if v.dtype.kind == "f"}
+
+
+@pytest.fixture(scope="session")
+def gpt_train(tmp_path_factory):
+    """The single-device training graph (train.onnx, AdamW) of the built-in small GPT, and the feeds
+    of one step: 4 rows of its data, its initial state from train_init.onnx, lr 1e-3."""
+    import onnx
+    import onnxruntime as ort
+
+    import models
+    from transpiler import OptimizerConfig, Options, transpile
+
+    tmp = tmp_path_factory.mktemp("gpt_train")
+    models.generate("gpt", tmp / "model", seed=0, rows=8)
+    transpile(tmp / "model" / "model.onnx", tmp / "out", Options(optimizer=OptimizerConfig("adamw")))
+    model = onnx.load(str(tmp / "out" / "train.onnx"))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    init = ort.InferenceSession(str(tmp / "out" / "train_init.onnx"), options, providers=["CPUExecutionProvider"])
+    state = dict(zip([o.name for o in init.get_outputs()], init.run(None, {})))
+    data = load_data(tmp / "model" / "data.npz")
+    feeds = {**{k: v[:4] for k, v in data.items()}, **state, "lr": np.array(1e-3, np.float32)}
+    return model, {i.name: feeds[i.name] for i in model.graph.input}
+
+
+def one_graph_model(nodes, inputs, outputs, inits=(), opset: int = 18):
+    """A model of one graph (the default domain at ``opset``, IR version 8 as onnxruntime reads it)."""
+    from onnx import helper
+
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                              opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import one_graph_model
 from onnx import TensorProto, helper
 
 from runtime.gpu.elementwise import DOMAIN, ElementwiseRunner, evaluate_numpy, fuse_elementwise
@@ -54,26 +55,6 @@ def _check_fused_values(original: onnx.ModelProto, fused: onnx.ModelProto, feeds
     return len(nodes)
 
 
-@pytest.fixture(scope="module")
-def gpt_train(tmp_path_factory):
-    """The single-device training graph of the built-in small GPT, with feeds for one step."""
-    import models
-    from transpiler import OptimizerConfig, Options, transpile
-
-    tmp = tmp_path_factory.mktemp("gpt")
-    models.generate("gpt", tmp / "model", seed=0, rows=8)
-    transpile(tmp / "model" / "model.onnx", tmp / "out", Options(optimizer=OptimizerConfig("adamw")))
-    model = onnx.load(str(tmp / "out" / "train.onnx"))
-    init = onnx.load(str(tmp / "out" / "train_init.onnx"))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    init_session = ort.InferenceSession(init.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    state = dict(zip([o.name for o in init_session.get_outputs()], init_session.run(None, {})))
-    data = dict(np.load(tmp / "model" / "data.npz"))
-    feeds = {**{k: v[:4] for k, v in data.items()}, **state, "lr": np.array(1e-3, np.float32)}
-    return model, {i.name: feeds[i.name] for i in model.graph.input}
-
-
 def test_the_gpt_s_gelu_and_layernorm_chains_fuse_and_compute_what_they_computed(gpt_train):
     model, feeds = gpt_train
     fused = fuse_elementwise(model)
@@ -87,13 +68,6 @@ def test_the_gpt_s_gelu_and_layernorm_chains_fuse_and_compute_what_they_computed
     assert _check_fused_values(model, fused, feeds) == len(nodes)
 
 
-def _model(nodes, inputs, outputs, inits=()):
-    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
-                              opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    return model
-
-
 def test_a_merge_that_would_make_a_cycle_is_refused():
     """a = x*x feeds a Softmax s; c = a + s. Fusing c into a's cluster would make the fused node read
     s, which reads the fused node."""
@@ -102,7 +76,7 @@ def test_a_merge_that_would_make_a_cycle_is_refused():
     nodes = [helper.make_node("Mul", ["x", "x"], ["a"]), helper.make_node("Exp", ["a"], ["a2"]),
              helper.make_node("Softmax", ["a2"], ["s"], axis=-1),
              helper.make_node("Add", ["a2", "s"], ["c"]), helper.make_node("Mul", ["c", "c"], ["c2"])]
-    model = _model(nodes, [x], [out])
+    model = one_graph_model(nodes, [x], [out])
     fused = fuse_elementwise(model)
     _check_order(fused)
     groups = [set(_ops(n)) for n in fused.graph.node if n.domain == DOMAIN]
@@ -118,7 +92,7 @@ def test_scalar_constants_are_inlined_exactly_and_small_or_additive_chains_are_l
     third = onnx.numpy_helper.from_array(np.array(1 / 3, np.float32), "third")
     nodes = [helper.make_node("Mul", ["x", "third"], ["t"]), helper.make_node("Pow", ["t", "third"], ["p"]),
              helper.make_node("Add", ["p", "b"], ["y"])]
-    fused = fuse_elementwise(_model(nodes, [x, b], [y], [third]))
+    fused = fuse_elementwise(one_graph_model(nodes, [x, b], [y], [third]))
     (node,) = [n for n in fused.graph.node if n.domain == DOMAIN]
     code = next(a.s.decode() for a in node.attribute if a.name == "code")
     assert "__int_as_float(0x3eaaaaab)" in code and "powf" in code  # 1/3 in float32, to the bit
@@ -127,10 +101,10 @@ def test_scalar_constants_are_inlined_exactly_and_small_or_additive_chains_are_l
     assert [op for op, _ in steps] == ["Mul", "Pow", "Add"]
     # Additions only (a bias and a residual): left to onnxruntime.
     adds = [helper.make_node("Add", ["x", "b"], ["t"]), helper.make_node("Add", ["t", "x"], ["y"])]
-    assert [n.op_type for n in fuse_elementwise(_model(adds, [x, b], [y])).graph.node] == ["Add", "Add"]
+    assert [n.op_type for n in fuse_elementwise(one_graph_model(adds, [x, b], [y])).graph.node] == ["Add", "Add"]
     # A small static tensor: not worth a cut of the onnxruntime graph.
     small = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
-    assert fuse_elementwise(_model(nodes, [small, b], [y], [third])).graph.node[0].op_type == "Mul"
+    assert fuse_elementwise(one_graph_model(nodes, [small, b], [y], [third])).graph.node[0].op_type == "Mul"
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import one_graph_model
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime.specialize import remaining_shape_ops, specialize
@@ -23,23 +24,6 @@ def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
-@pytest.fixture(scope="module")
-def gpt_train(tmp_path_factory):
-    """The single-device training graph of the built-in small GPT, with its initial state."""
-    import models
-    from transpiler import OptimizerConfig, Options, transpile
-
-    tmp = tmp_path_factory.mktemp("gpt")
-    models.generate("gpt", tmp / "model", seed=0, rows=8)
-    transpile(tmp / "model" / "model.onnx", tmp / "out", Options(optimizer=OptimizerConfig("adamw")))
-    model = onnx.load(str(tmp / "out" / "train.onnx"))
-    init = onnx.load(str(tmp / "out" / "train_init.onnx"))
-    state = dict(zip([o.name for o in init.graph.output], _run(init, {})))
-    data = dict(np.load(tmp / "model" / "data.npz"))
-    feeds = {**{k: v[:4] for k, v in data.items()}, **state, "lr": np.array(1e-3, np.float32)}
-    return model, {i.name: feeds[i.name] for i in model.graph.input}
-
-
 def test_the_gpt_backward_has_no_shape_computation_left_and_is_bitwise_unchanged(gpt_train):
     model, feeds = gpt_train
     assert remaining_shape_ops(model), "the symbolic-batch graph computes shapes at run time"
@@ -50,13 +34,6 @@ def test_the_gpt_backward_has_no_shape_computation_left_and_is_bitwise_unchanged
     for before, after in zip(_run(model, feeds), _run(static, feeds)):
         np.testing.assert_array_equal(before, after)
     onnx.checker.check_model(static)
-
-
-def _graph(nodes, inputs, outputs, inits=()):
-    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
-                              opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    return model
 
 
 def test_transcendental_and_random_constants_are_left_to_the_device():
@@ -73,7 +50,7 @@ def test_transcendental_and_random_constants_are_left_to_the_device():
         helper.make_node("RandomUniformLike", ["x"], ["r"]),
         helper.make_node("Add", ["x", "r"], ["z"]),
     ]
-    model = _graph(nodes, [x], [y, z], [numpy_helper.from_array(np.array(0.5, np.float32), "c")])
+    model = one_graph_model(nodes, [x], [y, z], [numpy_helper.from_array(np.array(0.5, np.float32), "c")])
     static = specialize(model, {"x": (2, 3)})
     kept = [n.op_type for n in static.graph.node]
     assert "Shape" not in kept
@@ -86,7 +63,7 @@ def test_inputs_not_named_keep_their_symbolic_shape():
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])
     w = helper.make_tensor_value_info("w", TensorProto.FLOAT, ["m"])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    model = _graph([helper.make_node("Shape", ["w"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])],
+    model = one_graph_model([helper.make_node("Shape", ["w"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])],
                    [x, w], [y])
     static = specialize(model, {"x": (2, 3)})
     assert [n.op_type for n in static.graph.node] == ["Shape", "Reshape"]

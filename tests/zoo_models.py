@@ -74,23 +74,18 @@ class _Seq2SeqLM(nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def make_gpt2() -> nn.Module:
+def make_gpt2(attention: str = "eager") -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attention)
     return _CausalLM(GPT2LMHeadModel(config))
 
 
 def make_gpt2_sdpa() -> nn.Module:
     """GPT-2 with torch's scaled_dot_product_attention: dynamo writes opset 23's Attention op."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
-    return _CausalLM(GPT2LMHeadModel(config))
+    return make_gpt2("sdpa")
 
 
 def make_bert() -> nn.Module:
@@ -103,25 +98,19 @@ def make_bert() -> nn.Module:
     return _CausalLM(BertForMaskedLM(config))  # labels = inputs: a masked-LM loss on every token
 
 
-def make_llama() -> nn.Module:
+def make_llama(attention: str = "eager") -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                         attn_implementation="eager")
+                         attn_implementation=attention)
     return _CausalLM(LlamaForCausalLM(config))
 
 
 def make_llama_sdpa() -> nn.Module:
     """Llama with SDPA attention and grouped-query heads: opset 23's Attention with kv_num_heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                         attn_implementation="sdpa")
-    return _CausalLM(LlamaForCausalLM(config))
+    return make_llama("sdpa")
 
 
 def make_t5() -> nn.Module:
