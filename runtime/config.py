@@ -30,7 +30,8 @@ class RunConfig:
     export: Path | None = None
     checkpoint: Path | None = None  # written every checkpoint_every steps (0: at the end only)
     checkpoint_every: int = 0
-    resume: Path | None = None  # a checkpoint to start from instead of the init graph
+    keep_checkpoints: int = 2  # complete checkpoints kept in the store (older ones are removed)
+    resume: Path | None = None  # the checkpoint directory to start from instead of the init graph
     timings: Path | None = None  # measured segment and collective times, for inspect --timings
     schedule: Schedule = Schedule()  # learning rate per step (lr is the schedule's peak)
     # What a rank process loads (the in-process simulator passes arrays and leaves them None).

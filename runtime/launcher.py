@@ -109,7 +109,7 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-def spawn(n: int, worker_args: Sequence[str]) -> int:
+def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None) -> int:
     """Run N rank processes of ``runtime.worker`` under mpiexec; returns mpiexec's exit status.
 
     mpiexec runs in its own session (process group). Ctrl-C (SIGINT) or SIGTERM on ``transpile run``

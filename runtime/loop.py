@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from runtime import checkpoint
 from runtime.collectives import Communicator
 from runtime.config import RunConfig
 from runtime.data import Dataset
-from runtime.errors import RunError
+from runtime.errors import AgreedError, PeerFailed, RunError
 from runtime.export import export_model
 from runtime.trainer import Trainer
 
@@ -26,13 +30,13 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
     rank, world_size = trainer.comm.rank, trainer.comm.size
     start = 0
     if config.resume is not None:
-        meta = checkpoint.read_meta(config.resume, trainer.plan, batch=config.batch, shuffle=config.shuffle,
-                                    seed=config.seed)
-        trainer.load_state(checkpoint.load(config.resume, rank), f"{config.resume}/rank{rank}.npz")
+        meta = checkpoint.read_meta(config.resume)
+        trainer.load_state(checkpoint.load(config.resume, rank, meta.step), f"{config.resume}/rank{rank}.npz")
         start = meta.step
     else:
         trainer.initialize()
     losses: list[float] = []
+    last_checkpoint = config.resume
     # The log line reports averages over the steps since the previous line: a single step's time
     # and loss are too noisy to read (one batch; a rank descheduled for a moment).
     since, window_start = 0, time.perf_counter()
@@ -49,10 +53,16 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                 raise RunError(f"--timings: the {trainer.backend.name} backend does not record timings (the cpu backend does)")
             trainer.step_program.record_timings()
         log_now = config.log_every and (done == start + 1 or done % config.log_every == 0 or done == config.steps)
-        # Losses are read at log steps only (the GPU keeps them on the device until then), and at
-        # least every FLUSH_EVERY steps; every rank takes the same decision, so the host reductions match.
-        if log_now or done == config.steps or done - start - len(losses) >= FLUSH_EVERY:
-            losses.extend(trainer.collect_losses())
+        save_now = config.checkpoint is not None and (
+            done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0))
+        # Losses are read at log and checkpoint steps only (the GPU keeps them on the device until
+        # then), and at least every FLUSH_EVERY steps; every rank takes the same decision, so the
+        # host reductions match. Each batch read is checked for non-finite losses (no extra sync).
+        if log_now or save_now or done == config.steps or done - start - len(losses) >= FLUSH_EVERY:
+            first = start + len(losses) + 1
+            new = trainer.collect_losses()
+            losses.extend(new)
+            _check_losses(new, first, rank, last_checkpoint)
         if rank == 0 and log_now:
             loss = losses[-1]
             now = time.perf_counter()
@@ -62,15 +72,62 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                 f"mean loss {sum(window) / len(window):.6f}  lr {lr:g}  "
                 f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
             since, window_start = len(losses), now
-        if config.checkpoint is not None and (done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
+        if save_now:
+            state = trainer.state_dict()
+            _check_state(state, done, trainer.comm, last_checkpoint)
             meta = checkpoint.Meta(step=done, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=world_size,
-                                   batch=config.batch, shuffle=config.shuffle, seed=config.seed)
-            checkpoint.save(config.checkpoint, trainer.state_dict(), meta, rank=rank, comm=trainer.comm)
+                                   batch=config.batch, shuffle=config.shuffle, seed=config.seed, lr=config.lr,
+                                   schedule=dataclasses.asdict(config.schedule), steps=config.steps)
+            last_checkpoint = checkpoint.save(config.checkpoint, state, meta, rank=rank, comm=trainer.comm,
+                                              keep=config.keep_checkpoints)
     if config.timings is not None:
         _write_timings(config.timings, trainer.step_program.median_timings(), trainer.comm)
-    if rank == 0 and config.export is not None:
-        export_model(trainer.plan, trainer.parameters(), config.export)
+    if config.export is not None:
+        parameters = trainer.parameters()
+        if not (config.checkpoint is not None and start < config.steps):  # else checked just before the save
+            _check_state(parameters, config.steps, trainer.comm, last_checkpoint)
+        if rank == 0:
+            try:
+                export_model(trainer.plan, parameters, config.export)
+            except RunError as exc:
+                if last_checkpoint is None:
+                    raise
+                raise RunError(f"{exc}; the trained state is in {last_checkpoint}: export it later with 'transpile run "
+                               f"{config.out} --data {config.data} --batch {config.batch} --steps {config.steps} "
+                               f"--resume {last_checkpoint} --export FILE'") from None
     return losses
+
+
+def _where(last_checkpoint) -> str:
+    return (f"{last_checkpoint} is the last good checkpoint" if last_checkpoint is not None
+            else "no checkpoint was written")
+
+
+def _check_losses(new: list[float], first: int, rank: int, last_checkpoint) -> None:
+    """Stop at the first non-finite loss (every rank holds the same global losses, so all stop)."""
+    for i, value in enumerate(new):
+        if not math.isfinite(value):
+            if rank != 0:
+                raise PeerFailed("non-finite loss")
+            raise AgreedError(f"step {first + i}: the loss is {value} (non-finite); training stopped, no checkpoint or "
+                           f"export was written from this state; {_where(last_checkpoint)}")
+
+
+def _check_state(state: dict[str, np.ndarray], step: int, comm: Communicator, last_checkpoint) -> None:
+    """Before a checkpoint or an export: every rank checks the state it holds (already on the host)
+    and the ranks agree; the lowest rank holding a non-finite tensor names it."""
+    bad = next((name for name, a in state.items()
+                if a.dtype.kind in "fc" and a.size and not np.isfinite(a).all()), None)
+    flags = [0.0] * comm.size
+    flags[comm.rank] = 1.0 if bad else 0.0
+    flags = comm.allreduce_scalars(flags, "sum")
+    if not any(flags):
+        return
+    first = next(r for r, f in enumerate(flags) if f)
+    if comm.rank != first:
+        raise PeerFailed("non-finite state")
+    raise AgreedError(f"step {step}: '{bad}' holds non-finite values (the losses so far were finite); training "
+                   f"stopped, no checkpoint or export was written from this state; {_where(last_checkpoint)}")
 
 
 def _write_timings(path: Path, mine: dict, comm: Communicator) -> None:

@@ -18,11 +18,12 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from runtime import checkpoint
 from runtime.collectives.mpi import MpiCommunicator
 from runtime.config import RunConfig
 from runtime.data import Dataset
 from runtime.devices import check_gpus, resolve_backend
-from runtime.errors import RunError
+from runtime.errors import PeerFailed, RunError
 from runtime.executor import CpuBackend
 from runtime.launcher import SPAWNED_ENV, check_world_size, detect_launcher
 from runtime.loop import train
@@ -49,6 +50,13 @@ def _tear_down(comm: MpiCommunicator, code: int) -> None:
     if os.environ.get(SPAWNED_ENV) == "1":
         os._exit(code)  # our mpiexec kills the other ranks when one exits non-zero
     comm.abort(code)
+
+
+def _agreed_exit(comm: MpiCommunicator) -> int:
+    """Every rank knows of the error: each ends normally with status 2 (no MPI_Abort, no banner)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 2
 
 
 def _local_rank(comm: MpiCommunicator) -> tuple[int, int]:
@@ -89,6 +97,9 @@ def run_as_rank(setup: Setup) -> int:
         check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
         backend, rank_comm = _make_backend(config, comm)
         trainer = Trainer(plan, rank_comm, rank=comm.rank, backend=backend)
+        if comm.rank == 0 and config.checkpoint is not None and os.environ.get(SPAWNED_ENV) != "1":
+            # Under an outside launcher no parent holds the checkpoint lock: rank 0 does.
+            lock = checkpoint.Lock(config.checkpoint)  # noqa: F841 (held until the process ends)
     except RunError as exc:
         error = str(exc)
     except Exception as exc:  # a bug: keep its traceback, but still reach the agreement below
@@ -107,8 +118,13 @@ def run_as_rank(setup: Setup) -> int:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
         train(trainer, dataset, config, log=lambda line: print(line, flush=True))
+    except PeerFailed:
+        # Every rank knows (a host agreement): the rank that failed prints its line; all exit 2.
+        return _agreed_exit(comm)
     except RunError as exc:
-        print(f"transpile: error: rank {comm.rank}: {exc}", file=sys.stderr)
+        print(f"transpile: error: rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
+        if getattr(exc, "agreed", False):
+            return _agreed_exit(comm)
         _tear_down(comm, 2)
     except Exception as exc:  # a bug, not a user error: keep the traceback
         traceback.print_exc()
