@@ -143,13 +143,16 @@ def _fault(point: str, step: int) -> None:
 
 
 def _agree(comm: Communicator, error: str | None) -> None:
-    """Every rank learns whether any rank failed (one host allreduce); the failing rank raises its
-    own message, the others PeerFailed (they say nothing: the failing rank's line is the one)."""
-    failed = comm.allreduce_scalars([1.0 if error else 0.0], "sum")[0]
-    if error:
+    """Every rank learns which ranks failed (one host allreduce); the lowest failing rank raises its
+    own message, the others PeerFailed (they say nothing: one line for the user, not one per rank)."""
+    flags = [0.0] * comm.size
+    flags[comm.rank] = 1.0 if error else 0.0
+    flags = comm.allreduce_scalars(flags, "sum")
+    if not any(flags):
+        return
+    if error and comm.rank == next(r for r, f in enumerate(flags) if f):
         raise AgreedError(error)
-    if failed:
-        raise PeerFailed("another rank failed")
+    raise PeerFailed("another rank failed")
 
 
 def _sha256(path: Path) -> str:

@@ -93,8 +93,9 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                 if last_checkpoint is None:
                     raise
                 raise RunError(f"{exc}; the trained state is in {last_checkpoint}: export it later with 'transpile run "
-                               f"{config.out} --data {config.data} --batch {config.batch} --steps {config.steps} "
-                               f"--resume {last_checkpoint} --export FILE'") from None
+                               f"{config.out} --data {config.data} --batch {config.batch} --steps {config.steps}"
+                               + (f" --shuffle --seed {config.seed}" if config.shuffle else "")
+                               + f" --resume {last_checkpoint} --export FILE'") from None
     return losses
 
 
