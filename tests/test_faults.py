@@ -224,3 +224,18 @@ def test_disk_full_at_a_checkpoint_and_at_the_export(job, tmp_path):
         done = cli(*later[:-1], disk / "trained.onnx", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert (disk / "trained.onnx").is_file()
+
+
+@pytest.mark.parametrize("shape", [(100, 10), (4, 512)])
+def test_a_short_raw_data_initializer_is_one_line(tmp_path, shape):
+    from onnx import TensorProto, helper
+
+    w = numpy_helper.from_array(np.ones(shape, np.float32), "w")
+    w.raw_data = w.raw_data[:100]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("ReduceMean", ["h"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", shape[0]])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    (tmp_path / "m.onnx").write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    done = cli(tmp_path / "m.onnx", "--gpus", 2, "-o", tmp_path / "out", cwd=tmp_path)
+    one_error_line(done, "m.onnx: initializer 'w' holds 100 bytes of raw_data", f"needs {4 * shape[0] * shape[1]}")
+    assert not (tmp_path / "out").exists()
