@@ -21,6 +21,7 @@ from runtime.data import Dataset, shard_size
 from runtime.devices import BACKENDS, check_gpus, resolve_backend
 from runtime.errors import PeerFailed, RunError
 from runtime.executor import CpuBackend
+from runtime.guard import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, timeout_from_env
 from runtime.launcher import detect_launcher, spawn
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
@@ -64,6 +65,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="cpu (onnxruntime CPU, MPI), nccl (one GPU per rank: onnxruntime CUDA, NCCL) or "
                              "auto (default: nccl when GPUs, CuPy and onnxruntime-gpu are there, else cpu)")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="stop the job with one line naming the rank that did not arrive when training makes no "
+                             f"progress for SECONDS (a collective waiting for a stopped or dead rank; default "
+                             f"${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--no-tf32", action="store_true",
                         help="nccl backend: fp32 MatMul/Conv in full fp32 instead of TF32 (for exact comparisons)")
 
@@ -99,6 +104,9 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
         raise RunError("--checkpoint-every needs --checkpoint DIR")
     if args.keep_checkpoints < 1:
         raise RunError(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
+    timeout = timeout_from_env() if args.timeout is None else args.timeout
+    if not 0 < timeout < float("inf"):
+        raise RunError(f"--timeout must be a positive number of seconds, got {timeout:g}")
     schedule = Schedule(args.lr_schedule, args.warmup_steps, args.min_lr, args.lr_step_size, args.lr_gamma)
     schedule.validate(steps)
     resume = None
@@ -118,7 +126,7 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed, schedule=schedule,
                        log_every=args.log_every, export=export,
                        checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume,
-                       keep_checkpoints=args.keep_checkpoints, timings=timings,
+                       keep_checkpoints=args.keep_checkpoints, timeout=timeout, timings=timings,
                        out=plan.out_dir.resolve(), data=Path(args.data).resolve(), backend=args.backend,
                        tf32=not args.no_tf32)
     return plan, dataset, config

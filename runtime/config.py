@@ -39,6 +39,7 @@ class RunConfig:
     data: Path | None = None  # the .npz
     backend: str = "cpu"  # "cpu", "nccl", or "auto" (each rank resolves it: runtime/devices.py)
     tf32: bool = True  # nccl backend: TF32 MatMul/Conv
+    timeout: float = 300.0  # seconds without progress (a collective waiting for a rank) before the job stops
 
     def to_json(self) -> dict:
         raw = dataclasses.asdict(self)

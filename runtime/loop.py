@@ -24,11 +24,14 @@ from runtime.trainer import Trainer
 FLUSH_EVERY = 1024
 
 
-def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print) -> list[float]:
+def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print,
+          progress: Callable[[int, str], None] = lambda step, phase: None) -> list[float]:
     """Initialize (or resume) and run up to step ``config.steps``; rank 0 logs and exports.
-    Returns the global losses of the steps run. The rank and world size are the communicator's."""
+    Returns the global losses of the steps run. The rank and world size are the communicator's.
+    ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on."""
     rank, world_size = trainer.comm.rank, trainer.comm.size
     start = 0
+    progress(0, "init")
     if config.resume is not None:
         meta = checkpoint.read_meta(config.resume)
         trainer.load_state(checkpoint.load(config.resume, rank, meta.step), f"{config.resume}/rank{rank}.npz")
@@ -47,6 +50,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                              shuffle=config.shuffle, seed=config.seed)
         trainer.step_async(data, lr)
         done = step + 1
+        progress(done, "step")
         if config.timings is not None and step == start:
             # Timed from the second step on: the first one pays for first-touch allocations.
             if not trainer.backend.records_timings:
@@ -73,6 +77,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                 f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
             since, window_start = len(losses), now
         if save_now:
+            progress(done, "checkpoint")
             state = trainer.state_dict()
             _check_state(state, done, trainer.comm, last_checkpoint)
             meta = checkpoint.Meta(step=done, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=world_size,
@@ -80,6 +85,8 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                                    schedule=dataclasses.asdict(config.schedule), steps=config.steps)
             last_checkpoint = checkpoint.save(config.checkpoint, state, meta, rank=rank, comm=trainer.comm,
                                               keep=config.keep_checkpoints)
+            progress(done, "step")
+    progress(config.steps, "finishing")
     if config.timings is not None:
         _write_timings(config.timings, trainer.step_program.median_timings(), trainer.comm)
     if config.export is not None:

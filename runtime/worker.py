@@ -17,6 +17,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from runtime import checkpoint
 from runtime.collectives.mpi import MpiCommunicator
@@ -25,6 +26,7 @@ from runtime.data import Dataset
 from runtime.devices import check_gpus, resolve_backend
 from runtime.errors import PeerFailed, RunError
 from runtime.executor import CpuBackend
+from runtime.guard import PARENT_ENV, RUN_DIR_ENV, Watchdog, set_parent_death_signal, timeout_from_env
 from runtime.launcher import SPAWNED_ENV, check_world_size, detect_launcher
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
@@ -88,11 +90,19 @@ def run_as_rank(setup: Setup) -> int:
     # Ctrl-C ends a rank at once, with no traceback: Python's handler would only run once the call
     # in progress returns, and a rank blocked in a collective whose peer has gone never returns.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    spawned = os.environ.get(SPAWNED_ENV) == "1"
+    if spawned:
+        set_parent_death_signal()  # the rank dies with its parent (mpiexec's proxy), however it dies
     comm = MpiCommunicator()
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    watchdog = Watchdog(comm.rank, comm.size, timeout=timeout_from_env(), exit=lambda code: _tear_down(comm, code),
+                        run_dir=Path(run_dir) if run_dir else None,
+                        parent=os.environ.get(PARENT_ENV) if spawned else None).start()
     trainer = error = None
     rank_comm = comm
     try:
         plan, dataset, config = setup()
+        watchdog.timeout = config.timeout
         launcher = detect_launcher()
         check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
         backend, rank_comm = _make_backend(config, comm)
@@ -117,7 +127,9 @@ def run_as_rank(setup: Setup) -> int:
     try:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
-        train(trainer, dataset, config, log=lambda line: print(line, flush=True))
+        watchdog.arm()
+        train(trainer, dataset, config, log=lambda line: print(line, flush=True), progress=watchdog.progress)
+        watchdog.disarm()
     except PeerFailed:
         # Every rank knows (a host agreement): the rank that failed prints its line; all exit 2.
         return _agreed_exit(comm)
