@@ -98,11 +98,13 @@ def run_as_rank(setup: Setup) -> int:
     watchdog = Watchdog(comm.rank, comm.size, timeout=timeout_from_env(), exit=lambda code: _tear_down(comm, code),
                         run_dir=Path(run_dir) if run_dir else None,
                         parent=os.environ.get(PARENT_ENV) if spawned else None).start()
+    watchdog.arm()  # the setup agreement below is a collective too: a rank stopped in setup must not hang the rest
     trainer = error = None
     rank_comm = comm
     try:
         plan, dataset, config = setup()
         watchdog.timeout = config.timeout
+        watchdog.progress(0, "start-up")
         launcher = detect_launcher()
         check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
         backend, rank_comm = _make_backend(config, comm)
@@ -127,7 +129,6 @@ def run_as_rank(setup: Setup) -> int:
     try:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
-        watchdog.arm()
         train(trainer, dataset, config, log=lambda line: print(line, flush=True), progress=watchdog.progress)
         watchdog.disarm()
     except PeerFailed:

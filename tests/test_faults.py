@@ -10,8 +10,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +241,78 @@ def test_a_short_raw_data_initializer_is_one_line(tmp_path, shape):
     done = cli(tmp_path / "m.onnx", "--gpus", 2, "-o", tmp_path / "out", cwd=tmp_path)
     one_error_line(done, "m.onnx: initializer 'w' holds 100 bytes of raw_data", f"needs {4 * shape[0] * shape[1]}")
     assert not (tmp_path / "out").exists()
+
+
+def ranks_alive(marker: str) -> list[str]:
+    listed = subprocess.run(["ps", "-ww", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in listed if marker in line and "ps -eo" not in line and " Z" not in line]
+
+
+def start_long_run(job, tmp_path, *extra):
+    """A long 2-rank run whose rank processes carry ``tmp_path`` in their command line (through
+    TMPDIR: the run configuration lives in a temporary directory)."""
+    _, out, _, common = job
+    marker = tmp_path / "tmp"
+    marker.mkdir()
+    env = {**ENV, "TMPDIR": str(marker)}
+    proc = subprocess.Popen([sys.executable, "-m", "commands", "run", str(out), *map(str, common), "--steps", "100000000",
+                             *map(str, extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while len([line for line in ranks_alive(str(marker)) if "runtime.worker" in line]) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(timeout=10)
+        time.sleep(0.2)
+    while not all(b.read_text().split()[2:] == ["step"] for b in marker.glob("transpile-run.*/rank*.beat")
+                  if b.is_file()) or len(list(marker.glob("transpile-run.*/rank*.beat"))) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(timeout=10)
+        time.sleep(0.2)  # until both ranks train (their heartbeats say so)
+    return proc, str(marker)
+
+
+def rank_pids(marker: str) -> list[int]:
+    return [int(line.split()[0]) for line in ranks_alive(marker) if "runtime.worker" in line and "mpiexec" not in line]
+
+
+def wait_gone(marker: str, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while (left := ranks_alive(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
+def test_no_rank_outlives_a_killed_transpile_run(job, tmp_path, sig):
+    proc, marker = start_long_run(job, tmp_path)
+    proc.send_signal(sig)
+    proc.communicate(timeout=30)
+    assert wait_gone(marker, 10) == []  # mpiexec and every rank, within 10 s
+
+
+def test_a_stopped_rank_times_out_naming_it(job, tmp_path):
+    proc, marker = start_long_run(job, tmp_path, "--timeout", 5)
+    victim = max(rank_pids(marker))
+    began = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    assert time.monotonic() - began < 30
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("transpile: error: rank "), err
+    assert "collective timeout: no progress for 5 s" in lines[0] and f"(pid {victim}) did not arrive" in lines[0]
+    assert wait_gone(marker, 10) == []
+
+
+def test_a_killed_rank_is_named_in_one_line(job, tmp_path):
+    proc, marker = start_long_run(job, tmp_path)
+    victim = max(rank_pids(marker))
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    assert err.strip().splitlines() == [f"transpile: error: rank 1 (pid {victim} on {os.uname().nodename}) was killed by "
+                                        "signal 9 (SIGKILL); the other ranks were stopped"], err
+    assert "BAD TERMINATION" not in out + err
+    assert wait_gone(marker, 10) == []
