@@ -12,6 +12,7 @@ Failure handling keeps the "one line per error, no hang" promise in two phases:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import signal
 import sys
@@ -33,6 +34,15 @@ from runtime.plan import Plan, load_plan
 from runtime.trainer import Trainer
 
 Setup = Callable[[], tuple[Plan, Dataset, RunConfig]]
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("graph-transpiler")
+    except Exception:  # noqa: BLE001 - not installed (run from a checkout)
+        return "unknown"
 
 
 def _threads_per_rank(comm: MpiCommunicator) -> int:
@@ -117,7 +127,18 @@ def run_as_rank(setup: Setup) -> int:
     except Exception as exc:  # a bug: keep its traceback, but still reach the agreement below
         traceback.print_exc()
         error = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0]
-    errors = comm.comm.allgather(error)
+    if error is None:
+        try:
+            mine = fingerprint(plan, dataset, config)
+        except Exception as exc:  # noqa: BLE001 - reach the agreement whatever happened
+            error = f"internal error: fingerprint: {type(exc).__name__}: {exc}".splitlines()[0]
+    # One small collective: every rank's setup error (if any) and its fingerprint of the run.
+    gathered = comm.comm.allgather((error, None if error else mine))
+    errors = [e for e, _ in gathered]
+    if not any(errors):
+        disagreement = compare_fingerprints([f for _, f in gathered])
+        if disagreement:
+            errors = [disagreement] * comm.size
     if any(errors):
         if comm.rank == 0:
             distinct = list(dict.fromkeys(e for e in errors if e))
@@ -144,6 +165,45 @@ def run_as_rank(setup: Setup) -> int:
         print(f"transpile: error: rank {comm.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
         _tear_down(comm, 1)
     return 0
+
+
+def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, str]:
+    """What every rank must agree on before the first collective, as short printable values: the
+    plan (its hash covers the collectives of every rank in order), the run configuration, the data
+    and the runtime's version. Ranks started by hand or by an outside launcher can differ in any."""
+    from dataclasses import asdict
+
+    from runtime import checkpoint as ckpt
+
+    data = ",".join(f"{name}{list(a.shape)}{a.dtype}" for name, a in sorted(dataset.arrays.items()))
+    return {
+        "lr": f"{config.lr:g}",
+        "lr schedule": ",".join(f"{k}={v}" for k, v in asdict(config.schedule).items()),
+        "steps": str(config.steps),
+        "batch": str(config.batch),
+        "data order": f"shuffle={config.shuffle},seed={config.seed if config.shuffle else 0}",
+        "data": hashlib.sha256(data.encode()).hexdigest()[:16] if len(data) > 60 else data,
+        "resume": str(config.resume),
+        "plan": ckpt.plan_hash(plan)[:16],
+        "runtime version": _version(),
+    }
+
+
+def compare_fingerprints(prints: list[dict[str, str]]) -> str | None:
+    """One line naming every field the ranks disagree on, with each value and its ranks."""
+    parts = []
+    for field in prints[0]:
+        values = [p.get(field) for p in prints]
+        if len(set(values)) > 1:
+            groups: dict[str | None, list[int]] = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(value, []).append(rank)
+            said = "; ".join(f"rank {', '.join(map(str, ranks))}: {value}" for value, ranks in groups.items())
+            parts.append(f"{field} ({said})")
+    if not parts:
+        return None
+    return (f"the ranks disagree on {', '.join(parts)}; every rank must run the same plan and options "
+            "(refused before any training collective)")
 
 
 def load_setup(path: str) -> tuple[Plan, Dataset, RunConfig]:

@@ -316,3 +316,29 @@ def test_a_killed_rank_is_named_in_one_line(job, tmp_path):
                                         "signal 9 (SIGKILL); the other ranks were stopped"], err
     assert "BAD TERMINATION" not in out + err
     assert wait_gone(marker, 10) == []
+
+
+def test_ranks_that_disagree_are_refused_naming_the_field(job, tmp_path):
+    """Under an outside launcher (mpiexec -n 1 A : -n 1 B) each rank resolves its own command line."""
+    sys.path.insert(0, ENV["PYTHONPATH"])
+    from runtime.launcher import find_mpiexec
+
+    _, out, data, _ = job
+    other = tmp_path / "other"
+    assert cli(out / "model.onnx", "--gpus", 2, "--lr", 0.5, "-o", other, cwd=tmp_path).returncode == 0
+    mpiexec = find_mpiexec()
+
+    def rank(out_dir, *extra):
+        return [sys.executable, "-m", "commands", "run", str(out_dir), "--data", str(data), "--batch", "32", "--steps", "5",
+                "--log-every", "0", *map(str, extra)]
+
+    for a, b, fragments in (
+            (rank(out), rank(other), ["lr (rank 0: 0.01; rank 1: 0.5)", "plan (rank 0: "]),
+            (rank(out), rank(out, "--steps", 7), ["steps (rank 0: 5; rank 1: 7)"]),
+    ):
+        began = time.monotonic()
+        done = subprocess.run([mpiexec, "-n", "1", *a, ":", "-n", "1", *b], capture_output=True, text=True, cwd=tmp_path,
+                              env=ENV, timeout=120)
+        one_error_line(done, "the ranks disagree on", *fragments)
+        assert time.monotonic() - began < 60
+
