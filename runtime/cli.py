@@ -17,7 +17,7 @@ from pathlib import Path
 from runtime import checkpoint
 from runtime.collectives import LocalGroup
 from runtime.config import RunConfig
-from runtime.data import Dataset, shard_size
+from runtime.data import Dataset, check_ids, id_bounds, shard_size
 from runtime.devices import BACKENDS, check_gpus, resolve_backend
 from runtime.errors import PeerFailed, RunError
 from runtime.executor import CpuBackend
@@ -78,6 +78,7 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     the RunConfig it returns is what every rank runs (runtime/config.py)."""
     plan = load_plan(args.out)
     dataset = Dataset.load(args.data, plan.data_inputs)
+    check_ids(dataset, id_bounds(plan.model, plan.data_inputs))
     shard_size(args.batch, plan.world_size, plan.grad_accumulation)
     if args.batch > dataset.rows:
         raise RunError(f"--batch {args.batch} is larger than the {dataset.rows} rows of {args.data}: every batch would "

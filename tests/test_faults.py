@@ -342,3 +342,29 @@ def test_ranks_that_disagree_are_refused_naming_the_field(job, tmp_path):
         one_error_line(done, "the ranks disagree on", *fragments)
         assert time.monotonic() - began < 60
 
+
+
+@pytest.mark.parametrize("model, name, where, value, fragment", [
+    ("cnn", "labels", (5,), -1, "outside [0, 10) or ignore_index -100 (SoftmaxCrossEntropyLoss"),
+    ("cnn", "labels", (9,), 10, "outside [0, 10)"),
+    ("gpt", "targets", (3, 7), -3, "or ignore_index -100 (SoftmaxCrossEntropyLoss"),
+    ("gpt", "tokens", (2, 1), 10**6, "(Gather '/wte/Gather' of 'wte.weight')"),
+])
+def test_out_of_range_ids_are_refused_naming_file_input_and_row(model_dir, tmp_path, model, name, where, value,
+                                                                fragment):
+    src = model_dir(model)
+    assert cli(src / "model.onnx", "--gpus", 2, "-o", tmp_path / "out", cwd=tmp_path).returncode == 0
+    with np.load(src / "data.npz") as npz:
+        arrays = {k: npz[k].copy() for k in npz.files}
+    arrays[name][where] = value
+    np.savez(tmp_path / "bad.npz", **arrays)
+    done = cli("run", tmp_path / "out", "--data", tmp_path / "bad.npz", "--batch", 8, "--steps", 1, cwd=tmp_path)
+    one_error_line(done, f"bad.npz: input '{name}' row {where[0]} holds {value}", fragment)
+    assert "step 1/" not in done.stdout
+    # ignore_index itself is allowed.
+    if name != "tokens":
+        arrays[name][where] = -100
+        np.savez(tmp_path / "ok.npz", **arrays)
+        ok = cli("run", tmp_path / "out", "--data", tmp_path / "ok.npz", "--batch", 8, "--steps", 1, "--log-every", 0,
+                 cwd=tmp_path)
+        assert ok.returncode == 0, ok.stderr
