@@ -368,3 +368,22 @@ def test_out_of_range_ids_are_refused_naming_file_input_and_row(model_dir, tmp_p
         ok = cli("run", tmp_path / "out", "--data", tmp_path / "ok.npz", "--batch", 8, "--steps", 1, "--log-every", 0,
                  cwd=tmp_path)
         assert ok.returncode == 0, ok.stderr
+
+
+def test_a_killed_transpile_leaves_a_temporary_that_the_next_one_removes(model_dir, tmp_path):
+    src = model_dir("gpt")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "commands", str(src / "model.onnx"), "--gpus", "2", "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path, env=ENV)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.tmp-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "transpile ended before its temporary appeared"
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert list(tmp_path.glob(".out.tmp-*")) and not out.exists()
+    # Someone else's live temporary (this test's pid) is left alone.
+    (tmp_path / f".out.tmp-{os.getpid()}-abcdef012345").mkdir()
+    done = cli(src / "model.onnx", "--gpus", 2, "-o", out, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".out.tmp-{os.getpid()}-abcdef012345", "out"]
