@@ -142,7 +142,7 @@ def _fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _agree(comm: Communicator, error: str | None) -> None:
+def agree(comm: Communicator, error: str | None) -> None:
     """Every rank learns which ranks failed (one host allreduce); the lowest failing rank raises its
     own message, the others PeerFailed (they say nothing: one line for the user, not one per rank)."""
     flags = [0.0] * comm.size
@@ -189,7 +189,7 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
         except OSError as exc:
             error = f"checkpoint {partial}: {os_error_text(exc)}; {kept}"
         _fault("mkdir", step)
-    _agree(comm, error)
+    agree(comm, error)
     mine = partial / f"rank{rank}.npz"
     try:
         with open(mine, "wb") as f:
@@ -201,7 +201,7 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
             mine.unlink()
         error = f"checkpoint {mine}: {os_error_text(exc)}; partial files removed, {kept}"
     try:
-        _agree(comm, error)
+        agree(comm, error)
     except RunError:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -233,7 +233,7 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
             shutil.rmtree(partial, ignore_errors=True)
             where = exc.filename or partial
             error = f"checkpoint {where}: {os_error_text(exc)}; partial files removed, {kept}"
-    _agree(comm, error)
+    agree(comm, error)
     return final
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -16,7 +17,7 @@ from runtime import checkpoint
 from runtime.collectives import Communicator
 from runtime.config import RunConfig
 from runtime.data import Dataset
-from runtime.errors import AgreedError, PeerFailed, RunError
+from runtime.errors import AgreedError, PeerFailed, RunError, os_error_text
 from runtime.export import export_model
 from runtime.trainer import Trainer
 
@@ -143,12 +144,24 @@ def _write_timings(path: Path, mine: dict, comm: Communicator) -> None:
     ...}]}``), through per-rank files: the communicator moves arrays, not documents."""
     rank, world_size = comm.rank, comm.size
     part = path.with_name(f"{path.name}.rank{rank}")
-    part.write_text(json.dumps({"rank": rank, **mine}))
-    comm.barrier()
-    if rank == 0:
-        parts = [path.with_name(f"{path.name}.rank{r}") for r in range(world_size)]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"ranks": [json.loads(p.read_text()) for p in parts]}, indent=1) + "\n")
-        os.replace(tmp, path)
-        for p in parts:
-            p.unlink()
+    parts = [path.with_name(f"{path.name}.rank{r}") for r in range(world_size)]
+    tmp = path.with_name(path.name + ".tmp")
+    error = None
+    try:
+        part.write_text(json.dumps({"rank": rank, **mine}))
+    except OSError as exc:
+        error = f"--timings {exc.filename or part}: {os_error_text(exc)}"
+    try:
+        checkpoint.agree(comm, error)  # also the barrier: every part is on disk
+        error = None
+        if rank == 0:
+            try:
+                tmp.write_text(json.dumps({"ranks": [json.loads(p.read_text()) for p in parts]}, indent=1) + "\n")
+                os.replace(tmp, path)
+            except OSError as exc:
+                error = f"--timings {exc.filename or path}: {os_error_text(exc)}"
+        checkpoint.agree(comm, error)
+    finally:
+        for p in (part, tmp) if rank else (part, tmp, *parts):
+            with contextlib.suppress(OSError):
+                p.unlink()

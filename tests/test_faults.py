@@ -227,6 +227,12 @@ def test_disk_full_at_a_checkpoint_and_at_the_export(job, tmp_path):
         assert done.returncode == 0, done.stderr
         assert (disk / "trained.onnx").is_file()
 
+        # --timings onto a full disk: one line, no part files left.
+        fill(disk, 0)
+        done = cli("run", out, *common, "--steps", 3, "--timings", disk / "t.json", cwd=tmp_path)
+        one_error_line(done, f"--timings {disk / 't.json'}", "No space left on device (ENOSPC)")
+        assert not list(disk.glob("t.json*"))
+
 
 @pytest.mark.parametrize("shape", [(100, 10), (4, 512)])
 def test_a_short_raw_data_initializer_is_one_line(tmp_path, shape):
