@@ -299,14 +299,14 @@ def _candidates(path: Path) -> list[Path]:
 
 
 def find_resume(path: Path, plan: Plan, *, batch: int, shuffle: bool, seed: int, schedule: tuple | None,
-                warn=None) -> tuple[Path, Meta]:
+                warn=None, check_data_order: bool = True, option: str = "--resume") -> tuple[Path, Meta]:
     """The checkpoint to resume from: PATH if it is one, else the newest complete one of the store
     PATH (incomplete or corrupt ones are skipped with a warning each). ``schedule`` is (lr,
     schedule dict, steps) of this run, checked against the checkpoint's (None: not checked)."""
     warn = warn or (lambda line: print(f"transpile: warning: {line}", file=sys.stderr, flush=True))
     candidates = _candidates(path)
     if not candidates:
-        raise RunError(f"--resume {path}: not a checkpoint (no meta.json) and no complete {PREFIX}<step>/ in it")
+        raise RunError(f"{option} {path}: not a checkpoint (no meta.json) and no complete {PREFIX}<step>/ in it")
     skipped: list[tuple[Path, str]] = []
     for directory in candidates:
         try:
@@ -316,15 +316,18 @@ def find_resume(path: Path, plan: Plan, *, batch: int, shuffle: bool, seed: int,
             reason = str(exc) if isinstance(exc, RunError) else f"{exc.filename or directory}: {os_error_text(exc)}"
             skipped.append((directory, reason))
             continue
-        _check_compatible(directory, meta, plan, batch=batch, shuffle=shuffle, seed=seed, schedule=schedule)
+        if check_data_order:
+            _check_compatible(directory, meta, plan, batch=batch, shuffle=shuffle, seed=seed, schedule=schedule)
+        elif meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
+            raise RunError(f"{directory}: the checkpoint was written for another plan than {plan.path}")
         for other, reason in skipped:
             if not other.name.startswith(PARTIAL):  # an unfinished save is expected after a crash
-                warn(f"--resume: skipped {other}, incomplete or damaged: {reason}")
+                warn(f"{option}: skipped {other}, incomplete or damaged: {reason}")
         return directory, meta
     newest = next((reason for other, reason in skipped if not other.name.startswith(PARTIAL)), skipped[0][1])
     if len(candidates) == 1:
-        raise RunError(f"--resume {newest}")
-    raise RunError(f"--resume {path}: no complete checkpoint among {len(candidates)} (the newest: {newest})")
+        raise RunError(f"{option} {newest}")
+    raise RunError(f"{option} {path}: no complete checkpoint among {len(candidates)} (the newest: {newest})")
 
 
 def _check_compatible(directory: Path, meta: Meta, plan: Plan, *, batch: int, shuffle: bool, seed: int,

@@ -100,10 +100,8 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             except RunError as exc:
                 if last_checkpoint is None:
                     raise
-                raise RunError(f"{exc}; the trained state is in {last_checkpoint}: export it later with 'transpile run "
-                               f"{config.out} --data {config.data} --batch {config.batch} --steps {config.steps}"
-                               + (f" --shuffle --seed {config.seed}" if config.shuffle else "")
-                               + f" --resume {last_checkpoint} --export FILE'") from None
+                raise RunError(f"{exc}; the trained state is in {last_checkpoint}: export it later with 'transpile export "
+                               f"{config.out} --checkpoint {last_checkpoint} -o FILE'") from None
     return losses
 
 

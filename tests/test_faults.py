@@ -218,7 +218,7 @@ def test_disk_full_at_a_checkpoint_and_at_the_export(job, tmp_path):
         done = cli("run", out, *common, "--steps", 3, "--checkpoint", ck2, "--export", disk / "trained.onnx",
                    cwd=tmp_path)
         line = one_error_line(done, f"--export {disk / 'trained.onnx'}: No space left on device (ENOSPC)",
-                              str(ck2 / "checkpoint-3"), "--resume")
+                              str(ck2 / "checkpoint-3"), "transpile export")
         assert sorted(p.name for p in disk.iterdir()) == ["ck", "filler"]  # no partial export left
         # The command the message gives writes the export once there is room.
         (disk / "filler").unlink()
@@ -265,14 +265,31 @@ def start_long_run(job, tmp_path, *extra):
                              *map(str, extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=tmp_path)
     deadline = time.monotonic() + 60
-    while len([line for line in ranks_alive(str(marker)) if "runtime.worker" in line]) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(timeout=10)
+
+    def training() -> bool:  # both ranks train (their heartbeats say so)
+        beats = list(marker.glob("transpile-run.*/rank*.beat"))
+        with contextlib.suppress(OSError):
+            return len(beats) == 2 and all(b.read_text().split()[2:] == ["step"] for b in beats)
+        return False
+
+    while not training():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.terminate()  # transpile run kills its ranks on SIGTERM
+            raise AssertionError(f"the run did not start training: {proc.communicate(timeout=30)}")
         time.sleep(0.2)
-    while not all(b.read_text().split()[2:] == ["step"] for b in marker.glob("transpile-run.*/rank*.beat")
-                  if b.is_file()) or len(list(marker.glob("transpile-run.*/rank*.beat"))) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(timeout=10)
-        time.sleep(0.2)  # until both ranks train (their heartbeats say so)
     return proc, str(marker)
+
+
+@pytest.fixture
+def stop_runs():
+    """Whatever a failing test left running is stopped (SIGTERM to transpile run stops its ranks)."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
 
 
 def rank_pids(marker: str) -> list[int]:
@@ -287,15 +304,17 @@ def wait_gone(marker: str, seconds: float) -> list[str]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
-def test_no_rank_outlives_a_killed_transpile_run(job, tmp_path, sig):
+def test_no_rank_outlives_a_killed_transpile_run(job, tmp_path, stop_runs, sig):
     proc, marker = start_long_run(job, tmp_path)
+    stop_runs.append(proc)
     proc.send_signal(sig)
     proc.communicate(timeout=30)
     assert wait_gone(marker, 10) == []  # mpiexec and every rank, within 10 s
 
 
-def test_a_stopped_rank_times_out_naming_it(job, tmp_path):
+def test_a_stopped_rank_times_out_naming_it(job, tmp_path, stop_runs):
     proc, marker = start_long_run(job, tmp_path, "--timeout", 5)
+    stop_runs.append(proc)
     victim = max(rank_pids(marker))
     began = time.monotonic()
     os.kill(victim, signal.SIGSTOP)
@@ -312,8 +331,9 @@ def test_a_stopped_rank_times_out_naming_it(job, tmp_path):
     assert wait_gone(marker, 10) == []
 
 
-def test_a_killed_rank_is_named_in_one_line(job, tmp_path):
+def test_a_killed_rank_is_named_in_one_line(job, tmp_path, stop_runs):
     proc, marker = start_long_run(job, tmp_path)
+    stop_runs.append(proc)
     victim = max(rank_pids(marker))
     os.kill(victim, signal.SIGKILL)
     out, err = proc.communicate(timeout=30)
@@ -393,3 +413,21 @@ def test_a_killed_transpile_leaves_a_temporary_that_the_next_one_removes(model_d
     done = cli(src / "model.onnx", "--gpus", 2, "-o", out, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".out.tmp-{os.getpid()}-abcdef012345", "out"]
+
+
+@pytest.mark.parametrize("strategy", ["sharded", "zero", "allreduce"])
+def test_transpile_export_writes_a_checkpoints_model(job, tmp_path, strategy):
+    _, out, data, common = job
+    mine = tmp_path / "out"
+    assert cli(out / "model.onnx", "--gpus", 2, "--strategy", strategy, "--optimizer", "adam", "-o", mine,
+               cwd=tmp_path).returncode == 0
+    done = cli("run", mine, *common, "--steps", 4, "--checkpoint", tmp_path / "ck", "--checkpoint-every", 2,
+               "--export", tmp_path / "a.onnx", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = cli("export", mine, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "b.onnx", cwd=tmp_path)
+    assert done.returncode == 0 and "checkpoint-4 (step 4)" in done.stdout, done.stderr
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+    done = cli("export", mine, "--checkpoint", tmp_path / "ck" / "checkpoint-2", "-o", tmp_path / "c.onnx", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    one_error_line(cli("export", out, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "d.onnx", cwd=tmp_path),
+                   "written for another plan")
