@@ -67,7 +67,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             first = start + len(losses) + 1
             new = trainer.collect_losses()
             losses.extend(new)
-            _check_losses(new, first, rank, last_checkpoint)
+            _check_losses(new, first, rank, last_checkpoint, trainer)
         if rank == 0 and log_now:
             loss = losses[-1]
             now = time.perf_counter()
@@ -110,21 +110,28 @@ def _where(last_checkpoint) -> str:
             else "no checkpoint was written")
 
 
-def _check_losses(new: list[float], first: int, rank: int, last_checkpoint) -> None:
+def _check_losses(new: list[float], first: int, rank: int, last_checkpoint, trainer: Trainer) -> None:
     """Stop at the first non-finite loss (every rank holds the same global losses, so all stop)."""
     for i, value in enumerate(new):
         if not math.isfinite(value):
             if rank != 0:
                 raise PeerFailed("non-finite loss")
-            raise AgreedError(f"step {first + i}: the loss is {value} (non-finite); training stopped, no checkpoint or "
-                           f"export was written from this state; {_where(last_checkpoint)}")
+            # Stopping anyway: naming the first non-finite tensor of rank 0's state (which holds every
+            # parameter) costs one copy to the host, once.
+            bad = _first_non_finite(trainer.state_dict())
+            tensor = f"; '{bad}' is non-finite now" if bad else ""
+            raise AgreedError(f"step {first + i}: the loss is {value} (non-finite){tensor}; training stopped, no "
+                              f"checkpoint or export was written from this state; {_where(last_checkpoint)}")
+
+
+def _first_non_finite(state: dict[str, np.ndarray]) -> str | None:
+    return next((name for name, a in state.items() if a.dtype.kind in "fc" and a.size and not np.isfinite(a).all()), None)
 
 
 def _check_state(state: dict[str, np.ndarray], step: int, comm: Communicator, last_checkpoint) -> None:
     """Before a checkpoint or an export: every rank checks the state it holds (already on the host)
     and the ranks agree; the lowest rank holding a non-finite tensor names it."""
-    bad = next((name for name, a in state.items()
-                if a.dtype.kind in "fc" and a.size and not np.isfinite(a).all()), None)
+    bad = _first_non_finite(state)
     flags = [0.0] * comm.size
     flags[comm.rank] = 1.0 if bad else 0.0
     flags = comm.allreduce_scalars(flags, "sum")
