@@ -65,9 +65,12 @@ def _tear_down(comm: MpiCommunicator, code: int) -> None:
 
 
 def _agreed_exit(comm: MpiCommunicator) -> int:
-    """Every rank knows of the error: each ends normally with status 2 (no MPI_Abort, no banner)."""
+    """Every rank knows of the error: each ends normally with status 2 (no MPI_Abort, no banner),
+    after a barrier, so the rank that prints the line has printed it before any rank exits (our
+    mpiexec kills the others as soon as one exits non-zero). The watchdog bounds the barrier."""
     sys.stdout.flush()
     sys.stderr.flush()
+    comm.barrier()
     return 2
 
 
