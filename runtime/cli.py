@@ -159,7 +159,7 @@ def run_command(args: argparse.Namespace) -> int:
         try:
             if plan.world_size == 1:
                 return _run_single(plan, dataset, config)
-            with tempfile.TemporaryDirectory(prefix="transpile-run.") as tmp:
+            with tempfile.TemporaryDirectory(prefix="transpile-run.", ignore_cleanup_errors=True) as tmp:
                 path = Path(tmp) / "config.json"  # the ranks read it at start-up, before any step
                 config.save(path)
                 return spawn(plan.world_size, ["--config", str(path)], run_dir=Path(tmp))
