@@ -16,6 +16,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +62,9 @@ def _tear_down(comm: MpiCommunicator, code: int) -> None:
     sys.stderr.flush()
     if os.environ.get(SPAWNED_ENV) == "1":
         os._exit(code)  # our mpiexec kills the other ranks when one exits non-zero
+    # An outside launcher's proxy forwards our stderr asynchronously; MPI_Abort tears it down at
+    # once, and the line just printed was lost (seen with Hydra): give it a moment to go out.
+    time.sleep(0.5)
     comm.abort(code)
 
 

@@ -431,3 +431,36 @@ def test_transpile_export_writes_a_checkpoints_model(job, tmp_path, strategy):
     assert done.returncode == 0, done.stderr
     one_error_line(cli("export", out, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "d.onnx", cwd=tmp_path),
                    "written for another plan")
+
+
+def test_a_stopped_rank_under_an_outside_launcher_times_out(job, tmp_path):
+    """mpiexec -n 2 transpile run ...: no parent of ours, no heartbeat directory; the watchdog still
+    ends the job (MPI_Abort) in bounded time with its one line."""
+    sys.path.insert(0, ENV["PYTHONPATH"])
+    from runtime.launcher import find_mpiexec
+
+    _, out, data, _ = job
+    mine = tmp_path / "marker-data.npz"
+    shutil.copy(data, mine)
+    proc = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "commands", "run", str(out), "--data",
+                             str(mine), "--batch", "32", "--log-every", "0", "--steps", "100000000", "--timeout", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids := [int(line.split()[0]) for line in ranks_alive(str(mine))
+                           if "commands run" in line and "mpiexec" not in line]) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        time.sleep(3)  # training
+        began = time.monotonic()
+        os.kill(max(pids), signal.SIGSTOP)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - began < 30
+        assert proc.returncode != 0
+        assert "transpile: error: rank 0: collective timeout: no progress for 5 s" in err, err
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
