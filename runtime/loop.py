@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,15 +96,39 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         parameters = trainer.parameters()
         if not (config.checkpoint is not None and start < config.steps):  # else checked just before the save
             _check_state(parameters, config.steps, trainer.comm, last_checkpoint)
+        error = None
         if rank == 0:
             try:
                 export_model(trainer.plan, parameters, config.export)
             except RunError as exc:
-                if last_checkpoint is None:
-                    raise
-                raise RunError(f"{exc}; the trained state is in {last_checkpoint}: export it later with 'transpile export "
-                               f"{config.out} --checkpoint {last_checkpoint} -o FILE'") from None
+                error = str(exc)
+        # Every rank waits for the export's outcome, so that on failure the final state is kept.
+        if trainer.comm.allreduce_scalars([1.0 if error else 0.0], "sum")[0]:
+            if config.checkpoint is None and start < config.steps:  # the final state is in no checkpoint
+                last_checkpoint = _rescue(trainer, config, error)
+            if rank != 0:
+                raise PeerFailed("--export failed")
+            raise AgreedError(f"{error}; the trained state is in {last_checkpoint}: export it later with 'transpile export "
+                              f"{config.out} --checkpoint {last_checkpoint} -o FILE'")
     return losses
+
+
+def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
+    """--export failed and no checkpoint holds the final state: save one into the temporary
+    directory (another file system than the export's, as a rule), for 'transpile export'."""
+    comm = trainer.comm
+    key = hashlib.sha256(f"{config.out}|{config.export}|{config.steps}".encode()).hexdigest()[:12]
+    store = Path(tempfile.gettempdir()) / f"transpile-rescue-{key}"
+    meta = checkpoint.Meta(step=config.steps, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=comm.size,
+                           batch=config.batch, shuffle=config.shuffle, seed=config.seed, lr=config.lr,
+                           schedule=dataclasses.asdict(config.schedule), steps=config.steps)
+    try:
+        return checkpoint.save(store, trainer.state_dict(), meta, rank=comm.rank, comm=comm, keep=1)
+    except PeerFailed:
+        raise
+    except RunError as exc:  # this rank is the one that reports the save's failure
+        raise AgreedError(f"{error or f'--export {config.export} failed'}; saving the final state to {store} failed "
+                          f"too ({exc}); the trained state is lost") from None
 
 
 def _where(last_checkpoint) -> str:

@@ -227,6 +227,22 @@ def test_disk_full_at_a_checkpoint_and_at_the_export(job, tmp_path):
         assert done.returncode == 0, done.stderr
         assert (disk / "trained.onnx").is_file()
 
+        # Without --checkpoint, the final state is kept in a rescue checkpoint under $TMPDIR.
+        fill(disk, 4096)
+        rescue_tmp = tmp_path / "rescue-tmp"
+        rescue_tmp.mkdir()
+        done = cli("run", out, *common, "--steps", 3, "--export", disk / "trained2.onnx", cwd=tmp_path,
+                   env={**ENV, "TMPDIR": str(rescue_tmp)})
+        line = one_error_line(done, f"--export {disk / 'trained2.onnx'}: No space left on device (ENOSPC)",
+                              str(rescue_tmp / "transpile-rescue-"), "transpile export")
+        rescued = Path(line.split("the trained state is in ")[1].split(":")[0])
+        assert rescued.name == "checkpoint-3" and rescued.is_dir()
+        done = cli("export", out, "--checkpoint", rescued, "-o", tmp_path / "rescued.onnx", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert cli("run", out, *common, "--steps", 3, "--export", tmp_path / "direct.onnx", cwd=tmp_path).returncode == 0
+        assert (tmp_path / "rescued.onnx").read_bytes() == (tmp_path / "direct.onnx").read_bytes()
+        (disk / "filler").unlink()
+
         # --timings onto a full disk: one line, no part files left.
         fill(disk, 0)
         done = cli("run", out, *common, "--steps", 3, "--timings", disk / "t.json", cwd=tmp_path)
