@@ -1,4 +1,4 @@
-"""Dispatch ``transpile [run|inspect|view] ...`` to the layer that owns the subcommand.
+"""Dispatch ``transpile [run|export|inspect|view] ...`` to the layer that owns the subcommand.
 
 Today the first word picks the subcommand and anything else is ``transpile MODEL``; each command
 has its own parser (``add_arguments``) and handler (``execute``), so moving to argparse subparsers
@@ -42,6 +42,8 @@ COMMANDS = {
                 "N ranks. Subcommands: 'transpile run OUT ...' trains, 'transpile inspect OUT' shows the result, "
                 "'transpile view FILE' opens a graph in Netron."),
     "run": Command("run", "runtime.cli", "transpile run", "Train on the graphs in OUT, one process per rank."),
+    "export": Command("export", "runtime.export_cli", "transpile export",
+                      "Write the user's model with the trained values of a checkpoint (docs/reliability.md)."),
     "inspect": Command("inspect", "inspection.cli", "transpile inspect",
                        "Show what 'transpile' wrote into OUT (or summarize a plain model.onnx). Docs: docs/inspect.md."),
     "view": Command("view", "inspection.view", "transpile view", "Serve an ONNX graph in Netron on localhost."),

@@ -1,34 +1,64 @@
 """Checkpoints: every rank's state (parameters, buffers, optimizer state, step counter) after a step.
 
-    DIR/meta.json      format, the step reached, the plan's hash and world size, batch, shuffle, seed
-    DIR/rank{r}.npz    rank r's state, keyed by state input name (sharded and zero strategies keep
-                       different optimizer state on each rank, so every rank writes its own)
+``--checkpoint DIR`` is a store of checkpoints, one directory per saved step::
 
-A checkpoint is written into ``DIR.partial`` and swapped into place by rank 0 once every rank has
-written its file, so DIR is always a complete checkpoint (the previous one until the swap). Ranks
-on several hosts need DIR on a shared file system. Resuming needs the same plan (same transpile),
-world size and global batch, and continues the same data stream: the run goes on exactly as if it
-had not stopped.
+    DIR/.lock                       flock'ed by the run that writes DIR: a second run is refused
+    DIR/checkpoint-<step>/
+        rank{r}.npz                 rank r's state, keyed by state input name, plus the step it
+                                    belongs to (sharded and zero strategies keep different optimizer
+                                    state on each rank, so every rank writes its own)
+        meta.json                   the manifest, written last: format, step, the plan's hash and
+                                    world size, batch, shuffle, seed, the learning-rate schedule (lr,
+                                    schedule, steps) and each rank file's size and sha256
+
+A checkpoint is written into ``DIR/.partial-<step>/`` and published by ONE atomic rename to
+``DIR/checkpoint-<step>`` once every rank's file and the manifest are on disk; only then are older
+checkpoints beyond ``--keep-checkpoints K`` (and stale partial directories) removed. So at every
+instant the store holds its previous complete checkpoints: a crash at any point of a save loses at
+most the checkpoint being written. A ``.partial-<step>`` whose manifest is on disk is complete too
+(the crash came just before the rename): resume accepts it.
+
+Resuming (``--resume latest`` with ``--checkpoint DIR``, ``--resume DIR`` or ``--resume
+DIR/checkpoint-<step>``) takes the newest complete checkpoint, skips incomplete or corrupt ones
+(a rank file missing, of another size or hash than the manifest says, or from another step) with a
+one-line warning each, and needs the same plan (same transpile), world size, global batch and data
+order, and the same learning-rate schedule unless ``--override-schedule``: the run goes on exactly
+as if it had not stopped. Ranks on several hosts need DIR on a shared file system.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as errno_module
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
+import sys
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from runtime.collectives import Communicator
-from runtime.errors import RunError
+from runtime.errors import AgreedError, PeerFailed, RunError, os_error_text
 from runtime.plan import Plan
 
 FORMAT = "graph-transpiler/checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+PREFIX = "checkpoint-"
+PARTIAL = ".partial-"
+REPLACED = ".replaced-"
+LOCK = ".lock"
+STEP_KEY = "__checkpoint_step__"  # in every rank file: the step it holds
+# Fault injection for the tests: "<point>:<step>" kills rank 0 with SIGKILL at that point of the
+# save of that step (points: mkdir, rank_files, manifest, rename, prune).
+FAULT_ENV = "GRAPH_TRANSPILER_CHECKPOINT_FAULT"
+_NAME = re.compile(rf"^(?:{re.escape(PREFIX)}|{re.escape(PARTIAL)})(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -39,6 +69,11 @@ class Meta:
     batch: int
     shuffle: bool
     seed: int
+    # The learning-rate schedule of the run that wrote it (None in format 1 checkpoints).
+    lr: float | None = None
+    schedule: dict | None = None
+    steps: int | None = None
+    files: dict = field(default_factory=dict)  # "rank{r}.npz" -> {"bytes": n, "sha256": hex}
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **self.__dict__}
@@ -48,59 +83,255 @@ def plan_hash(plan: Plan) -> str:
     return hashlib.sha256(plan.path.read_bytes()).hexdigest()
 
 
+def _is_store(directory: Path) -> bool:
+    return any(_NAME.match(p.name) or p.name == LOCK for p in directory.iterdir())
+
+
 def check_target(directory: Path) -> Path:
     """The resolved --checkpoint DIR, or a RunError if saving there would destroy something else:
-    DIR is replaced as a whole, so it must be new, empty or an earlier checkpoint (meta.json)."""
+    DIR must be new, empty or a checkpoint store (it holds checkpoint-<step>/ directories)."""
     directory = directory.resolve()
     blocker = next((a for a in (directory, *directory.parents) if a.exists()), None)
     if blocker is not None and not blocker.is_dir():
         what = "exists and is not a directory" if blocker == directory else f"{blocker} is a file, not a directory"
         raise RunError(f"--checkpoint {directory}: {what}")
-    if directory.is_dir() and not (directory / "meta.json").is_file() and any(directory.iterdir()):
-        raise RunError(f"--checkpoint {directory}: a non-empty directory that is not a checkpoint (no meta.json); "
-                       "it is replaced as a whole, so give a new or empty directory")
+    if directory.is_dir() and any(directory.iterdir()) and not _is_store(directory):
+        if (directory / "meta.json").is_file():
+            raise RunError(f"--checkpoint {directory}: a single checkpoint of the old layout; resume from it with "
+                           "--resume and give a new --checkpoint directory")
+        raise RunError(f"--checkpoint {directory}: a non-empty directory that is not a checkpoint store (no "
+                       f"{PREFIX}<step>/); give a new or empty directory")
     return directory
 
 
-def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int, comm: Communicator) -> None:
-    """Every rank calls this at the same step (it holds two barriers)."""
-    partial = directory.with_name(directory.name + ".partial")
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    comm.barrier()
-    np.savez(partial / f"rank{rank}.npz", **state)
-    comm.barrier()
-    if rank == 0:
-        (partial / "meta.json").write_text(json.dumps(meta.to_json(), indent=1) + "\n")
-        old = directory.with_name(directory.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if directory.exists():
-            os.replace(directory, old)
-        os.replace(partial, directory)
-        shutil.rmtree(old, ignore_errors=True)
+class Lock:
+    """An exclusive flock on DIR/.lock for the life of a run: a second run on DIR is refused.
+    The kernel drops it when the holder dies, however it dies."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunError(f"--checkpoint {directory}: cannot create {self.path}: {os_error_text(exc)}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip()
+            os.close(self.fd)
+            if exc.errno in (errno_module.EWOULDBLOCK, errno_module.EAGAIN):
+                who = f" (pid {holder})" if holder else ""
+                raise RunError(f"--checkpoint {directory}: in use by another run{who}; wait for it to end or give "
+                               "another directory") from None
+            raise RunError(f"--checkpoint {directory}: cannot lock {self.path}: {os_error_text(exc)}") from None
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = -1
 
 
-def read_meta(directory: Path, plan: Plan, *, batch: int, shuffle: bool, seed: int) -> Meta:
-    """The checkpoint's metadata, checked against this run; one-line errors name what differs."""
+def _fault(point: str, step: int) -> None:
+    if os.environ.get(FAULT_ENV) == f"{point}:{step}":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def agree(comm: Communicator, error: str | None) -> None:
+    """Every rank learns which ranks failed (one host allreduce); the lowest failing rank raises its
+    own message, the others PeerFailed (they say nothing: one line for the user, not one per rank)."""
+    flags = [0.0] * comm.size
+    flags[comm.rank] = 1.0 if error else 0.0
+    flags = comm.allreduce_scalars(flags, "sum")
+    if not any(flags):
+        return
+    if error and comm.rank == next(r for r, f in enumerate(flags) if f):
+        raise AgreedError(error)
+    raise PeerFailed("another rank failed")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the published checkpoints in a store, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)) and p.name.startswith(PREFIX)]
+    return sorted(found)
+
+
+def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int, comm: Communicator,
+         keep: int = 2) -> Path:
+    """Every rank calls this at the same step (it holds three host agreements). Returns the
+    published checkpoint directory. On an I/O error on any rank the partial files are removed, the
+    previous checkpoints stay, and the rank that failed raises a one-line RunError naming the path."""
+    step = meta.step
+    partial = directory / f"{PARTIAL}{step}"
+    final = directory / f"{PREFIX}{step}"
+    newest = complete_checkpoints(directory)
+    kept = f"{newest[-1][1]} is the newest complete checkpoint" if newest else "no earlier checkpoint exists"
+    error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as exc:
+            error = f"checkpoint {partial}: {os_error_text(exc)}; {kept}"
+        _fault("mkdir", step)
+    agree(comm, error)
+    mine = partial / f"rank{rank}.npz"
+    try:
+        with open(mine, "wb") as f:
+            np.savez(f, **state, **{STEP_KEY: np.array(step, dtype=np.int64)})
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            mine.unlink()
+        error = f"checkpoint {mine}: {os_error_text(exc)}; partial files removed, {kept}"
+    try:
+        agree(comm, error)
+    except RunError:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if rank == 0:
+        _fault("rank_files", step)
+        try:
+            files = {}
+            for r in range(comm.size):
+                path = partial / f"rank{r}.npz"
+                files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            manifest = Meta(**{**meta.__dict__, "files": files})
+            tmp = partial / "meta.json.tmp"
+            with open(tmp, "w") as f:
+                f.write(json.dumps(manifest.to_json(), indent=1) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, partial / "meta.json")
+            _fault("manifest", step)
+            if final.exists():  # the same step saved again (a resumed run): never delete before publishing
+                replaced = directory / f"{REPLACED}{step}"
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.replace(final, replaced)
+            os.replace(partial, final)
+            _fault("rename", step)
+            _prune(directory, keep)
+            _fault("prune", step)
+        except OSError as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            where = exc.filename or partial
+            error = f"checkpoint {where}: {os_error_text(exc)}; partial files removed, {kept}"
+    agree(comm, error)
+    return final
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Only after a newer checkpoint is complete: drop all but the ``keep`` newest, and leftovers."""
+    complete = complete_checkpoints(directory)
+    for _, path in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in directory.iterdir():
+        if path.name.startswith((PARTIAL, REPLACED)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _parse_meta(directory: Path) -> Meta:
     path = directory / "meta.json"
     if not path.is_file():
-        raise RunError(f"--resume {directory}: not a checkpoint (no meta.json)")
+        raise RunError(f"{directory}: not a checkpoint (no meta.json)")
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RunError(f"{path}: not valid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunError(f"{path}: not valid JSON ({exc})".splitlines()[0]) from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise RunError(f"{path}: not a graph-transpiler checkpoint")
-    missing = [k for k in Meta.__dataclass_fields__ if k not in raw]
+    required = ("step", "plan_sha256", "world_size", "batch", "shuffle", "seed")
+    missing = [k for k in required if k not in raw]
     if missing:
         raise RunError(f"{path}: incomplete checkpoint metadata (missing {', '.join(missing)})")
-    meta = Meta(**{k: raw[k] for k in Meta.__dataclass_fields__})
+    meta = Meta(**{k: raw[k] for k in Meta.__dataclass_fields__ if k in raw})
     types = {"step": int, "plan_sha256": str, "world_size": int, "batch": int, "shuffle": bool, "seed": int}
     for key, kind in types.items():
         value = getattr(meta, key)
         if type(value) is not kind or (kind is int and value < 0):
             raise RunError(f"{path}: '{key}' is {value!r}, expected {'a non-negative integer' if kind is int else kind.__name__}")
+    if not isinstance(meta.files, dict):
+        raise RunError(f"{path}: 'files' is not a mapping")
+    return meta
+
+
+def _check_files(directory: Path, meta: Meta) -> None:
+    """Every rank file is there, with the size and hash the manifest records."""
+    for rank in range(meta.world_size):
+        path = directory / f"rank{rank}.npz"
+        if not path.is_file():
+            raise RunError(f"{path} is missing")
+        want = meta.files.get(path.name)
+        if want is None:
+            if meta.files:
+                raise RunError(f"{path} is not in the manifest")
+            continue  # format 1: no manifest of files
+        if path.stat().st_size != want.get("bytes") or _sha256(path) != want.get("sha256"):
+            raise RunError(f"{path} does not match the manifest (size or sha256 differ: copied in from another "
+                           "checkpoint, or damaged)")
+
+
+def _candidates(path: Path) -> list[Path]:
+    """Checkpoint directories to try, newest first: PATH itself if it is one, else the store's."""
+    if (path / "meta.json").is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    found = [(int(m.group(1)), p.name.startswith(PREFIX), p) for p in path.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, _, p in sorted(found, reverse=True)]
+
+
+def find_resume(path: Path, plan: Plan, *, batch: int, shuffle: bool, seed: int, schedule: tuple | None,
+                warn=None, check_data_order: bool = True, option: str = "--resume") -> tuple[Path, Meta]:
+    """The checkpoint to resume from: PATH if it is one, else the newest complete one of the store
+    PATH (incomplete or corrupt ones are skipped with a warning each). ``schedule`` is (lr,
+    schedule dict, steps) of this run, checked against the checkpoint's (None: not checked)."""
+    warn = warn or (lambda line: print(f"transpile: warning: {line}", file=sys.stderr, flush=True))
+    candidates = _candidates(path)
+    if not candidates:
+        raise RunError(f"{option} {path}: not a checkpoint (no meta.json) and no complete {PREFIX}<step>/ in it")
+    skipped: list[tuple[Path, str]] = []
+    for directory in candidates:
+        try:
+            meta = _parse_meta(directory)
+            _check_files(directory, meta)
+        except (RunError, OSError) as exc:
+            reason = str(exc) if isinstance(exc, RunError) else f"{exc.filename or directory}: {os_error_text(exc)}"
+            skipped.append((directory, reason))
+            continue
+        if check_data_order:
+            _check_compatible(directory, meta, plan, batch=batch, shuffle=shuffle, seed=seed, schedule=schedule)
+        elif meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
+            raise RunError(f"{directory}: the checkpoint was written for another plan than {plan.path}")
+        for other, reason in skipped:
+            if not other.name.startswith(PARTIAL):  # an unfinished save is expected after a crash
+                warn(f"{option}: skipped {other}, incomplete or damaged: {reason}")
+        return directory, meta
+    newest = next((reason for other, reason in skipped if not other.name.startswith(PARTIAL)), skipped[0][1])
+    if len(candidates) == 1:
+        raise RunError(f"{option} {newest}")
+    raise RunError(f"{option} {path}: no complete checkpoint among {len(candidates)} (the newest: {newest})")
+
+
+def _check_compatible(directory: Path, meta: Meta, plan: Plan, *, batch: int, shuffle: bool, seed: int,
+                      schedule: tuple | None) -> None:
     if meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
         raise RunError(f"--resume {directory}: the checkpoint was written for another plan than {plan.path}"
                        " (transpile again with the same model and options, or start without --resume)")
@@ -110,17 +341,40 @@ def read_meta(directory: Path, plan: Plan, *, batch: int, shuffle: bool, seed: i
 
         raise RunError(f"--resume {directory}: the checkpoint was written with {order(meta.batch, meta.shuffle, meta.seed)}, "
                        f"this run has {order(batch, shuffle, seed)}; resume with the same data order")
-    for rank in range(meta.world_size):
-        if not (directory / f"rank{rank}.npz").is_file():
-            raise RunError(f"--resume {directory}: rank{rank}.npz is missing")
-    return meta
+    if schedule is None or meta.lr is None:
+        return
+    lr, sched, steps = schedule
+    differs = []
+    if meta.lr != lr:
+        differs.append(f"--lr {meta.lr:g} (this run: {lr:g})")
+    theirs = meta.schedule or {}
+    for key, value in sched.items():
+        if key in theirs and theirs[key] != value:
+            option = {"kind": "--lr-schedule", "warmup_steps": "--warmup-steps", "min_lr": "--min-lr",
+                      "step_size": "--lr-step-size", "gamma": "--lr-gamma"}.get(key, key)
+            differs.append(f"{option} {theirs[key]} (this run: {value})")
+    if sched.get("kind") in ("cosine", "linear") and meta.steps is not None and meta.steps != steps:
+        differs.append(f"a {sched['kind']} schedule over --steps {meta.steps} (this run: {steps})")
+    if differs:
+        raise RunError(f"--resume {directory}: the checkpoint was written with {'; '.join(differs)}; resume with the "
+                       "same learning-rate schedule, or pass --override-schedule to use this run's")
 
 
-def load(directory: Path, rank: int) -> dict[str, np.ndarray]:
+def read_meta(directory: Path) -> Meta:
+    """The manifest of a checkpoint directory (the one ``find_resume`` chose)."""
+    return _parse_meta(directory)
+
+
+def load(directory: Path, rank: int, step: int | None = None) -> dict[str, np.ndarray]:
     path = directory / f"rank{rank}.npz"
     try:
         with np.load(path, allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files}
+            arrays = {name: npz[name] for name in npz.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise RunError(f"--resume {path}: unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
                        "the checkpoint is damaged") from None
+    saved = arrays.pop(STEP_KEY, None)
+    if step is not None and saved is not None and int(saved) != step:
+        raise RunError(f"--resume {path}: holds the state of step {int(saved)}, the checkpoint is at step {step} "
+                       "(a rank file copied in from another checkpoint)")
+    return arrays

@@ -8,6 +8,7 @@ the resulting RunConfig as a file (runtime/config.py), and run it in runtime/wor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from dataclasses import replace
@@ -16,10 +17,11 @@ from pathlib import Path
 from runtime import checkpoint
 from runtime.collectives import LocalGroup
 from runtime.config import RunConfig
-from runtime.data import Dataset, shard_size
+from runtime.data import Dataset, check_ids, id_bounds, shard_size
 from runtime.devices import BACKENDS, check_gpus, resolve_backend
-from runtime.errors import RunError
+from runtime.errors import PeerFailed, RunError
 from runtime.executor import CpuBackend
+from runtime.guard import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, timeout_from_env
 from runtime.launcher import detect_launcher, spawn
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
@@ -47,15 +49,26 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", metavar="TRAINED.onnx", help="write the user's model with the trained parameters")
     parser.add_argument("--log-every", type=int, default=10, metavar="N",
                         help="log every N steps on rank 0 (also the first and last; 0: silent; default 10)")
-    parser.add_argument("--checkpoint", metavar="DIR", help="save every rank's state to DIR at the end (atomically)")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="save every rank's state at the end into DIR/checkpoint-<step>/ (atomically; DIR is locked)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps")
-    parser.add_argument("--resume", metavar="DIR", help="continue from a checkpoint up to --steps (same plan, batch, data order)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                        help="complete checkpoints kept in DIR, newest first (default 2)")
+    parser.add_argument("--resume", metavar="latest|DIR",
+                        help="continue up to --steps from the newest complete checkpoint of --checkpoint DIR ('latest'), "
+                             "of a store DIR, or from DIR/checkpoint-<step> (same plan, batch, data order, lr schedule)")
+    parser.add_argument("--override-schedule", action="store_true",
+                        help="--resume with this run's --lr and schedule options instead of refusing ones that differ")
     parser.add_argument("--timings", metavar="FILE.json",
                         help="write each rank's median segment and collective times (cpu backend), for "
                              "'transpile inspect OUT --timeline T.png --timings FILE.json'")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="cpu (onnxruntime CPU, MPI), nccl (one GPU per rank: onnxruntime CUDA, NCCL) or "
                              "auto (default: nccl when GPUs, CuPy and onnxruntime-gpu are there, else cpu)")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="stop the job with one line naming the rank that did not arrive when training makes no "
+                             f"progress for SECONDS (a collective waiting for a stopped or dead rank; default "
+                             f"${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--no-tf32", action="store_true",
                         help="nccl backend: fp32 MatMul/Conv in full fp32 instead of TF32 (for exact comparisons)")
 
@@ -65,6 +78,7 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     the RunConfig it returns is what every rank runs (runtime/config.py)."""
     plan = load_plan(args.out)
     dataset = Dataset.load(args.data, plan.data_inputs)
+    check_ids(dataset, id_bounds(plan.model, plan.data_inputs))
     shard_size(args.batch, plan.world_size, plan.grad_accumulation)
     if args.batch > dataset.rows:
         raise RunError(f"--batch {args.batch} is larger than the {dataset.rows} rows of {args.data}: every batch would "
@@ -89,17 +103,31 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
         raise RunError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.checkpoint_every and args.checkpoint is None:
         raise RunError("--checkpoint-every needs --checkpoint DIR")
-    resume = None
-    if args.resume is not None:
-        resume = Path(args.resume).resolve()
-        meta = checkpoint.read_meta(resume, plan, batch=args.batch, shuffle=args.shuffle, seed=args.seed)
-        if meta.step >= steps:
-            raise RunError(f"--resume {args.resume}: the checkpoint is at step {meta.step}, nothing to do for --steps {steps}")
+    if args.keep_checkpoints < 1:
+        raise RunError(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
+    timeout = timeout_from_env() if args.timeout is None else args.timeout
+    if not 0 < timeout < float("inf"):
+        raise RunError(f"--timeout must be a positive number of seconds, got {timeout:g}")
     schedule = Schedule(args.lr_schedule, args.warmup_steps, args.min_lr, args.lr_step_size, args.lr_gamma)
     schedule.validate(steps)
+    resume = None
+    if args.resume is not None:
+        if args.resume == "latest":
+            if ckpt is None:
+                raise RunError("--resume latest needs --checkpoint DIR (the store to take the newest checkpoint from)")
+            where = ckpt
+        else:
+            where = Path(args.resume).resolve()
+        resume, meta = checkpoint.find_resume(
+            where, plan, batch=args.batch, shuffle=args.shuffle, seed=args.seed,
+            schedule=None if args.override_schedule else (lr, dataclasses.asdict(schedule), steps))
+        if meta.step > steps or (meta.step == steps and export is None):
+            raise RunError(f"--resume {args.resume}: the checkpoint is at step {meta.step}, nothing to do for --steps {steps}"
+                           + ("" if meta.step > steps else " (add --export FILE to write its trained model)"))
     config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed, schedule=schedule,
                        log_every=args.log_every, export=export,
-                       checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume, timings=timings,
+                       checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume,
+                       keep_checkpoints=args.keep_checkpoints, timeout=timeout, timings=timings,
                        out=plan.out_dir.resolve(), data=Path(args.data).resolve(), backend=args.backend,
                        tf32=not args.no_tf32)
     return plan, dataset, config
@@ -127,14 +155,20 @@ def run_command(args: argparse.Namespace) -> int:
         config = replace(config, backend=resolve_backend(config.backend))
         if config.backend == "nccl":
             check_gpus(plan.world_size, f"the plan ({plan.world_size} rank(s), transpiled with --gpus {plan.world_size})")
-        if plan.world_size == 1:
-            return _run_single(plan, dataset, config)
-        with tempfile.TemporaryDirectory(prefix="transpile-run.") as tmp:
-            path = Path(tmp) / "config.json"  # the ranks read it at start-up, before any step
-            config.save(path)
-            return spawn(plan.world_size, ["--config", str(path)])
+        lock = None if config.checkpoint is None else checkpoint.Lock(config.checkpoint)
+        try:
+            if plan.world_size == 1:
+                return _run_single(plan, dataset, config)
+            with tempfile.TemporaryDirectory(prefix="transpile-run.", ignore_cleanup_errors=True) as tmp:
+                path = Path(tmp) / "config.json"  # the ranks read it at start-up, before any step
+                config.save(path)
+                return spawn(plan.world_size, ["--config", str(path)], run_dir=Path(tmp))
+        finally:
+            if lock is not None:
+                lock.release()
     except RunError as exc:
-        print(f"transpile: error: {exc}", file=sys.stderr)
+        if not isinstance(exc, PeerFailed):
+            print(f"transpile: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -30,7 +30,8 @@ class RunConfig:
     export: Path | None = None
     checkpoint: Path | None = None  # written every checkpoint_every steps (0: at the end only)
     checkpoint_every: int = 0
-    resume: Path | None = None  # a checkpoint to start from instead of the init graph
+    keep_checkpoints: int = 2  # complete checkpoints kept in the store (older ones are removed)
+    resume: Path | None = None  # the checkpoint directory to start from instead of the init graph
     timings: Path | None = None  # measured segment and collective times, for inspect --timings
     schedule: Schedule = Schedule()  # learning rate per step (lr is the schedule's peak)
     # What a rank process loads (the in-process simulator passes arrays and leaves them None).
@@ -38,6 +39,7 @@ class RunConfig:
     data: Path | None = None  # the .npz
     backend: str = "cpu"  # "cpu", "nccl", or "auto" (each rank resolves it: runtime/devices.py)
     tf32: bool = True  # nccl backend: TF32 MatMul/Conv
+    timeout: float = 300.0  # seconds without progress (a collective waiting for a rank) before the job stops
 
     def to_json(self) -> dict:
         raw = dataclasses.asdict(self)

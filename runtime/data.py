@@ -124,3 +124,87 @@ def _check_array(array: np.ndarray, spec: DataInput, source: str) -> None:
         if axis != spec.batch_axis and isinstance(want, int) and have != want:
             raise RunError(f"{source}: input '{spec.name}' has shape {list(array.shape)}, the model expects {shown} "
                            f"(axis {axis} is {have}, expected {want})")
+
+
+# Ops that pass integer ids through unchanged (in value), only reshaped or re-typed.
+_PASS_THROUGH = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast", "Transpose", "Expand", "Slice",
+                 "Concat", "Split", "Tile"}
+
+
+def id_bounds(model_path: Path, inputs: tuple[DataInput, ...]) -> dict[str, tuple[int, int | None, str]]:
+    """For each integer data input that feeds an embedding (Gather's indices) or a class loss
+    (SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss labels), possibly through reshapes and
+    casts: (number of classes or rows, the loss's ignore_index or None, what it feeds). Read from
+    the user's model in OUT (shapes only: its float weights are not loaded)."""
+    import onnx
+
+    integer = {spec.name for spec in inputs if np.dtype(spec.dtype).kind in "iu"}
+    if not integer or not model_path.is_file():
+        return {}
+    model = onnx.load(str(model_path), load_external_data=False)
+    graph = model.graph
+    # Shape inference needs the weights' shapes, not their values: float initializers become inputs.
+    shapes: dict[str, list] = {t.name: list(t.dims) for t in graph.initializer}
+    keep = [t for t in graph.initializer if t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                                onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)]
+    moved = [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer
+             if t not in keep]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    graph.input.extend(moved)
+    try:
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - without inferred shapes, the initializers' shapes still serve
+        pass
+    for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
+        dims = vi.type.tensor_type.shape.dim
+        shapes.setdefault(vi.name, [d.dim_value if d.HasField("dim_value") else None for d in dims])
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        for position, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, position))
+    bounds: dict[str, tuple[int, int | None, str]] = {}
+    for name in integer:
+        frontier, seen = [name], set()
+        while frontier:
+            value = frontier.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            for node, position in consumers.get(value, []):
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+                found = None
+                if node.op_type in _PASS_THROUGH and position == 0:
+                    frontier.extend(node.output)
+                elif node.op_type == "Gather" and position == 1:
+                    table = shapes.get(node.input[0]) or []
+                    axis = attrs.get("axis", 0)
+                    if len(table) > abs(axis) and isinstance(table[axis], int) and table[axis] > 0:
+                        found = (table[axis], None, f"Gather '{node.name or node.output[0]}' of '{node.input[0]}'")
+                elif node.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and position == 1:
+                    scores = shapes.get(node.input[0]) or []
+                    if len(scores) > 1 and isinstance(scores[1], int) and scores[1] > 0:
+                        found = (scores[1], attrs.get("ignore_index"), f"{node.op_type} '{node.name or node.output[0]}'")
+                if found is not None and (name not in bounds or found[0] < bounds[name][0]):
+                    bounds[name] = found
+    return bounds
+
+
+def check_ids(dataset: Dataset, bounds: dict[str, tuple[int, int | None, str]]) -> None:
+    """Ids outside [0, n) (other than the loss's ignore_index) are an error naming the data file,
+    the input and the first bad row: onnxruntime would wrap negative ones silently (PyTorch raises)."""
+    for spec in dataset.inputs:
+        if spec.name not in bounds:
+            continue
+        n, ignore, what = bounds[spec.name]
+        array = dataset.arrays[spec.name]
+        bad = (array < 0) | (array >= n)
+        if ignore is not None:
+            bad &= array != ignore
+        if not bad.any():
+            continue
+        index = np.unravel_index(int(np.argmax(bad)), array.shape)
+        row, value = int(index[spec.batch_axis]), int(array[index])
+        allowed = f"[0, {n})" + (f" or ignore_index {ignore}" if ignore is not None else "")
+        raise RunError(f"{dataset.source}: input '{spec.name}' row {row} holds {value} at {list(map(int, index))}, "
+                       f"outside {allowed} ({what}); {int(bad.sum())} such value(s)")

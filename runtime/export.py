@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -10,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from runtime.errors import RunError
+from runtime.errors import RunError, os_error_text
 from runtime.plan import Plan
 from runtime.segments import load_graph
 
@@ -29,14 +30,24 @@ def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path
             raise RunError(f"{plan.model}: initializer '{name}' is {list(old.dims)} "
                            f"{onnx.helper.tensor_dtype_to_np_dtype(old.data_type)}, trained value is {list(value.shape)} {value.dtype}")
         old.CopyFrom(numpy_helper.from_array(value, name))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise RunError(f"--export {path}: {os_error_text(exc)}") from None
     try:
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; the export is an ordinary new file
         with os.fdopen(fd, "wb") as f:
             f.write(model.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise RunError(f"--export {path}: {os_error_text(exc)}; the partial file was removed") from None
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise

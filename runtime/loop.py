@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
+import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from runtime import checkpoint
 from runtime.collectives import Communicator
 from runtime.config import RunConfig
 from runtime.data import Dataset
-from runtime.errors import RunError
+from runtime.errors import AgreedError, PeerFailed, RunError, os_error_text
 from runtime.export import export_model
 from runtime.trainer import Trainer
 
@@ -20,19 +27,22 @@ from runtime.trainer import Trainer
 FLUSH_EVERY = 1024
 
 
-def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print) -> list[float]:
+def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print,
+          progress: Callable[[int, str], None] = lambda step, phase: None) -> list[float]:
     """Initialize (or resume) and run up to step ``config.steps``; rank 0 logs and exports.
-    Returns the global losses of the steps run. The rank and world size are the communicator's."""
+    Returns the global losses of the steps run. The rank and world size are the communicator's.
+    ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on."""
     rank, world_size = trainer.comm.rank, trainer.comm.size
     start = 0
+    progress(0, "init")
     if config.resume is not None:
-        meta = checkpoint.read_meta(config.resume, trainer.plan, batch=config.batch, shuffle=config.shuffle,
-                                    seed=config.seed)
-        trainer.load_state(checkpoint.load(config.resume, rank), f"{config.resume}/rank{rank}.npz")
+        meta = checkpoint.read_meta(config.resume)
+        trainer.load_state(checkpoint.load(config.resume, rank, meta.step), f"{config.resume}/rank{rank}.npz")
         start = meta.step
     else:
         trainer.initialize()
     losses: list[float] = []
+    last_checkpoint = config.resume
     # The log line reports averages over the steps since the previous line: a single step's time
     # and loss are too noisy to read (one batch; a rank descheduled for a moment).
     since, window_start = 0, time.perf_counter()
@@ -43,16 +53,23 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                              shuffle=config.shuffle, seed=config.seed)
         trainer.step_async(data, lr)
         done = step + 1
+        progress(done, "step")
         if config.timings is not None and step == start:
             # Timed from the second step on: the first one pays for first-touch allocations.
             if not trainer.backend.records_timings:
                 raise RunError(f"--timings: the {trainer.backend.name} backend does not record timings (the cpu backend does)")
             trainer.step_program.record_timings()
         log_now = config.log_every and (done == start + 1 or done % config.log_every == 0 or done == config.steps)
-        # Losses are read at log steps only (the GPU keeps them on the device until then), and at
-        # least every FLUSH_EVERY steps; every rank takes the same decision, so the host reductions match.
-        if log_now or done == config.steps or done - start - len(losses) >= FLUSH_EVERY:
-            losses.extend(trainer.collect_losses())
+        save_now = config.checkpoint is not None and (
+            done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0))
+        # Losses are read at log and checkpoint steps only (the GPU keeps them on the device until
+        # then), and at least every FLUSH_EVERY steps; every rank takes the same decision, so the
+        # host reductions match. Each batch read is checked for non-finite losses (no extra sync).
+        if log_now or save_now or done == config.steps or done - start - len(losses) >= FLUSH_EVERY:
+            first = start + len(losses) + 1
+            new = trainer.collect_losses()
+            losses.extend(new)
+            _check_losses(new, first, rank, last_checkpoint, trainer)
         if rank == 0 and log_now:
             loss = losses[-1]
             now = time.perf_counter()
@@ -62,15 +79,95 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                 f"mean loss {sum(window) / len(window):.6f}  lr {lr:g}  "
                 f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
             since, window_start = len(losses), now
-        if config.checkpoint is not None and (done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
+        if save_now:
+            progress(done, "checkpoint")
+            state = trainer.state_dict()
+            _check_state(state, done, trainer.comm, last_checkpoint)
             meta = checkpoint.Meta(step=done, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=world_size,
-                                   batch=config.batch, shuffle=config.shuffle, seed=config.seed)
-            checkpoint.save(config.checkpoint, trainer.state_dict(), meta, rank=rank, comm=trainer.comm)
+                                   batch=config.batch, shuffle=config.shuffle, seed=config.seed, lr=config.lr,
+                                   schedule=dataclasses.asdict(config.schedule), steps=config.steps)
+            last_checkpoint = checkpoint.save(config.checkpoint, state, meta, rank=rank, comm=trainer.comm,
+                                              keep=config.keep_checkpoints)
+            progress(done, "step")
+    progress(config.steps, "finishing")
     if config.timings is not None:
         _write_timings(config.timings, trainer.step_program.median_timings(), trainer.comm)
-    if rank == 0 and config.export is not None:
-        export_model(trainer.plan, trainer.parameters(), config.export)
+    if config.export is not None:
+        parameters = trainer.parameters()
+        if not (config.checkpoint is not None and start < config.steps):  # else checked just before the save
+            _check_state(parameters, config.steps, trainer.comm, last_checkpoint)
+        error = None
+        if rank == 0:
+            try:
+                export_model(trainer.plan, parameters, config.export)
+            except RunError as exc:
+                error = str(exc)
+        # Every rank waits for the export's outcome, so that on failure the final state is kept.
+        if trainer.comm.allreduce_scalars([1.0 if error else 0.0], "sum")[0]:
+            if config.checkpoint is None and start < config.steps:  # the final state is in no checkpoint
+                last_checkpoint = _rescue(trainer, config, error)
+            if rank != 0:
+                raise PeerFailed("--export failed")
+            raise AgreedError(f"{error}; the trained state is in {last_checkpoint}: export it later with 'transpile export "
+                              f"{config.out} --checkpoint {last_checkpoint} -o FILE'")
     return losses
+
+
+def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
+    """--export failed and no checkpoint holds the final state: save one into the temporary
+    directory (another file system than the export's, as a rule), for 'transpile export'."""
+    comm = trainer.comm
+    key = hashlib.sha256(f"{config.out}|{config.export}|{config.steps}".encode()).hexdigest()[:12]
+    store = Path(tempfile.gettempdir()) / f"transpile-rescue-{key}"
+    meta = checkpoint.Meta(step=config.steps, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=comm.size,
+                           batch=config.batch, shuffle=config.shuffle, seed=config.seed, lr=config.lr,
+                           schedule=dataclasses.asdict(config.schedule), steps=config.steps)
+    try:
+        return checkpoint.save(store, trainer.state_dict(), meta, rank=comm.rank, comm=comm, keep=1)
+    except PeerFailed:
+        raise
+    except RunError as exc:  # this rank is the one that reports the save's failure
+        raise AgreedError(f"{error or f'--export {config.export} failed'}; saving the final state to {store} failed "
+                          f"too ({exc}); the trained state is lost") from None
+
+
+def _where(last_checkpoint) -> str:
+    return (f"{last_checkpoint} is the last good checkpoint" if last_checkpoint is not None
+            else "no checkpoint was written")
+
+
+def _check_losses(new: list[float], first: int, rank: int, last_checkpoint, trainer: Trainer) -> None:
+    """Stop at the first non-finite loss (every rank holds the same global losses, so all stop)."""
+    for i, value in enumerate(new):
+        if not math.isfinite(value):
+            if rank != 0:
+                raise PeerFailed("non-finite loss")
+            # Stopping anyway: naming the first non-finite tensor of rank 0's state (which holds every
+            # parameter) costs one copy to the host, once.
+            bad = _first_non_finite(trainer.state_dict())
+            tensor = f"; '{bad}' is non-finite now" if bad else ""
+            raise AgreedError(f"step {first + i}: the loss is {value} (non-finite){tensor}; training stopped, no "
+                              f"checkpoint or export was written from this state; {_where(last_checkpoint)}")
+
+
+def _first_non_finite(state: dict[str, np.ndarray]) -> str | None:
+    return next((name for name, a in state.items() if a.dtype.kind in "fc" and a.size and not np.isfinite(a).all()), None)
+
+
+def _check_state(state: dict[str, np.ndarray], step: int, comm: Communicator, last_checkpoint) -> None:
+    """Before a checkpoint or an export: every rank checks the state it holds (already on the host)
+    and the ranks agree; the lowest rank holding a non-finite tensor names it."""
+    bad = _first_non_finite(state)
+    flags = [0.0] * comm.size
+    flags[comm.rank] = 1.0 if bad else 0.0
+    flags = comm.allreduce_scalars(flags, "sum")
+    if not any(flags):
+        return
+    first = next(r for r, f in enumerate(flags) if f)
+    if comm.rank != first:
+        raise PeerFailed("non-finite state")
+    raise AgreedError(f"step {step}: '{bad}' holds non-finite values (the losses so far were finite); training "
+                   f"stopped, no checkpoint or export was written from this state; {_where(last_checkpoint)}")
 
 
 def _write_timings(path: Path, mine: dict, comm: Communicator) -> None:
@@ -78,12 +175,24 @@ def _write_timings(path: Path, mine: dict, comm: Communicator) -> None:
     ...}]}``), through per-rank files: the communicator moves arrays, not documents."""
     rank, world_size = comm.rank, comm.size
     part = path.with_name(f"{path.name}.rank{rank}")
-    part.write_text(json.dumps({"rank": rank, **mine}))
-    comm.barrier()
-    if rank == 0:
-        parts = [path.with_name(f"{path.name}.rank{r}") for r in range(world_size)]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"ranks": [json.loads(p.read_text()) for p in parts]}, indent=1) + "\n")
-        os.replace(tmp, path)
-        for p in parts:
-            p.unlink()
+    parts = [path.with_name(f"{path.name}.rank{r}") for r in range(world_size)]
+    tmp = path.with_name(path.name + ".tmp")
+    error = None
+    try:
+        part.write_text(json.dumps({"rank": rank, **mine}))
+    except OSError as exc:
+        error = f"--timings {exc.filename or part}: {os_error_text(exc)}"
+    try:
+        checkpoint.agree(comm, error)  # also the barrier: every part is on disk
+        error = None
+        if rank == 0:
+            try:
+                tmp.write_text(json.dumps({"ranks": [json.loads(p.read_text()) for p in parts]}, indent=1) + "\n")
+                os.replace(tmp, path)
+            except OSError as exc:
+                error = f"--timings {exc.filename or path}: {os_error_text(exc)}"
+        checkpoint.agree(comm, error)
+    finally:
+        for p in (part, tmp) if rank else (part, tmp, *parts):
+            with contextlib.suppress(OSError):
+                p.unlink()

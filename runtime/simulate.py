@@ -15,7 +15,7 @@ import numpy as np
 from runtime.collectives import LocalGroup
 from runtime.config import RunConfig
 from runtime.data import Dataset, shard_size
-from runtime.errors import RunError
+from runtime.errors import PeerFailed, RunError
 from runtime.executor import CpuBackend
 from runtime.loop import train
 from runtime.plan import load_plan
@@ -53,6 +53,8 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
         try:
             trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1))
             losses[r] = train(trainers[r], dataset, config)
+        except PeerFailed as exc:  # every rank knows already: no abort (it could break a peer's last barrier)
+            errors[r] = exc
         except BaseException as exc:  # re-raised below in the caller's thread
             errors[r] = exc
             group.abort()  # peers blocked in a collective raise BrokenBarrierError instead of hanging
@@ -64,7 +66,8 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
         t.join()
     # Report the failure that caused the abort, not the BrokenBarrierErrors it caused in the peers.
     failures = [(r, e) for r, e in enumerate(errors) if e is not None]
-    for r, exc in sorted(failures, key=lambda f: isinstance(f[1], threading.BrokenBarrierError)):
+    # PeerFailed: a rank that learned through an agreement that another one failed (that one speaks).
+    for r, exc in sorted(failures, key=lambda f: isinstance(f[1], (threading.BrokenBarrierError, PeerFailed))):
         if isinstance(exc, RunError):
             raise RunError(f"rank {r}: {exc}") from exc
         raise exc

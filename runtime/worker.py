@@ -12,24 +12,38 @@ Failure handling keeps the "one line per error, no hang" promise in two phases:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
+from runtime import checkpoint
 from runtime.collectives.mpi import MpiCommunicator
 from runtime.config import RunConfig
 from runtime.data import Dataset
 from runtime.devices import check_gpus, resolve_backend
-from runtime.errors import RunError
+from runtime.errors import PeerFailed, RunError
 from runtime.executor import CpuBackend
+from runtime.guard import PARENT_ENV, RUN_DIR_ENV, Watchdog, set_parent_death_signal, timeout_from_env
 from runtime.launcher import SPAWNED_ENV, check_world_size, detect_launcher
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
 from runtime.trainer import Trainer
 
 Setup = Callable[[], tuple[Plan, Dataset, RunConfig]]
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("graph-transpiler")
+    except Exception:  # noqa: BLE001 - not installed (run from a checkout)
+        return "unknown"
 
 
 def _threads_per_rank(comm: MpiCommunicator) -> int:
@@ -48,7 +62,20 @@ def _tear_down(comm: MpiCommunicator, code: int) -> None:
     sys.stderr.flush()
     if os.environ.get(SPAWNED_ENV) == "1":
         os._exit(code)  # our mpiexec kills the other ranks when one exits non-zero
+    # An outside launcher's proxy forwards our stderr asynchronously; MPI_Abort tears it down at
+    # once, and the line just printed was lost (seen with Hydra): give it a moment to go out.
+    time.sleep(0.5)
     comm.abort(code)
+
+
+def _agreed_exit(comm: MpiCommunicator) -> int:
+    """Every rank knows of the error: each ends normally with status 2 (no MPI_Abort, no banner),
+    after a barrier, so the rank that prints the line has printed it before any rank exits (our
+    mpiexec kills the others as soon as one exits non-zero). The watchdog bounds the barrier."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    comm.barrier()
+    return 2
 
 
 def _local_rank(comm: MpiCommunicator) -> tuple[int, int]:
@@ -80,21 +107,45 @@ def run_as_rank(setup: Setup) -> int:
     # Ctrl-C ends a rank at once, with no traceback: Python's handler would only run once the call
     # in progress returns, and a rank blocked in a collective whose peer has gone never returns.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    spawned = os.environ.get(SPAWNED_ENV) == "1"
+    if spawned:
+        set_parent_death_signal()  # the rank dies with its parent (mpiexec's proxy), however it dies
     comm = MpiCommunicator()
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    watchdog = Watchdog(comm.rank, comm.size, timeout=timeout_from_env(), exit=lambda code: _tear_down(comm, code),
+                        run_dir=Path(run_dir) if run_dir else None,
+                        parent=os.environ.get(PARENT_ENV) if spawned else None).start()
+    watchdog.arm()  # the setup agreement below is a collective too: a rank stopped in setup must not hang the rest
     trainer = error = None
     rank_comm = comm
     try:
         plan, dataset, config = setup()
+        watchdog.timeout = config.timeout
+        watchdog.progress(0, "start-up")
         launcher = detect_launcher()
         check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
         backend, rank_comm = _make_backend(config, comm)
         trainer = Trainer(plan, rank_comm, rank=comm.rank, backend=backend)
+        if comm.rank == 0 and config.checkpoint is not None and os.environ.get(SPAWNED_ENV) != "1":
+            # Under an outside launcher no parent holds the checkpoint lock: rank 0 does.
+            lock = checkpoint.Lock(config.checkpoint)  # noqa: F841 (held until the process ends)
     except RunError as exc:
         error = str(exc)
     except Exception as exc:  # a bug: keep its traceback, but still reach the agreement below
         traceback.print_exc()
         error = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0]
-    errors = comm.comm.allgather(error)
+    if error is None:
+        try:
+            mine = fingerprint(plan, dataset, config)
+        except Exception as exc:  # noqa: BLE001 - reach the agreement whatever happened
+            error = f"internal error: fingerprint: {type(exc).__name__}: {exc}".splitlines()[0]
+    # One small collective: every rank's setup error (if any) and its fingerprint of the run.
+    gathered = comm.comm.allgather((error, None if error else mine))
+    errors = [e for e, _ in gathered]
+    if not any(errors):
+        disagreement = compare_fingerprints([f for _, f in gathered])
+        if disagreement:
+            errors = [disagreement] * comm.size
     if any(errors):
         if comm.rank == 0:
             distinct = list(dict.fromkeys(e for e in errors if e))
@@ -106,15 +157,60 @@ def run_as_rank(setup: Setup) -> int:
     try:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
-        train(trainer, dataset, config, log=lambda line: print(line, flush=True))
+        train(trainer, dataset, config, log=lambda line: print(line, flush=True), progress=watchdog.progress)
+        watchdog.disarm()
+    except PeerFailed:
+        # Every rank knows (a host agreement): the rank that failed prints its line; all exit 2.
+        return _agreed_exit(comm)
     except RunError as exc:
-        print(f"transpile: error: rank {comm.rank}: {exc}", file=sys.stderr)
+        print(f"transpile: error: rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
+        if getattr(exc, "agreed", False):
+            return _agreed_exit(comm)
         _tear_down(comm, 2)
     except Exception as exc:  # a bug, not a user error: keep the traceback
         traceback.print_exc()
         print(f"transpile: error: rank {comm.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
         _tear_down(comm, 1)
     return 0
+
+
+def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, str]:
+    """What every rank must agree on before the first collective, as short printable values: the
+    plan (its hash covers the collectives of every rank in order), the run configuration, the data
+    and the runtime's version. Ranks started by hand or by an outside launcher can differ in any."""
+    from dataclasses import asdict
+
+    from runtime import checkpoint as ckpt
+
+    data = ",".join(f"{name}{list(a.shape)}{a.dtype}" for name, a in sorted(dataset.arrays.items()))
+    return {
+        "lr": f"{config.lr:g}",
+        "lr schedule": ",".join(f"{k}={v}" for k, v in asdict(config.schedule).items()),
+        "steps": str(config.steps),
+        "batch": str(config.batch),
+        "data order": f"shuffle={config.shuffle},seed={config.seed if config.shuffle else 0}",
+        "data": hashlib.sha256(data.encode()).hexdigest()[:16] if len(data) > 60 else data,
+        "resume": str(config.resume),
+        "plan": ckpt.plan_hash(plan)[:16],
+        "runtime version": _version(),
+    }
+
+
+def compare_fingerprints(prints: list[dict[str, str]]) -> str | None:
+    """One line naming every field the ranks disagree on, with each value and its ranks."""
+    parts = []
+    for field in prints[0]:
+        values = [p.get(field) for p in prints]
+        if len(set(values)) > 1:
+            groups: dict[str | None, list[int]] = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(value, []).append(rank)
+            said = "; ".join(f"rank {', '.join(map(str, ranks))}: {value}" for value, ranks in groups.items())
+            parts.append(f"{field} ({said})")
+    if not parts:
+        return None
+    return (f"the ranks disagree on {', '.join(parts)}; every rank must run the same plan and options "
+            "(refused before any training collective)")
 
 
 def load_setup(path: str) -> tuple[Plan, Dataset, RunConfig]:

@@ -35,12 +35,14 @@ def test_resumed_run_equals_an_uninterrupted_one(model_dir, tmp_path, strategy):
     assert whole.returncode == 0, whole.stderr
     first = cli("run", out, *common, "--steps", 5, "--checkpoint", tmp_path / "ckpt", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    saved = tmp_path / "ckpt" / "checkpoint-5"
+    meta = json.loads((saved / "meta.json").read_text())
     assert meta["step"] == 5 and meta["world_size"] == 2
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "rank0.npz", "rank1.npz"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "checkpoint-5"]
+    assert sorted(p.name for p in saved.iterdir()) == ["meta.json", "rank0.npz", "rank1.npz"]
     # Each rank keeps its own optimizer state: sharded, that of the parameters it is root of; zero,
     # its slice of every bucket.
-    ranks = [dict(np.load(tmp_path / "ckpt" / f"rank{r}.npz")) for r in range(2)]
+    ranks = [dict(np.load(saved / f"rank{r}.npz")) for r in range(2)]
     if strategy == "sharded":
         assert ranks[0].keys() != ranks[1].keys()
     else:

@@ -288,12 +288,13 @@ def test_resume_from_damaged_metadata(transpiled, perceptron, tmp_path, meta):
     data = perceptron / "data.npz"
     ck = tmp_path / "ck"
     assert run_cli(transpiled, data, "--batch", "8", "--checkpoint", ck).returncode == 0
+    saved = ck / "checkpoint-1"
     if meta == "[]":
-        (ck / "meta.json").write_text("[]")
+        (saved / "meta.json").write_text("[]")
     else:
-        raw = json.loads((ck / "meta.json").read_text())
+        raw = json.loads((saved / "meta.json").read_text())
         raw["step"] = -5 if meta == "step -5" else "x"
-        (ck / "meta.json").write_text(json.dumps(raw))
+        (saved / "meta.json").write_text(json.dumps(raw))
     done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--resume", ck,
                          cwd=tmp_path)
     assert_clean_error(done, "meta.json")
@@ -303,11 +304,29 @@ def test_resume_from_a_truncated_rank_file(transpiled, perceptron, tmp_path):
     data = perceptron / "data.npz"
     ck = tmp_path / "ck"
     assert run_cli(transpiled, data, "--batch", "8", "--checkpoint", ck).returncode == 0
-    (ck / "rank2.npz").write_bytes((ck / "rank2.npz").read_bytes()[:50])
+    rank2 = ck / "checkpoint-1" / "rank2.npz"
+    rank2.write_bytes(rank2.read_bytes()[:50])
+    done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--resume", ck,
+                         cwd=tmp_path)
+    assert_clean_error(done, "rank2.npz does not match the manifest", "damaged")
+    # With the manifest made to match, the rank reading it still refuses it with one line.
+    refresh_manifest(ck / "checkpoint-1")
     done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--resume", ck,
                          cwd=tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "rank2.npz: unreadable" in done.stderr and "damaged" in done.stderr
+
+
+def refresh_manifest(directory: Path) -> None:
+    """Make a checkpoint's manifest match its (edited) rank files, as a careful forger would."""
+    import hashlib
+    import json
+
+    raw = json.loads((directory / "meta.json").read_text())
+    for name in raw["files"]:
+        blob = (directory / name).read_bytes()
+        raw["files"][name] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    (directory / "meta.json").write_text(json.dumps(raw))
 
 
 @pytest.mark.parametrize("edit, fragment", [
@@ -362,10 +381,11 @@ def test_resume_with_state_of_the_wrong_shape(transpiled, perceptron, tmp_path):
     data = perceptron / "data.npz"
     ck = tmp_path / "ck"
     assert run_cli(transpiled, data, "--batch", "8", "--checkpoint", ck).returncode == 0
-    state = dict(np.load(ck / "rank1.npz"))
+    state = dict(np.load(ck / "checkpoint-1" / "rank1.npz"))
     name = next(n for n, a in state.items() if a.ndim == 2)
     state[name] = state[name][:, :3]
-    np.savez(ck / "rank1.npz", **state)
+    np.savez(ck / "checkpoint-1" / "rank1.npz", **state)
+    refresh_manifest(ck / "checkpoint-1")
     done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--resume", ck,
                          cwd=tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr

@@ -77,7 +77,7 @@ def test_checkpoint_into_an_earlier_checkpoint_or_an_empty_directory(project):
     for _ in range(2):
         done = _run(project, "--checkpoint", "ck")
         assert done.returncode == 0, done.stderr
-        assert (project / "ck" / "meta.json").is_file()
+        assert (project / "ck" / "checkpoint-2" / "meta.json").is_file()
 
 
 def _alive(marker: str) -> list[str]:

@@ -233,15 +233,17 @@ def test_gpt2_default_export_constants_frozen(exported):
 
 
 def test_gpt2_default_export_forcing_the_exponent_trains_to_nan(exported, tmp_path):
-    """What the rule prevents: the exponent trained (--train) makes the loss NaN from step 2 on."""
+    """What the rule prevents: the exponent trained (--train) makes the loss NaN from step 2 on (the
+    runtime's non-finite guard then stops the run naming the step: docs/reliability.md)."""
     from runtime import simulate
+    from runtime.errors import RunError
 
     path = exported("gpt2_torch_init")
     job = build(path, Options())
     exponent = next(n for n, (s, r) in job.problem.selection.status.items() if r == "exponent")
     transpile(path, tmp_path / "forced", Options(optimizer=OptimizerConfig("sgd", lr=LR)), train=f"^{exponent}$")
-    forced = simulate(tmp_path / "forced", data(), batch=BATCH, steps=STEPS)
-    assert np.isfinite(forced.losses[0]) and not np.isfinite(forced.losses[-1])
+    with pytest.raises(RunError, match=r"step 2: the loss is nan \(non-finite\)"):
+        simulate(tmp_path / "forced", data(), batch=BATCH, steps=STEPS)
     transpile(path, tmp_path / "default", Options(optimizer=OptimizerConfig("sgd", lr=LR)))
     default = simulate(tmp_path / "default", data(), batch=BATCH, steps=STEPS)
     assert np.all(np.isfinite(default.losses))

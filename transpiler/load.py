@@ -99,6 +99,27 @@ def _upgrade(proto: onnx.ModelProto, path: Path) -> onnx.ModelProto:
         ) from None
 
 
+def _check_raw_sizes(proto: onnx.ModelProto, path: Path) -> None:
+    """An initializer's raw_data must hold its declared shape exactly (the checker skips the large
+    ones, which are detached before it runs: a short one would fail deep inside a later pass)."""
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or not tensor.raw_data:
+            continue
+        try:
+            itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        except (KeyError, TypeError, ValueError):
+            continue
+        if tensor.data_type == onnx.TensorProto.STRING or itemsize == 0:
+            continue
+        count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+        packed = {getattr(onnx.TensorProto, n, -1) for n in ("INT4", "UINT4", "FLOAT4E2M1")}  # two per byte
+        want = (count + 1) // 2 if tensor.data_type in packed else count * itemsize
+        if len(tensor.raw_data) != want:
+            raise TranspileError(f"{path}: initializer '{tensor.name}' holds {len(tensor.raw_data)} bytes of raw_data, "
+                                 f"its shape {list(tensor.dims)} of {onnx.TensorProto.DataType.Name(tensor.data_type).lower()} "
+                                 f"needs {want}; the file is truncated or damaged")
+
+
 def _make_batch_symbolic(proto: onnx.ModelProto, data_names: list[str]) -> None:
     # Each rank is fed B/N rows and one device B rows, so the batch axis must not be a constant.
     for vi in proto.graph.input:
@@ -199,6 +220,7 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
     proto.CopyFrom(source)
     init_names = {t.name for t in proto.graph.initializer}
     data_names = [vi.name for vi in proto.graph.input if vi.name not in init_names]
+    _check_raw_sizes(proto, path)
     # The whole-model passes below need the weights' types only (transpiler/weights.py).
     weights, stand_ins = detach_weights(proto)
     try:

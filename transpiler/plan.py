@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -213,7 +214,8 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
     # Named before it exists and created inside the try: Ctrl-C or SIGTERM (raised as exceptions,
     # commands/main.py) right after the mkdir still removes it. With mkdtemp a signal landing between
     # its mkdir and the try left the directory behind (seen under load in test_cli_safety).
-    tmp = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}"
+    _remove_stale_temporaries(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:
         tmp.mkdir()
         tmp.chmod(0o777 & ~_umask())  # OUT gets the permissions of any new directory
@@ -235,7 +237,7 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
         except PlanError as exc:
             raise TranspileError(f"internal error: the plan written breaks the contract: {exc}") from None
         if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-{os.getpid()}-", dir=out_dir.parent))
             os.replace(out_dir, old / "out")
             os.replace(tmp, out_dir)
             shutil.rmtree(old, ignore_errors=True)
@@ -245,6 +247,32 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return plan
+
+
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    """Remove what a killed ``transpile`` to the same OUT left (kill -9 leaves no chance to clean
+    up): our hidden ``.OUT.tmp-<pid>-<id>`` and ``.OUT.old-<pid>-<id>`` siblings whose process is
+    gone. A live pid (another transpile running now) is left alone."""
+    pattern = re.compile(rf"^\.{re.escape(out_dir.name)}\.(?:tmp|old)-(\d+)-[0-9a-z_]+$")
+    try:
+        siblings = list(out_dir.parent.iterdir())
+    except OSError:
+        return
+    for path in siblings:
+        match = pattern.match(path.name)
+        if match is None or not path.is_dir() or path.is_symlink():
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # its owner still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _umask() -> int:
