@@ -264,6 +264,7 @@ class Session:
         self.run_id = args.run_id or (now.strftime("%Y%m%dT%H%M%SZ") + "-" + self.host)
         self.results = Path(args.results or (HERE / "results" / f"{self.date}-{self.host}.jsonl"))
         self.commit = git_commit(ROOT)
+        self._tree_commits: dict[str, str | None] = {str(ROOT): self.commit}
         self.logs = self.work / "logs" / self.run_id
         self.logs.mkdir(parents=True, exist_ok=True)
         self.records: list[dict] = []
@@ -277,7 +278,11 @@ class Session:
 
     def out_dir(self, m: dict, ours: dict, gpus: int) -> Path:
         tree = Path(ours["path"]) if ours["path"] else ROOT
-        key = digest([m["optimizer"], ours["flags"], str(tree), git_commit(tree)])
+        # A tree's commit is read once per run: a commit made while the run goes on must not send
+        # its timing rows to a directory its transpile step never wrote.
+        if str(tree) not in self._tree_commits:
+            self._tree_commits[str(tree)] = git_commit(tree)
+        key = digest([m["optimizer"], ours["flags"], str(tree), self._tree_commits[str(tree)]])
         return self.model_dir(m) / f"out-{ours['label']}-g{gpus}-{key}"
 
     def write_spec(self, name: str, spec: dict) -> Path:

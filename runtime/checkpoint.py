@@ -13,7 +13,7 @@
 
 A checkpoint is written into ``DIR/.partial-<step>/`` and published by ONE atomic rename to
 ``DIR/checkpoint-<step>`` once every rank's file and the manifest are on disk; only then are older
-checkpoints beyond ``--keep-checkpoints K`` (and stale partial directories) removed. So at every
+checkpoints beyond ``--keep-last K`` (and stale partial directories) removed. So at every
 instant the store holds its previous complete checkpoints: a crash at any point of a save loses at
 most the checkpoint being written. A ``.partial-<step>`` whose manifest is on disk is complete too
 (the crash came just before the rename): resume accepts it.

@@ -52,7 +52,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="save every rank's state at the end into DIR/checkpoint-<step>/ (atomically; DIR is locked)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps")
-    parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+    parser.add_argument("--keep-last", "--keep-checkpoints", dest="keep_checkpoints", type=int, default=2, metavar="K",
                         help="complete checkpoints kept in DIR, newest first (default 2)")
     parser.add_argument("--resume", metavar="latest|DIR",
                         help="continue up to --steps from the newest complete checkpoint of --checkpoint DIR ('latest'), "
@@ -104,7 +104,7 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     if args.checkpoint_every and args.checkpoint is None:
         raise RunError("--checkpoint-every needs --checkpoint DIR")
     if args.keep_checkpoints < 1:
-        raise RunError(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
+        raise RunError(f"--keep-last must be >= 1, got {args.keep_checkpoints}")
     timeout = timeout_from_env() if args.timeout is None else args.timeout
     if not 0 < timeout < float("inf"):
         raise RunError(f"--timeout must be a positive number of seconds, got {timeout:g}")

@@ -109,7 +109,7 @@ def test_a_second_run_on_a_locked_checkpoint_directory_is_refused(job, tmp_path)
 def test_keep_checkpoints_keeps_the_newest_k(job, tmp_path):
     _, out, _, common = job
     done = cli("run", out, *common, "--steps", 10, "--checkpoint", tmp_path / "ck", "--checkpoint-every", 2,
-               "--keep-checkpoints", 3, cwd=tmp_path)
+               "--keep-last", 3, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".lock", "checkpoint-10", "checkpoint-6",
                                                                    "checkpoint-8"]
