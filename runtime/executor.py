@@ -168,7 +168,9 @@ class Program(ProgramBase):
             if runner is not None:
                 results = runner.run(dict(zip(item.inputs, values)))
             else:
+                self.comm.current = f"{item.op_type} '{item.name}' (order {item.order})"
                 results = item.run(self.comm, values)
+                self.comm.current = None
             if self.timings is not None:
                 key = ("segments", item.index) if runner is not None else ("collectives", item.order)
                 self.timings.setdefault(key, []).append(time.perf_counter() - started)

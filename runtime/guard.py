@@ -98,8 +98,10 @@ def read_beats(run_dir: Path, size: int) -> dict[int, tuple[float, int, str, int
 
 class Watchdog:
     def __init__(self, rank: int, size: int, *, timeout: float, exit: Callable[[int], None],
-                 run_dir: Path | None = None, parent: str | None = None, period: float = 0.5):
+                 run_dir: Path | None = None, parent: str | None = None, period: float = 0.5,
+                 activity: Callable[[], str | None] | None = None):
         self.rank, self.size, self.timeout = rank, size, timeout
+        self.activity = activity  # what the rank is blocked in (the collective), for the message
         self.run_dir, self.parent, self.period = run_dir, parent, period
         self._exit = exit
         self.step, self.phase = 0, "start-up"
@@ -153,6 +155,9 @@ class Watchdog:
     def _fire(self) -> None:
         idle = time.monotonic() - self._last
         where = f"step {self.step + 1}" if self.phase == "step" else f"{self.phase} at step {self.step}"
+        inside = self.activity() if self.activity is not None else None
+        if inside:
+            where = f"{inside} of {where}"
         absent, speaker = "a rank did not arrive (stopped, dead, or running other steps or another plan)", True
         if self.run_dir is not None:
             beats = read_beats(self.run_dir, self.size)

@@ -111,13 +111,14 @@ def run_as_rank(setup: Setup) -> int:
     if spawned:
         set_parent_death_signal()  # the rank dies with its parent (mpiexec's proxy), however it dies
     comm = MpiCommunicator()
+    rank_comm = comm  # the communicator training uses (its ``current`` collective names a timeout)
     run_dir = os.environ.get(RUN_DIR_ENV)
     watchdog = Watchdog(comm.rank, comm.size, timeout=timeout_from_env(), exit=lambda code: _tear_down(comm, code),
                         run_dir=Path(run_dir) if run_dir else None,
-                        parent=os.environ.get(PARENT_ENV) if spawned else None).start()
+                        parent=os.environ.get(PARENT_ENV) if spawned else None,
+                        activity=lambda: getattr(rank_comm, "current", None)).start()
     watchdog.arm()  # the setup agreement below is a collective too: a rank stopped in setup must not hang the rest
     trainer = error = None
-    rank_comm = comm
     try:
         plan, dataset, config = setup()
         watchdog.timeout = config.timeout

@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -344,6 +345,8 @@ def test_a_stopped_rank_times_out_naming_it(job, tmp_path, stop_runs):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("transpile: error: rank "), err
     assert "collective timeout: no progress for 5 s" in lines[0] and f"(pid {victim}) did not arrive" in lines[0]
+    # The rank that waits names the collective it waits in.
+    assert re.search(r"in (AllReduce|Reduce|Broadcast|ReduceScatter|AllGather) '[^']+' \(order \d+\) of step \d+", lines[0]), lines[0]
     assert wait_gone(marker, 10) == []
 
 

@@ -103,6 +103,9 @@ class Communicator(ABC):
 
     rank: int
     size: int
+    # The collective this rank is in right now (set by the program around each call), so that a
+    # watchdog's timeout message can name it (runtime/guard.py); None between collectives.
+    current: str | None = None
 
     @abstractmethod
     def allreduce(self, arrays: Sequence[np.ndarray], reduction: str) -> list[np.ndarray]:
