@@ -112,6 +112,7 @@ class Plan:
     single: GraphFiles
     ranks: tuple[GraphFiles, ...]  # ranks[r] is rank r's
     grad_accumulation: int = 1  # micro-batches per optimizer step
+    grad_norm: str | None = None  # the step graphs' squared-gradient-norm output (--clip-grad-norm)
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the JSON document, as read
 
     @property
@@ -258,6 +259,7 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
         single=single,
         ranks=tuple(ranks),
         grad_accumulation=accumulation,
+        grad_norm=r.get(raw, "grad_norm_output", str, "", optional=True),
         raw=raw,
     )
 

@@ -70,6 +70,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             new = trainer.collect_losses()
             losses.extend(new)
             _check_losses(new, first, rank, last_checkpoint, trainer)
+            _check_grad_norms(trainer.grad_norms, first, rank, last_checkpoint, trainer)
         if rank == 0 and log_now:
             loss = losses[-1]
             now = time.perf_counter()
@@ -134,6 +135,17 @@ def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
 def _where(last_checkpoint) -> str:
     return (f"{last_checkpoint} is the last good checkpoint" if last_checkpoint is not None
             else "no checkpoint was written")
+
+
+def _check_grad_norms(norms: list[float], first: int, rank: int, last_checkpoint, trainer: Trainer) -> None:
+    """Stop at the first step whose global gradient norm (--clip-grad-norm) is not finite, even if
+    its loss was: clipping by a non-finite norm makes every parameter non-finite."""
+    for i, value in enumerate(norms):
+        if not math.isfinite(value):
+            if rank != 0:
+                raise PeerFailed("non-finite gradient norm")
+            raise AgreedError(f"step {first + i}: the gradient norm is {value} (non-finite); training stopped, no "
+                              f"checkpoint or export was written from this state; {_where(last_checkpoint)}")
 
 
 def _check_losses(new: list[float], first: int, rank: int, last_checkpoint, trainer: Trainer) -> None:

@@ -47,6 +47,10 @@ class Trainer:
         self.init_program = self.backend.make_program(init_cut, comm)
         self.state: dict[str, object] = {}
         self._held: list = []  # losses of steps not yet read (on the device for the GPU backend)
+        # --clip-grad-norm plans: each step's global squared gradient norm, held like the loss and
+        # read with it (``grad_norms``: the norms of the steps of the last collect_losses).
+        self._held_norms: list = []
+        self.grad_norms: list[float] = []
         # --grad-accumulation K: the first K-1 micro-batches of a step run the accumulate graph.
         self.accumulation = plan.grad_accumulation
         self.accumulators = files.accumulators
@@ -123,6 +127,8 @@ class Trainer:
         outputs = self.step_program.run(feeds)
         self.state = {s.input: outputs[s.output] for s in self.state_entries}
         self._held.append(self.backend.hold_scalar(outputs[self.plan.loss]))
+        if self.plan.grad_norm and self.plan.grad_norm in outputs:
+            self._held_norms.append(self.backend.hold_scalar(outputs[self.plan.grad_norm]))
 
     def _micro_batches(self, data: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         k = self.accumulation
@@ -140,6 +146,9 @@ class Trainer:
         must call this at the same steps: it is a collective on the host)."""
         local = self.backend.scalars_to_host(self._held)
         self._held = []
+        # Every rank holds the same global norm (all-reduced in the graph where ranks hold parts).
+        self.grad_norms = [float(np.sqrt(v)) for v in self.backend.scalars_to_host(self._held_norms)]
+        self._held_norms = []
         if self.accumulation > 1:  # one loss per micro-batch: a step's is their mean (equal sizes)
             k = self.accumulation
             local = [sum(local[i:i + k]) / k for i in range(0, len(local), k)]

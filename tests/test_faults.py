@@ -93,6 +93,25 @@ def test_a_nan_in_the_data_stops_the_run_naming_the_step(job, tmp_path):
     assert not (tmp_path / "t.onnx").exists()
 
 
+def test_a_non_finite_gradient_norm_stops_the_run_at_its_step_though_the_loss_is_finite(tmp_path):
+    """loss = mean(sqrt(x * w)) is finite for x = 0, its gradient 0/0 is not: with --clip-grad-norm
+    the run stops at step 1 naming the gradient norm (without the check, step 2's loss is NaN)."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 1])
+    loss = onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])
+    nodes = [onnx.helper.make_node("Mul", ["x", "w"], ["xw"]), onnx.helper.make_node("Sqrt", ["xw"], ["r"]),
+             onnx.helper.make_node("ReduceMean", ["r"], ["loss"], keepdims=0)]
+    graph = onnx.helper.make_graph(nodes, "sqrt", [x], [loss], [onnx.numpy_helper.from_array(np.ones(1, np.float32), "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "model.onnx")
+    np.savez(tmp_path / "data.npz", x=np.array([[1.0], [4.0], [0.0], [9.0]] * 4, np.float32))
+    assert cli("model.onnx", "--gpus", 2, "--optimizer", "sgd", "--lr", 0.1, "--clip-grad-norm", 1.0, "-o", "out",
+               cwd=tmp_path).returncode == 0
+    done = cli("run", "out", "--data", "data.npz", "--batch", 4, "--steps", 3, "--export", "t.onnx", cwd=tmp_path)
+    one_error_line(done, "step 1: the gradient norm is nan (non-finite)")
+    assert not (tmp_path / "t.onnx").exists()
+
+
 def test_a_second_run_on_a_locked_checkpoint_directory_is_refused(job, tmp_path):
     sys.path.insert(0, ENV["PYTHONPATH"])
     from runtime.checkpoint import Lock

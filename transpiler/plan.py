@@ -14,7 +14,7 @@ import onnx
 import onnx.checker
 import onnx_ir as ir
 
-from contract.names import LR_INPUT, NEXT
+from contract.names import GRAD_NORM_OUTPUT, LR_INPUT, NEXT
 from contract.plan import (
     FORMAT,
     FORMAT_VERSION,
@@ -162,6 +162,8 @@ def plan_json(job: Job) -> dict:
         "optimizer": opts.optimizer.to_json(),
         "bucket_mb": opts.bucket_mb,
         "grad_accumulation": opts.grad_accumulation,
+        # Optional: the step graphs' squared gradient norm (only with --clip-grad-norm).
+        **({"grad_norm_output": GRAD_NORM_OUTPUT} if opts.optimizer.max_grad_norm is not None else {}),
         "parameters": params_json,
         "frozen": list(problem.frozen),
         # Optional (older plans lack it): every float initializer with its decision and reason, the

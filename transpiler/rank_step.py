@@ -17,7 +17,7 @@ import onnx_ir as ir
 from transpiler.collectives import DOMAIN, VERSION, append_collective
 from transpiler.graph_utils import number_collectives, remove_unused
 from transpiler.job import Job, StateEntry
-from transpiler.names import ACC, AFTER_GRADIENTS, LR_INPUT, NEXT, STEP_STATE
+from transpiler.names import ACC, AFTER_GRADIENTS, GRAD_NORM_OUTPUT, LR_INPUT, NEXT, STEP_STATE
 from transpiler.optimizer import emit_clip, emit_squared_norm, emit_step_increment
 from transpiler.strategies import Strategy
 
@@ -149,6 +149,12 @@ def _clip(step: RankStep, grads: list[list[ir.Value]]) -> list[list[ir.Value]]:
             graph, "AllReduce", [squared], like=[squared], output_names=["grad_norm.squared.sum"],
             order=AFTER_GRADIENTS, bucket=-1, phase="step", reduction="sum",
         )[0]
+    # The global squared norm also leaves the graph (contract GRAD_NORM_OUTPUT): the runtime stops a
+    # run at the step where it is not finite, like a non-finite loss.
+    norm_out = ir.node("Identity", [squared], num_outputs=1).outputs[0]
+    graph.append(norm_out.producer())
+    norm_out.name, norm_out.dtype, norm_out.shape = GRAD_NORM_OUTPUT, squared.dtype, squared.shape
+    graph.outputs.append(norm_out)
     flat = iter(emit_clip(graph, step.config, squared, [g for bucket_grads in grads for g in bucket_grads]))
     return [[next(flat) for _ in bucket_grads] for bucket_grads in grads]
 
