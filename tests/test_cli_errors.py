@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import refresh_manifest
 from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,18 +316,6 @@ def test_resume_from_a_truncated_rank_file(transpiled, perceptron, tmp_path):
                          cwd=tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "rank2.npz: unreadable" in done.stderr and "damaged" in done.stderr
-
-
-def refresh_manifest(directory: Path) -> None:
-    """Make a checkpoint's manifest match its (edited) rank files, as a careful forger would."""
-    import hashlib
-    import json
-
-    raw = json.loads((directory / "meta.json").read_text())
-    for name in raw["files"]:
-        blob = (directory / name).read_bytes()
-        raw["files"][name] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-    (directory / "meta.json").write_text(json.dumps(raw))
 
 
 @pytest.mark.parametrize("edit, fragment", [

@@ -6,8 +6,6 @@ the exit status and that no good state was lost."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -20,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import refresh_manifest
 from onnx import numpy_helper
 
 pytestmark = pytest.mark.mpi
@@ -133,14 +132,6 @@ def test_keep_checkpoints_keeps_the_newest_k(job, tmp_path):
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".lock", "checkpoint-10", "checkpoint-6",
                                                                    "checkpoint-8"]
-
-
-def refresh_manifest(directory: Path) -> None:
-    raw = json.loads((directory / "meta.json").read_text())
-    for name in raw["files"]:
-        blob = (directory / name).read_bytes()
-        raw["files"][name] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-    (directory / "meta.json").write_text(json.dumps(raw))
 
 
 def test_a_rank_file_from_another_step_is_skipped_or_refused(job, tmp_path):
