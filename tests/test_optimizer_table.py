@@ -36,7 +36,16 @@ def test_config_follows_the_table(name):
     assert config.slots() == spec.slots
     assert config.uses_step() == spec.uses_step
     assert config.weight_decay == spec.default_weight_decay
+    assert config.lr == spec.default_lr
     assert set(spec.hyper_parameters) <= set(OptimizerConfig.__dataclass_fields__)
+
+
+def test_the_default_lr_is_the_documented_one():
+    """docs/cli.md: 0.01, 0.001 for adam/adamw (the plan once got 0.01 for adamw, and the built-in
+    GPT's loss rose); an explicit lr always wins."""
+    assert {name: OptimizerConfig(name).lr for name in NAMES} == {"sgd": 0.01, "momentum": 0.01, "adam": 1e-3,
+                                                                  "adamw": 1e-3}
+    assert OptimizerConfig("adamw", lr=0.5).lr == 0.5
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -25,6 +25,8 @@ class OptimizerSpec:
     slots: tuple[str, ...] = ()
     # torch's default when the user gives no weight decay.
     default_weight_decay: float = 0.0
+    # The learning rate when the user gives none (docs/cli.md): 0.01, Adam's customary 1e-3.
+    default_lr: float = 0.01
     # Reads the shared float32 step counter (Adam's bias corrections).
     uses_step: bool = False
 
@@ -36,10 +38,10 @@ OPTIMIZER_TABLE: dict[str, OptimizerSpec] = {
         OptimizerSpec("momentum", hyper_parameters=("weight_decay", "momentum", "nesterov"),
                       slots=("momentum_buffer",)),
         OptimizerSpec("adam", hyper_parameters=("weight_decay", "betas", "eps"), slots=("exp_avg", "exp_avg_sq"),
-                      uses_step=True),
+                      default_lr=1e-3, uses_step=True),
         # AdamW decays by default (torch.optim.AdamW's weight_decay=1e-2); the others do not.
         OptimizerSpec("adamw", hyper_parameters=("weight_decay", "betas", "eps"), slots=("exp_avg", "exp_avg_sq"),
-                      default_weight_decay=1e-2, uses_step=True),
+                      default_weight_decay=1e-2, default_lr=1e-3, uses_step=True),
     )
 }
 
@@ -53,15 +55,16 @@ def optimizers_using(field: str) -> tuple[str, ...]:
 class OptimizerConfig:
     """An optimizer and its hyper-parameters; one per training graph.
 
-    ``weight_decay=None`` means torch's default for that optimizer (0.01 for adamw, 0 otherwise); it is
-    resolved on construction, so ``config.weight_decay`` is always a float. ``momentum`` and
+    ``weight_decay=None`` means torch's default for that optimizer (0.01 for adamw, 0 otherwise) and
+    ``lr=None`` the table's default (0.01; 1e-3 for adam and adamw); both are resolved on
+    construction, so ``config.weight_decay`` and ``config.lr`` are always floats. ``momentum`` and
     ``nesterov`` apply to "momentum" only; ``betas`` and ``eps`` to "adam" and "adamw" only.
     ``max_grad_norm`` (any optimizer; None: no clipping) scales the gradients, before the update, by
     ``min(1, max_grad_norm / (total_norm + 1e-6))``, total_norm being the L2 norm of all of them.
     """
 
     name: str = "sgd"
-    lr: float = 0.01
+    lr: float | None = None  # None: the optimizer's default_lr (0.01; 1e-3 for adam/adamw)
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float | None = None
@@ -72,6 +75,8 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.weight_decay is None and self.name in OPTIMIZER_TABLE:
             object.__setattr__(self, "weight_decay", OPTIMIZER_TABLE[self.name].default_weight_decay)
+        if self.lr is None:
+            object.__setattr__(self, "lr", OPTIMIZER_TABLE[self.name].default_lr if self.name in OPTIMIZER_TABLE else 0.01)
         if isinstance(self.betas, list):
             # JSON and argparse give lists; a tuple keeps the frozen config hashable.
             object.__setattr__(self, "betas", tuple(self.betas))
