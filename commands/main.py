@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so a transpile being written removes its temporary directory.
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        if argv and argv[0] in ("--version", "-V"):
+            print(f"transpile (graph-transpiler) {_version()}")
+            return 0
+        if argv and argv[0] == "help":
+            return _help(argv[1:])
         if argv and argv[0] in COMMANDS and argv[0]:
             return COMMANDS[argv[0]].run(argv[1:])
         return COMMANDS[""].run(argv)
@@ -82,3 +87,30 @@ def _terminate(_signum, _frame) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("graph-transpiler")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _help(argv: list[str]) -> int:
+    """``transpile help``: the commands, one line each; ``transpile help CMD``: that command's help."""
+    if argv:
+        name = "" if argv[0] in ("compile", "transpile") else argv[0]
+        if name not in COMMANDS:
+            print(f"transpile: error: help: no command {argv[0]!r} (commands: {', '.join(c or 'MODEL' for c in COMMANDS)})",
+                  file=sys.stderr)
+            return 2
+        COMMANDS[name].parser()[0].print_help()
+        return 0
+    print("usage: transpile MODEL [options] | transpile {run,export,inspect,view} ... | transpile help [COMMAND] | "
+          "transpile --version\n")
+    for command in COMMANDS.values():
+        print(f"  {command.prog + (' MODEL' if not command.name else ''):20s} {command.description.split('. ')[0].rstrip('.')}")
+    print("\n'transpile help COMMAND' (or 'transpile COMMAND --help') shows a command's options.")
+    return 0

@@ -379,3 +379,17 @@ def test_resume_with_state_of_the_wrong_shape(transpiled, perceptron, tmp_path):
                          cwd=tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert f"rank1.npz: '{name}' is float32 [" in done.stderr and "this rank's graph expects float32" in done.stderr
+
+
+def test_version_and_help_list_the_commands(tmp_path):
+    from importlib.metadata import version
+
+    done = transpile_cli("--version", cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == f"transpile (graph-transpiler) {version('graph-transpiler')}"
+    done = transpile_cli("help", cwd=tmp_path)
+    assert done.returncode == 0
+    assert all(f"transpile {name}" in done.stdout for name in ("MODEL", "run", "export", "inspect", "view"))
+    done = transpile_cli("help", "run", cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("usage: transpile run")
+    done = transpile_cli("help", "nope", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().startswith("transpile: error: help: no command 'nope'")
