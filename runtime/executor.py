@@ -168,7 +168,7 @@ class Program(ProgramBase):
             if runner is not None:
                 results = runner.run(dict(zip(item.inputs, values)))
             else:
-                self.comm.current = f"{item.op_type} '{item.name}' (order {item.order})"
+                self.comm.current = item.label
                 results = item.run(self.comm, values)
                 self.comm.current = None
             if self.timings is not None:

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import one_graph_model
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
@@ -116,9 +117,7 @@ def _attention_mask_model(fill: float, mask_shape: tuple[int, ...]) -> onnx.Mode
              helper.make_node("Softmax", ["masked"], ["s"], axis=-1),
              helper.make_node("Mul", ["s", "g"], ["sg"]),
              helper.make_node("Where", ["mask", "zero", "sg"], ["dx"])]
-    model = helper.make_model(helper.make_graph(nodes, "g", [x, g], outs, inits), opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    return model
+    return one_graph_model(nodes, [x, g], outs, inits)
 
 
 def test_a_causally_masked_softmax_becomes_bias_softmax_and_its_backward_where_goes():
@@ -158,9 +157,7 @@ def test_outputs_onnxruntime_would_copy_at_run_start_are_taken_out_of_the_sessio
              helper.make_node("Trilu", ["ones"], ["mask"], upper=0),
              helper.make_node("Identity", ["x"], ["same"]),
              helper.make_node("Mul", ["x", "x"], ["y"])]
-    model = helper.make_model(helper.make_graph(nodes, "g", [x], outs, [numpy_helper.from_array(np.array([3, 3], np.int64), "shape")]),
-                              opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
+    model = one_graph_model(nodes, [x], outs, [numpy_helper.from_array(np.array([3, 3], np.int64), "shape")])
 
     class Host:  # the backend as the session uses it here: host arrays stand in for device ones
         from_host = staticmethod(np.asarray)

@@ -77,6 +77,8 @@ class CollectiveOp(ABC):
         if missing:
             raise RunError(f"{self.where}: {self.op_type} lacks attribute(s) {', '.join(missing)}")
         self.order = int(self.attrs["order"])
+        # How messages (a timeout, an NCCL failure) name this collective; made once, read every step.
+        self.label = f"{self.op_type} '{self.name}' (order {self.order})"
         self.check()
 
     def check(self) -> None:

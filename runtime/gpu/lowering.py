@@ -137,10 +137,11 @@ def _masked_softmax(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProt
         for name in node.input:
             readers.setdefault(name, []).append(node)
     shapes = _shapes(graph)
+    graph_outputs = {o.name for o in graph.output}
     masked: dict[str, str] = {}  # softmax output -> its mask
     replace: dict[int, list[onnx.NodeProto]] = {}
     for where in graph.node:
-        if where.op_type != "Where" or where.domain not in ("", "ai.onnx") or where.output[0] in {o.name for o in graph.output}:
+        if where.op_type != "Where" or where.domain not in ("", "ai.onnx") or where.output[0] in graph_outputs:
             continue
         mask, fill_name, scores = where.input
         fill = _scalar(constants, fill_name)

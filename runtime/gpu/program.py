@@ -68,6 +68,7 @@ class GpuProgram(ProgramBase):
         self.waits = {pos: sorted({producer[n] for n in item.inputs if n in producer and self.steps[producer[n]][1] is None})
                       for pos, (item, runner) in enumerate(self.steps) if runner is not None}
         self.collective_pos = [pos for pos, (_, runner) in enumerate(self.steps) if runner is None]
+        self.labels = {pos: f"{self.steps[pos][0].label} of {cut.where}" for pos in self.collective_pos}
         # CUDA graphs only where no collective runs: on 2 H200s, onnxruntime's capture of a segment
         # while NCCL works on the comm stream failed ("operation failed due to a previous error
         # during capture" at cudaStreamEndCapture; NCCL's proxy thread calls CUDA during the capture,
@@ -209,11 +210,11 @@ class GpuProgram(ProgramBase):
                         slots.inputs[p][name][...] = env[name]
             if not backend.skip_collectives:
                 item.launch_flat(comm, slots.buffers[p], slots.mean_view[p],
-                                 f"{item.op_type} '{item.name}' (order {item.order}) of {self.cut.where}")
+                                 self.labels[pos])
             self.done[pos].record(comm.stream)
             if backend.debug_sync:
                 self.cp.cuda.Device().synchronize()
-            comm.track(pos, self.done[pos], f"{item.op_type} '{item.name}' (order {item.order}) of {self.cut.where}")
+            comm.track(pos, self.done[pos], self.labels[pos])
             env.update(slots.outputs[p])
         for c in self.collective_pos:
             if c not in waited:
