@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -133,22 +134,24 @@ def _transpose_window(
     return ctx.op("Pad", [full, crop])
 
 
-def _weight_grad(
-    ctx: RuleContext,
-    x: ir.Value,
-    dy: ir.Value,
-    w: ir.Value,
-    strides: list[int],
-    dilations: list[int],
-    pads: tuple[list[int] | ir.Value, list[int] | ir.Value],
-    group: int,
-) -> ir.Value:
+@dataclass(frozen=True)
+class _Window:
+    """A convolution's window: strides, dilations, the pads resolved to (begin, end) per spatial
+    axis (lists, or run-time values where the shapes are not static), and the group count."""
+
+    strides: list[int]
+    dilations: list[int]
+    pads: tuple[list[int] | ir.Value, list[int] | ir.Value]
+    group: int
+
+
+def _weight_grad(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, window: _Window) -> ir.Value:
     """dW of Y = Conv(X, W): X (N, Cin, ...), dY (N, Cout, ...), W (Cout, Cin/g, k...)."""
     if WEIGHT_GRAD == "gemm" or (WEIGHT_GRAD == "auto" and _output_positions(dy) >= GEMM_MIN_OUTPUT_POSITIONS):
-        by_gemm = _weight_grad_by_gemm(ctx, x, dy, w, strides, dilations, pads, group)
+        by_gemm = _weight_grad_by_gemm(ctx, x, dy, w, window)
         if by_gemm is not None:
             return by_gemm
-    return _weight_grad_by_conv(ctx, x, dy, w, strides, dilations, pads, group)
+    return _weight_grad_by_conv(ctx, x, dy, w, window)
 
 
 # "gemm": one GEMM per kernel tap where it applies (group 1, static shapes), else "conv"; "conv":
@@ -167,16 +170,7 @@ def _output_positions(dy: ir.Value) -> int:
     return int(np.prod(outs)) if outs is not None else 0
 
 
-def _weight_grad_by_gemm(
-    ctx: RuleContext,
-    x: ir.Value,
-    dy: ir.Value,
-    w: ir.Value,
-    strides: list[int],
-    dilations: list[int],
-    pads: tuple[list[int] | ir.Value, list[int] | ir.Value],
-    group: int,
-) -> ir.Value | None:
+def _weight_grad_by_gemm(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, window: _Window) -> ir.Value | None:
     """dW[o, c, t] = sum over (n, p) of dY[n, o, p] * Xpad[n, c, p*s + t*d]: for each kernel tap t,
     one GEMM (Cout, N*P) x (N*P, Cin) of dY with the strided window of X that tap reads.
 
@@ -186,7 +180,8 @@ def _weight_grad_by_gemm(
     Slice of X (a copy of X's size) and a Gemm with transB=1; a tap that reads exactly the unpadded
     input (a 1x1 kernel at stride 1, the centre tap of a 'same' convolution) needs no Slice. None where it does not apply (groups, dynamic spatial dims or pads): the Conv form then.
     """
-    begin, end = pads
+    strides, dilations, group = window.strides, window.dilations, window.group
+    begin, end = window.pads
     kernel = None if w.shape is None else _static(list(w.shape)[2:])
     ins, outs = _spatial(x), _spatial(dy)
     if group != 1 or kernel is None or ins is None or outs is None:
@@ -225,16 +220,8 @@ def _weight_grad_by_gemm(
     return ctx.op("Reshape", [stacked, ctx.shape_of(w)], like=w)
 
 
-def _weight_grad_by_conv(
-    ctx: RuleContext,
-    x: ir.Value,
-    dy: ir.Value,
-    w: ir.Value,
-    strides: list[int],
-    dilations: list[int],
-    pads: tuple[list[int] | ir.Value, list[int] | ir.Value],
-    group: int,
-) -> ir.Value:
+def _weight_grad_by_conv(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, window: _Window) -> ir.Value:
+    strides, dilations, group = window.strides, window.dilations, window.group
     k = len(strides)
     spatial = list(range(2, k + 2))
     if group == 1:
@@ -247,7 +234,7 @@ def _weight_grad_by_conv(
         merge = ctx.op("Concat", [ctx.const([0, -1]), ctx.shape_of(x, 2)], {"axis": 0})
         xt = ctx.op("Reshape", [xt, merge])
     dyt = ctx.op("Transpose", [dy], {"perm": [1, 0, *spatial]})  # (Cout, N, O...)
-    begin, end = pads
+    begin, end = window.pads
     attrs: dict[str, Any] = {"strides": dilations, "dilations": strides, "group": group}
     if isinstance(begin, list) and isinstance(end, list):
         attrs["pads"] = [*begin, *end]
@@ -280,7 +267,7 @@ def _conv(ctx: RuleContext) -> list[ir.Value | None]:
         lambda: _transpose_window(
             ctx, dy, w, x, _spatial(ctx.output), kernel, strides, dilations, resolved, group
         ),
-        lambda: _weight_grad(ctx, x, dy, w, strides, dilations, resolved, group),
+        lambda: _weight_grad(ctx, x, dy, w, _Window(strides, dilations, resolved, group)),
         lambda: _bias_grad(ctx, dy, k, ctx.inputs[2]),
     )
 
@@ -303,7 +290,7 @@ def _conv_transpose(ctx: RuleContext) -> list[ir.Value | None]:
     attrs = {"strides": strides, "dilations": dilations, "group": group, "pads": pads}
     return ctx.wanted_grads(
         lambda: ctx.op("Conv", [dy, w], attrs, like=x),
-        lambda: _weight_grad(ctx, dy, x, w, strides, dilations, resolved, group),
+        lambda: _weight_grad(ctx, dy, x, w, _Window(strides, dilations, resolved, group)),
         lambda: _bias_grad(ctx, dy, k, ctx.inputs[2]),
     )
 
