@@ -255,6 +255,10 @@ class RuleContext:
             return None
         return producer
 
+    def forward_uses(self, value: ir.Value) -> list:
+        """The uses of ``value`` by nodes of the forward graph (not by the backward being built)."""
+        return [use for use in value.uses() if use.node not in self._emitter.created]
+
     def const_input(self, index: int) -> np.ndarray | None:
         """Input ``index`` as a numpy array when it is a constant (initializer or Constant), else None."""
         if index >= len(self.node.inputs) or self.node.inputs[index] is None:

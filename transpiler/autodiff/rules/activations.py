@@ -23,10 +23,41 @@ def _softmax(ctx: RuleContext) -> list[ir.Value | None]:
 
     def grad() -> ir.Value:
         axis = ctx.const([_softmax_axis(ctx)])
-        dot = ctx.op("ReduceSum", [ctx.op("Mul", [ctx.dy, y]), axis], {"keepdims": 1})
+        dot = _attention_row_dot(ctx, y, axis)
+        if dot is None:
+            dot = ctx.op("ReduceSum", [ctx.op("Mul", [ctx.dy, y]), axis], {"keepdims": 1})
         return ctx.op("Mul", [y, ctx.op("Sub", [ctx.dy, dot])], like=y)
 
     return ctx.wanted_grads(grad)
+
+
+def _attention_row_dot(ctx: RuleContext, y: ir.Value, axis: ir.Value) -> ir.Value | None:
+    """sum(dy * y) over the last axis, taken on the attention output instead of the scores.
+
+    When the softmax's only reader is O = MatMul(y, V) and dy = dO @ V^T came from that MatMul's
+    rule, sum_j y_ij dy_ij = sum_d dO_id O_id (FlashAttention's D): two passes over the
+    [..., T, head_dim] output replace two over the [..., T, T] probabilities (8x smaller for
+    GPT-2's T=512, head_dim=64). None where the pattern does not hold.
+    """
+    rank = y.shape.rank() if y.shape is not None else None
+    uses = ctx.forward_uses(y)
+    if rank is None or rank < 2 or _softmax_axis(ctx) not in (-1, rank - 1) or len(uses) != 1:
+        return None
+    matmul, slot = uses[0].node, uses[0].idx
+    if matmul.op_type != "MatMul" or matmul.domain not in ("", "ai.onnx") or slot != 0:
+        return None
+    product = ctx.backward_producer(ctx.dy)
+    if product is None or product.op_type != "MatMul" or len(product.inputs) != 2:
+        return None
+    swapped = product.inputs[1].producer() if product.inputs[1] is not None else None
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    v, out = matmul.inputs[1], matmul.outputs[0]
+    if (swapped is None or swapped.op_type != "Transpose" or swapped.inputs[0] is not v
+            or v.shape is None or v.shape.rank() != rank
+            or list(swapped.attributes.get_ints("perm", [])) != perm):
+        return None
+    d_out = product.inputs[0]
+    return ctx.op("ReduceSum", [ctx.op("Mul", [d_out, out], like=out), axis], {"keepdims": 1})
 
 
 @register("LogSoftmax")
@@ -101,6 +132,82 @@ def _gelu(ctx: RuleContext) -> list[ir.Value | None]:
         return _mul_dy(ctx, local)
 
     return ctx.wanted_grads(grad)
+
+
+# The exporters' exact GELU below opset 20: y = Mul(Mul(x, Add(Erf(Div(x, sqrt 2)), 1)), 0.5).
+_SQRT2 = math.sqrt(2.0)
+
+
+def _scalar_const(value: ir.Value | None) -> float | None:
+    tensor = None if value is None else ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return None
+    array = tensor.numpy()
+    return float(array.reshape(-1)[0]) if array.size == 1 else None
+
+
+def _is_near(value: ir.Value | None, target: float) -> bool:
+    number = _scalar_const(value)
+    return number is not None and math.isclose(number, target, rel_tol=1e-6)
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = None if value is None else value.producer()
+    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def _erf_argument_is(value: ir.Value, x: ir.Value) -> bool:
+    """``value`` is x / sqrt(2), written as Div(x, sqrt 2) or Mul(x, 1/sqrt 2) in either order."""
+    div = _producer(value, "Div")
+    if div is not None:
+        return div.inputs[0] is x and _is_near(div.inputs[1], _SQRT2)
+    mul = _producer(value, "Mul")
+    return mul is not None and any(
+        mul.inputs[i] is x and _is_near(mul.inputs[1 - i], 1 / _SQRT2) for i in (0, 1))
+
+
+def erf_gelu_operand(node: ir.Node) -> int | None:
+    """The index of x when ``node`` is Mul(x, 1 + erf(x / sqrt 2)) (either order), else None."""
+    if node.op_type != "Mul" or len(node.inputs) != 2:
+        return None
+    for index in (0, 1):
+        x, factor = node.inputs[index], node.inputs[1 - index]
+        add = _producer(factor, "Add")
+        if x is None or add is None:
+            continue
+        for j in (0, 1):
+            erf = _producer(add.inputs[j], "Erf")
+            if erf is not None and _is_near(add.inputs[1 - j], 1.0) and _erf_argument_is(erf.inputs[0], x):
+                return index
+    return None
+
+
+def erf_gelu_grads(ctx: RuleContext, index: int) -> list[ir.Value | None]:
+    """Gradients of z = x * (1 + erf(x / sqrt 2)) (the exact GELU is z / 2): all of it to x.
+
+    dz/dx = (1 + erf(x / sqrt 2)) + x sqrt(2/pi) exp(-x^2 / 2), computed from x alone, so the
+    forward's intermediates (x / sqrt 2, erf, 1 + erf) are not kept alive until the backward (as
+    PyTorch keeps only GELU's input) and the forward chain can run as one GELU kernel
+    (runtime/gpu/lowering.py). The factor's slot gets None: the path through it is inside dz/dx.
+    Nine backward ops, as many as the chain's own rules wrote while reading the kept values.
+    """
+    x = ctx.inputs[index]
+
+    def c(number: float) -> ir.Value:
+        return ctx.scalar(number, like=x)
+
+    def grad() -> ir.Value:
+        u = ctx.op("Mul", [x, c(1 / _SQRT2)])
+        cdf2 = ctx.op("Add", [ctx.op("Erf", [u]), c(1.0)])
+        # sqrt(2/pi) exp(-u^2) as one Exp: exp(log sqrt(2/pi) - u^2).
+        pdf = ctx.op("Exp", [ctx.op("Sub", [c(0.5 * math.log(2 / math.pi)), ctx.op("Mul", [u, u])])])
+        local = ctx.op("Add", [cdf2, ctx.op("Mul", [x, pdf])])
+        return ctx.op("Mul", [ctx.dy, local], like=x)
+
+    grads: list[ir.Value | None] = [None, None]
+    if ctx.wants(index):
+        grads[index] = grad()
+    return grads
 
 
 @register("Abs")

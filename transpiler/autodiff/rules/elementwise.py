@@ -7,6 +7,7 @@ import onnx_ir as ir
 
 from transpiler.autodiff._context import RuleContext, unbroadcast
 from transpiler.autodiff._registry import linear, register, unary_from_output
+from transpiler.autodiff.rules.activations import erf_gelu_grads, erf_gelu_operand
 
 
 @register("Add")
@@ -27,6 +28,9 @@ def _sub(ctx: RuleContext) -> list[ir.Value | None]:
 
 @register("Mul")
 def _mul(ctx: RuleContext) -> list[ir.Value | None]:
+    gelu = erf_gelu_operand(ctx.node)
+    if gelu is not None:  # x * (1 + erf(x / sqrt 2)): the exact GELU's core, differentiated whole
+        return erf_gelu_grads(ctx, gelu)
     a, b = ctx.inputs
     y = ctx.output
     return ctx.wanted_grads(
