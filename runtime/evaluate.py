@@ -67,7 +67,10 @@ def make_evaluator(trainer: Trainer, config) -> Evaluator | None:
     exports, so it alone keeps the best parameters for --export-best."""
     if config.eval_data is None:
         return None
-    dataset = load_eval_data(trainer.plan, config.eval_data)
+    if trainer.plan.eval is None:
+        raise _no_eval_graph(trainer.plan)
+    # Checked in full (ids too, which reads the user's model) once, by 'transpile run' (load_eval_data).
+    dataset = Dataset.load(config.eval_data, trainer.plan.data_inputs)
     return Evaluator(trainer, dataset, batch=config.eval_batch or config.batch,
                      keep_best=config.export_best and config.export is not None and trainer.comm.rank == 0)
 
@@ -166,7 +169,9 @@ class Evaluator:
                 total += float(np.asarray(self.backend.to_host(outputs[self.spec.loss]), dtype=np.float64)) * (stop - start)
                 count += stop - start
             progress()
+        self.comm.current = "AllReduce of the eval loss"
         total, count = self.comm.allreduce_scalars([total, float(count)], "sum")
+        self.comm.current = None
         loss = total / count
         self.history.append((step, loss))
         if math.isfinite(loss) and (self.best is None or loss < self.best[1]):

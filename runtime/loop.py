@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -114,8 +115,8 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             _check_state(parameters, best[0], trainer.comm, last_checkpoint)
         else:
             if config.export_best and rank == 0:
-                log("transpile: warning: --export-best: no evaluation gave a finite eval loss; exporting the final "
-                    "parameters")
+                print("transpile: warning: --export-best: no evaluation gave a finite eval loss; exporting the final "
+                      "parameters", file=sys.stderr, flush=True)
             parameters = trainer.parameters()
             if not (config.checkpoint is not None and start < config.steps):  # else checked just before the save
                 _check_state(parameters, config.steps, trainer.comm, last_checkpoint)
