@@ -249,3 +249,42 @@ def test_old_out_without_eval_graph_says_transpile_again(regression, tmp_path):
                    regression / "eval.npz", cwd=tmp_path)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "has no evaluation graph" in done.stderr and "transpile the model again" in done.stderr
+
+
+def test_plan_eval_field_is_checked(regression, tmp_path):
+    """plan.json's eval field names a file that must be in OUT: one line naming the field."""
+    import shutil
+
+    from contract.plan import PlanError, load_plan
+
+    out = tmp_path / "out"
+    shutil.copytree(regression / "out", out)
+    assert load_plan(out).eval.state == ("m", "n")
+    (out / "eval.onnx").unlink()
+    with pytest.raises(PlanError, match=r"field 'eval.graph' names eval.onnx, which is not in"):
+        load_plan(out)
+
+
+def _gpus() -> int:
+    from runtime.gpu import cuda_available, gpu_count
+
+    return gpu_count() if cuda_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
+def test_gpu_eval_equals_cpu(conv_model_no_dropout, tmp_path):
+    """The nccl backend's evaluations (every GPU it may use, TF32 off) equal the cpu backend's."""
+    ranks = 2 if _gpus() >= 2 else 1
+    transpile(conv_model_no_dropout, tmp_path / "out", Options(world_size=ranks, sync_bn=True))
+    np.savez(tmp_path / "train.npz", **conv_data(ROWS, 0))
+    np.savez(tmp_path / "eval.npz", **conv_data(EVAL_ROWS, 1))
+    common = [tmp_path / "out", "--data", tmp_path / "train.npz", "--batch", BATCH, "--steps", 4, "--eval-data",
+              tmp_path / "eval.npz", "--eval-every", 2, "--eval-batch", 12, "--log-every", 2]
+    evals = {}
+    for backend in ("nccl", "cpu"):
+        done = run_cli(*common, "--backend", backend, "--no-tf32", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        evals[backend] = [float(v) for v in re.findall(r"eval loss ([0-9.e+-]+)", done.stdout)]
+    assert len(evals["cpu"]) == 2
+    np.testing.assert_allclose(evals["nccl"], evals["cpu"], rtol=1e-5)
