@@ -23,6 +23,8 @@ EXPORTED_KINDS = ("param", "buffer")  # state written back into the user's model
 PLAN_FILE = "plan.json"
 SOURCE_MODEL_FILE = "model.onnx"  # the user's model, copied unchanged
 SINGLE_STEM = "train"  # train.onnx, train_init.onnx, train_accum.onnx: the single-device graphs
+EVAL_FILE = "eval.onnx"  # forward + loss in eval mode, one for every rank (absent in older OUTs)
+EVAL_FIELD = "eval"  # plan.json's optional description of it
 # Top-level fields that only describe the rewrite (inspect shows them; the runtime does not read them).
 REPORT_FIELDS = {"frozen": list, "placement": dict, "buckets": list, "collectives": dict}
 # Descriptive and optional (plans written before it lack it; readers then show "not recorded"):
@@ -90,6 +92,17 @@ class GraphFiles:
 
 
 @dataclass(frozen=True)
+class EvalGraph:
+    """The evaluation graph: fed the data inputs and ``state`` (parameter and buffer state inputs,
+    named like the user's initializers, from the rank's current state); its output ``loss`` is the
+    mean loss over the rows fed."""
+
+    path: Path
+    loss: str
+    state: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Parameter:
     name: str
     shape: tuple[int, ...]
@@ -113,6 +126,7 @@ class Plan:
     ranks: tuple[GraphFiles, ...]  # ranks[r] is rank r's
     grad_accumulation: int = 1  # micro-batches per optimizer step
     grad_norm: str | None = None  # the step graphs' squared-gradient-norm output (--clip-grad-norm)
+    eval: EvalGraph | None = None  # None: an OUT written before evaluation graphs existed
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the JSON document, as read
 
     @property
@@ -260,8 +274,22 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
         ranks=tuple(ranks),
         grad_accumulation=accumulation,
         grad_norm=r.get(raw, "grad_norm_output", str, "", optional=True),
+        eval=_eval_graph(r.get(raw, EVAL_FIELD, dict, "", optional=True), r),
         raw=raw,
     )
+
+
+def _eval_graph(section: dict | None, r: _Reader) -> EvalGraph | None:
+    if section is None:
+        return None
+    path = r.path.parent / r.get(section, "graph", str, EVAL_FIELD)
+    if not path.is_file():
+        raise r.fail(f"{EVAL_FIELD}.graph", f"names {path.name}, which is not in {r.path.parent}")
+    state = r.get(section, "state", list, EVAL_FIELD)
+    for i, name in enumerate(state):
+        if not isinstance(name, str):
+            raise r.fail(f"{EVAL_FIELD}.state[{i}]", f"must be a string, got {name!r}")
+    return EvalGraph(path, r.get(section, "loss", str, EVAL_FIELD), tuple(state))
 
 
 def _trainable(raw: dict, r: _Reader) -> None:

@@ -20,6 +20,7 @@ from runtime.config import RunConfig
 from runtime.data import Dataset, check_ids, id_bounds, shard_size
 from runtime.devices import BACKENDS, check_gpus, resolve_backend
 from runtime.errors import PeerFailed, RunError
+from runtime.evaluate import eval_batch_size, load_eval_data, make_evaluator
 from runtime.executor import CpuBackend
 from runtime.guard import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, timeout_from_env
 from runtime.launcher import detect_launcher, spawn
@@ -69,6 +70,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop the job with one line naming the rank that did not arrive when training makes no "
                              f"progress for SECONDS (a collective waiting for a stopped or dead rank; default "
                              f"${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--eval-data", metavar="EVAL.npz",
+                        help="held-out arrays named like --data's: report the mean loss on them (eval mode: BatchNorm "
+                             "running statistics, no Dropout) after the last step and every --eval-every steps")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="also evaluate every N steps (default 0: after the last step only)")
+    parser.add_argument("--eval-batch", type=int, metavar="B",
+                        help="global evaluation batch, over all ranks (default: --batch); a multiple of the ranks")
+    parser.add_argument("--export-best", action="store_true",
+                        help="--export writes the parameters of the evaluation with the lowest eval loss, not the last "
+                             "step's (rank 0 keeps a host copy of them)")
     parser.add_argument("--no-tf32", action="store_true",
                         help="nccl backend: fp32 MatMul/Conv in full fp32 instead of TF32 (for exact comparisons)")
 
@@ -108,6 +119,7 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     timeout = timeout_from_env() if args.timeout is None else args.timeout
     if not 0 < timeout < float("inf"):
         raise RunError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+    eval_data, eval_batch = _check_eval(args, plan, export)
     schedule = Schedule(args.lr_schedule, args.warmup_steps, args.min_lr, args.lr_step_size, args.lr_gamma)
     schedule.validate(steps)
     resume = None
@@ -129,8 +141,28 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
                        checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume,
                        keep_checkpoints=args.keep_checkpoints, timeout=timeout, timings=timings,
                        out=plan.out_dir.resolve(), data=Path(args.data).resolve(), backend=args.backend,
-                       tf32=not args.no_tf32)
+                       tf32=not args.no_tf32, eval_data=eval_data, eval_every=args.eval_every,
+                       eval_batch=eval_batch, export_best=args.export_best)
     return plan, dataset, config
+
+
+def _check_eval(args: argparse.Namespace, plan: Plan, export: Path | None) -> tuple[Path | None, int]:
+    """The evaluation options, checked (and EVAL.npz read and checked as --data is) before any
+    rank starts: the resolved EVAL.npz (or None) and the global evaluation batch."""
+    if args.eval_data is None:
+        for given, option in ((args.eval_every, "--eval-every"), (args.eval_batch is not None, "--eval-batch"),
+                              (args.export_best, "--export-best")):
+            if given:
+                raise RunError(f"{option} needs --eval-data EVAL.npz")
+        return None, 0
+    if args.export_best and export is None:
+        raise RunError("--export-best needs --export TRAINED.onnx (the file the best parameters go to)")
+    if args.eval_every < 0:
+        raise RunError(f"--eval-every must be >= 0, got {args.eval_every}")
+    batch = args.batch if args.eval_batch is None else args.eval_batch
+    eval_batch_size(batch, plan.world_size, "--eval-batch" if args.eval_batch is not None else "--batch")
+    load_eval_data(plan, args.eval_data)
+    return Path(args.eval_data).resolve(), batch
 
 
 def _output_file(option: str, value: str | None) -> Path | None:
@@ -180,14 +212,15 @@ def _run_single(plan: Plan, dataset: Dataset, config: RunConfig) -> int:
         backend = GpuBackend(0, tf32=config.tf32)
         comm = NcclCommunicator(None, 0)
         trainer = Trainer(plan, comm, rank=0, backend=backend)
+        evaluator = make_evaluator(trainer, config)
         comm.connect()
         try:
-            train(trainer, dataset, config)
+            train(trainer, dataset, config, evaluator=evaluator)
         finally:
             comm.close()
         return 0
     trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=0, backend=CpuBackend())
-    train(trainer, dataset, config)
+    train(trainer, dataset, config, evaluator=make_evaluator(trainer, config))
     return 0
 
 

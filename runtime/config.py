@@ -16,7 +16,7 @@ from pathlib import Path
 from runtime.errors import RunError
 from runtime.schedule import Schedule
 
-_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings")
+_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,13 @@ class RunConfig:
     backend: str = "cpu"  # "cpu", "nccl", or "auto" (each rank resolves it: runtime/devices.py)
     tf32: bool = True  # nccl backend: TF32 MatMul/Conv
     timeout: float = 300.0  # seconds without progress (a collective waiting for a rank) before the job stops
+    # --eval-data: the held-out .npz (runtime/evaluate.py), evaluated every eval_every steps (0: only
+    # after the last step) in global batches of eval_batch rows; export_best: --export writes the
+    # parameters of the best evaluation instead of the last step's.
+    eval_data: Path | None = None
+    eval_every: int = 0
+    eval_batch: int = 0
+    export_best: bool = False
 
     def to_json(self) -> dict:
         raw = dataclasses.asdict(self)

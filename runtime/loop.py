@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from runtime.collectives import Communicator
 from runtime.config import RunConfig
 from runtime.data import Dataset
 from runtime.errors import AgreedError, PeerFailed, RunError, os_error_text
+from runtime.evaluate import Evaluator
 from runtime.export import export_model
 from runtime.trainer import Trainer
 
@@ -28,10 +30,12 @@ FLUSH_EVERY = 1024
 
 
 def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print,
-          progress: Callable[[int, str], None] = lambda step, phase: None) -> list[float]:
+          progress: Callable[[int, str], None] = lambda step, phase: None,
+          evaluator: Evaluator | None = None) -> list[float]:
     """Initialize (or resume) and run up to step ``config.steps``; rank 0 logs and exports.
     Returns the global losses of the steps run. The rank and world size are the communicator's.
-    ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on."""
+    ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on.
+    ``evaluator`` (--eval-data) runs every ``config.eval_every`` steps and after the last one."""
     rank, world_size = trainer.comm.rank, trainer.comm.size
     start = 0
     progress(0, "init")
@@ -71,6 +75,12 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             losses.extend(new)
             _check_losses(new, first, rank, last_checkpoint, trainer)
             _check_grad_norms(trainer.grad_norms, first, rank, last_checkpoint, trainer)
+        eval_loss = None  # this step's global eval loss, where it evaluates (for the log and metrics)
+        if evaluator is not None and (done == config.steps or (config.eval_every and done % config.eval_every == 0)):
+            eval_loss, eval_text, seconds = _evaluate(evaluator, done, progress)
+            window_start += seconds  # ms/step is the training steps' time
+            if rank == 0 and config.log_every and not log_now:
+                log(f"step {done}/{config.steps}  {eval_text}")
         if rank == 0 and log_now:
             loss = losses[-1]
             now = time.perf_counter()
@@ -78,7 +88,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             epoch = done * config.batch / dataset.rows
             log(f"step {done}/{config.steps}  epoch {epoch:.2f}  loss {loss:.6f}  "
                 f"mean loss {sum(window) / len(window):.6f}  lr {lr:g}  "
-                f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
+                f"{(now - window_start) * 1e3 / len(window):.2f} ms/step" + (f"  {eval_text}" if eval_loss is not None else ""))
             since, window_start = len(losses), now
         if save_now:
             progress(done, "checkpoint")
@@ -90,17 +100,32 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             last_checkpoint = checkpoint.save(config.checkpoint, state, meta, rank=rank, comm=trainer.comm,
                                               keep=config.keep_checkpoints)
             progress(done, "step")
+    if evaluator is not None and start == config.steps:  # resumed at the end: only evaluates and exports
+        _, eval_text, _ = _evaluate(evaluator, start, progress)
+        if rank == 0 and config.log_every:
+            log(f"step {start}/{config.steps}  {eval_text}")
     progress(config.steps, "finishing")
     if config.timings is not None:
         _write_timings(config.timings, trainer.step_program.median_timings(), trainer.comm)
     if config.export is not None:
-        parameters = trainer.parameters()
-        if not (config.checkpoint is not None and start < config.steps):  # else checked just before the save
-            _check_state(parameters, config.steps, trainer.comm, last_checkpoint)
+        best = evaluator.best if config.export_best and evaluator is not None else None
+        if best is not None:
+            # --export-best: rank 0 kept host copies at the best evaluation (Evaluator.keep_best).
+            parameters = evaluator.best_parameters if rank == 0 else {}
+            _check_state(parameters, best[0], trainer.comm, last_checkpoint)
+        else:
+            if config.export_best and rank == 0:
+                print("transpile: warning: --export-best: no evaluation gave a finite eval loss; exporting the final "
+                      "parameters", file=sys.stderr, flush=True)
+            parameters = trainer.parameters()
+            if not (config.checkpoint is not None and start < config.steps):  # else checked just before the save
+                _check_state(parameters, config.steps, trainer.comm, last_checkpoint)
         error = None
         if rank == 0:
             try:
                 export_model(trainer.plan, parameters, config.export)
+                if best is not None and config.log_every:
+                    log(f"exported the parameters of step {best[0]} (best eval loss {best[1]:.6f}) to {config.export}")
             except RunError as exc:
                 error = str(exc)
         # Every rank waits for the export's outcome, so that on failure the final state is kept.
@@ -112,6 +137,19 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             raise AgreedError(f"{error}; the trained state is in {last_checkpoint}: export it later with 'transpile export "
                               f"{config.out} --checkpoint {last_checkpoint} -o FILE'")
     return losses
+
+
+def _evaluate(evaluator: Evaluator, step: int, progress: Callable[[int, str], None]) -> tuple[float, str, float]:
+    """One evaluation (a collective: every rank, same steps): the eval loss, its log text, seconds."""
+    progress(step, "eval")
+    started = time.perf_counter()
+    loss = evaluator.evaluate(step, lambda: progress(step, "eval"))
+    seconds = time.perf_counter() - started
+    progress(step, "step")
+    best = evaluator.best
+    text = f"eval loss {loss:.6f} ({evaluator.dataset.rows} rows, {seconds:.2f} s"
+    text += f"; best {best[1]:.6f} at step {best[0]})" if best is not None and best[0] != step else ")"
+    return loss, text, seconds
 
 
 def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:

@@ -7,7 +7,7 @@ is needed and the tests run everywhere.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from runtime.collectives import LocalGroup
 from runtime.config import RunConfig
 from runtime.data import Dataset, shard_size
 from runtime.errors import PeerFailed, RunError
+from runtime.evaluate import Evaluator
 from runtime.executor import CpuBackend
 from runtime.loop import train
 from runtime.plan import load_plan
@@ -28,11 +29,13 @@ class SimResult:
     losses: list[float]  # global mean loss per step (identical on every rank)
     states: list[dict[str, np.ndarray]]  # per rank: final state keyed by state input name
     parameters: list[dict[str, np.ndarray]]  # per rank: final parameters keyed by parameter name
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, global eval loss), with eval_data
 
 
 def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, steps: int, lr: float | None = None,
              shuffle: bool = False, seed: int = 0, single_device: bool = False,
-             schedule: Schedule | None = None) -> SimResult:
+             schedule: Schedule | None = None, eval_data: dict[str, np.ndarray] | None = None, eval_every: int = 0,
+             eval_batch: int | None = None) -> SimResult:
     """Train all ranks of OUT as threads of this process (or the single-device graph on the full batch).
 
     Collectives go through a LocalGroup, so this checks "N ranks == 1 device" with no MPI. Each
@@ -43,16 +46,20 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
     dataset = Dataset(data, plan.data_inputs, "<data>")
     shard_size(batch, world_size, plan.grad_accumulation)
     config = RunConfig(batch=batch, steps=steps, lr=plan.lr if lr is None else lr, shuffle=shuffle, seed=seed,
-                       schedule=schedule or Schedule())
+                       schedule=schedule or Schedule(), eval_every=eval_every)
+    evaluation = None if eval_data is None else Dataset(eval_data, plan.data_inputs, "<eval data>")
     group = LocalGroup(world_size)
     losses: list[list[float] | None] = [None] * world_size
     trainers: list[Trainer | None] = [None] * world_size
+    evaluators: list[Evaluator | None] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 
     def run_rank(r: int) -> None:
         try:
             trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1))
-            losses[r] = train(trainers[r], dataset, config)
+            if evaluation is not None:
+                evaluators[r] = Evaluator(trainers[r], evaluation, batch=eval_batch or batch)
+            losses[r] = train(trainers[r], dataset, config, evaluator=evaluators[r])
         except PeerFailed as exc:  # every rank knows already: no abort (it could break a peer's last barrier)
             errors[r] = exc
         except BaseException as exc:  # re-raised below in the caller's thread
@@ -72,4 +79,5 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
             raise RunError(f"rank {r}: {exc}") from exc
         raise exc
     return SimResult(losses=losses[0], states=[t.state_dict() for t in trainers],
-                     parameters=[t.parameters() for t in trainers])
+                     parameters=[t.parameters() for t in trainers],
+                     eval_losses=evaluators[0].history if evaluators[0] is not None else [])

@@ -27,6 +27,7 @@ from runtime.config import RunConfig
 from runtime.data import Dataset
 from runtime.devices import check_gpus, resolve_backend
 from runtime.errors import PeerFailed, RunError
+from runtime.evaluate import make_evaluator
 from runtime.executor import CpuBackend
 from runtime.guard import PARENT_ENV, RUN_DIR_ENV, Watchdog, set_parent_death_signal, timeout_from_env
 from runtime.launcher import SPAWNED_ENV, check_world_size, detect_launcher
@@ -118,7 +119,7 @@ def run_as_rank(setup: Setup) -> int:
                         parent=os.environ.get(PARENT_ENV) if spawned else None,
                         activity=lambda: getattr(rank_comm, "current", None)).start()
     watchdog.arm()  # the setup agreement below is a collective too: a rank stopped in setup must not hang the rest
-    trainer = error = None
+    trainer = evaluator = error = None
     try:
         plan, dataset, config = setup()
         watchdog.timeout = config.timeout
@@ -127,6 +128,7 @@ def run_as_rank(setup: Setup) -> int:
         check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
         backend, rank_comm = _make_backend(config, comm)
         trainer = Trainer(plan, rank_comm, rank=comm.rank, backend=backend)
+        evaluator = make_evaluator(trainer, config)
         if comm.rank == 0 and config.checkpoint is not None and os.environ.get(SPAWNED_ENV) != "1":
             # Under an outside launcher no parent holds the checkpoint lock: rank 0 does.
             lock = checkpoint.Lock(config.checkpoint)  # noqa: F841 (held until the process ends)
@@ -158,7 +160,8 @@ def run_as_rank(setup: Setup) -> int:
     try:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
-        train(trainer, dataset, config, log=lambda line: print(line, flush=True), progress=watchdog.progress)
+        train(trainer, dataset, config, log=lambda line: print(line, flush=True), progress=watchdog.progress,
+              evaluator=evaluator)
         watchdog.disarm()
     except PeerFailed:
         # Every rank knows (a host agreement): the rank that failed prints its line; all exit 2.
@@ -192,6 +195,8 @@ def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, st
         "data order": f"shuffle={config.shuffle},seed={config.seed if config.shuffle else 0}",
         "data": hashlib.sha256(data.encode()).hexdigest()[:16] if len(data) > 60 else data,
         "resume": str(config.resume),
+        "evaluation": (f"every={config.eval_every},batch={config.eval_batch},best={config.export_best}"
+                       if config.eval_data is not None else "none"),
         "plan": ckpt.plan_hash(plan)[:16],
         "runtime version": _version(),
     }

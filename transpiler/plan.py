@@ -16,6 +16,8 @@ import onnx_ir as ir
 
 from contract.names import GRAD_NORM_OUTPUT, LR_INPUT, NEXT
 from contract.plan import (
+    EVAL_FIELD,
+    EVAL_FILE,
     FORMAT,
     FORMAT_VERSION,
     PLAN_FILE,
@@ -28,6 +30,7 @@ from contract.plan import (
 )
 from transpiler.collectives import bucket_tensors, collective_nodes
 from transpiler.errors import TranspileError
+from transpiler.eval_graph import build_eval_graph, eval_entry
 from transpiler.job import Job, RankGraphs, reduced_gradient_name
 from transpiler.placement import METHODS, place
 from transpiler.weights import attach_weights, detach_weights
@@ -165,6 +168,8 @@ def plan_json(job: Job) -> dict:
         # Optional: the step graphs' squared gradient norm (only with --clip-grad-norm).
         **({"grad_norm_output": GRAD_NORM_OUTPUT} if opts.optimizer.max_grad_norm is not None else {}),
         "parameters": params_json,
+        # Optional (older plans lack it): the eval-mode forward + loss, for transpile run --eval-data.
+        EVAL_FIELD: eval_entry(problem),
         "frozen": list(problem.frozen),
         # Optional (older plans lack it): every float initializer with its decision and reason, the
         # one-line summary `transpile` prints, and the exporter rewrites it warned about.
@@ -231,6 +236,7 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
             _save(g.init, tmp / files["init"])
             if g.accum is not None:
                 _save(g.accum, tmp / files["accum"])
+        _save(build_eval_graph(job.problem), tmp / EVAL_FILE)
         plan = plan_json(job)
         text = json.dumps(plan, indent=1) + "\n"
         (tmp / PLAN_FILE).write_text(text)
