@@ -123,23 +123,20 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 def _recv(sock: socket.socket) -> tuple[bool, Any]:
-    """(False, None) when the peer closed the connection."""
+    """(False, None) when the peer closed the connection, or sent what no rank sends (a stranger on
+    the port: a health check, a scanner)."""
     try:
         header = _recv_exact(sock, _HEADER.size)
-        if header is None:
-            return False, None
-        (length,) = _HEADER.unpack(header)
-        if length > _MAX_MESSAGE:
-            raise RunError(f"bootstrap: a message of {length} bytes: not a graph-transpiler rank on this port")
-        body = _recv_exact(sock, length)
-    except (ConnectionError, TimeoutError, OSError):
+        (length,) = _HEADER.unpack(header) if header is not None else (None,)
+        body = _recv_exact(sock, length) if length is not None and length <= _MAX_MESSAGE else None
+    except OSError:  # reset, timed out
         return False, None
     if body is None:
         return False, None
     try:
         return True, _decode(body)
     except ValueError:
-        raise RunError("bootstrap: a message that is not JSON: not a graph-transpiler rank on this port") from None
+        return False, None
 
 
 def _send(sock: socket.socket, value: Any) -> bool:
