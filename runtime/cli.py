@@ -166,8 +166,8 @@ def run_command(args: argparse.Namespace) -> int:
         # Already one rank of an mpirun/mpiexec/srun/torchrun job: run as that rank, spawn nothing.
         # Each rank resolves the arguments itself, inside the ranks' agreement on setup errors.
         if args.hostfile is not None or args.hosts is not None:
-            print(f"transpile: error: --hostfile/--hosts: this process is already a rank of a {launch.launcher} "
-                  "job, which chose the hosts; drop the option (or run transpile run outside the launcher)",
+            print(f"transpile: error: --hostfile/--hosts: this process is already a rank started by {launch.launcher}, "
+                  "which chose the hosts; drop the option (or run transpile run outside the launcher)",
                   file=sys.stderr)
             return 2
         return run_as_rank(lambda: resolve(args))
