@@ -2,7 +2,7 @@
 ``python -m runtime run ...`` runs it directly.
 
 The arguments are parsed and checked once, here (``resolve``); the ranks this process spawns get
-the resulting RunConfig as JSON on their command line (runtime/config.py), and run it in runtime/worker.py.
+the resulting RunConfig as a file, or inline on other hosts (runtime/config.py), and run it in runtime/worker.py.
 """
 
 from __future__ import annotations
@@ -184,9 +184,11 @@ def run_command(args: argparse.Namespace) -> int:
             if plan.world_size == 1 and hosts is None:
                 return _run_single(plan, dataset, config)
             with tempfile.TemporaryDirectory(prefix="transpile-run.", ignore_cleanup_errors=True) as tmp:
-                # Inline: ranks on other hosts cannot read a file in this host's /tmp.
-                inline = json.dumps(config.to_json(), separators=(",", ":"))
-                return spawn(plan.world_size, ["--config-json", inline], run_dir=Path(tmp), hosts=hosts)
+                path = Path(tmp) / "config.json"  # the ranks read it at start-up, before any step
+                config.save(path)
+                # Ranks on other hosts cannot read a file in this host's /tmp: they get it inline.
+                given = ["--config", str(path)] if hosts is None else ["--config-json", json.dumps(config.to_json())]
+                return spawn(plan.world_size, given, run_dir=Path(tmp), hosts=hosts)
         finally:
             if lock is not None:
                 lock.release()

@@ -3,8 +3,8 @@
 Under mpirun/mpiexec/srun/torchrun every process already is a rank: it reads its rank, the world
 size and its local rank from the launcher's environment (``LAUNCHERS``) and must not spawn anything.
 Otherwise ``transpile run`` is the parent: it validates once, then runs ``mpiexec -n N python -m
-runtime.worker --config-json ...`` (with ``--hostfile``/``--hosts``: on those hosts) and returns its
-exit status (mpiexec tears all ranks down when one exits non-zero).
+runtime.worker --config FILE`` (with ``--hostfile``/``--hosts``: on those hosts, the configuration
+inline) and returns its exit status (mpiexec tears all ranks down when one exits non-zero).
 """
 
 from __future__ import annotations
