@@ -1,6 +1,6 @@
-"""One rank process: ``python -m runtime.worker --config FILE`` (or ``--config-json JSON`` on
-other hosts) under our mpiexec (the RunConfig that ``transpile run`` resolved, runtime/config.py), or ``run_as_rank`` under a foreign
-launcher (mpirun, srun, torchrun: runtime/launcher.py). The ranks' host-side agreements go through
+"""One rank process: ``python -m runtime.worker --config FILE`` (``--config-json JSON`` on other
+hosts) under our mpiexec (the RunConfig that ``transpile run`` resolved, runtime/config.py), or
+``run_as_rank`` under a foreign launcher (mpirun, srun, torchrun: runtime/launcher.py). The ranks' host-side agreements go through
 a host group (runtime/bootstrap.py): MPI, or the TCP bootstrap under torchrun.
 
 Failure handling keeps the "one line per error, no hang" promise in two phases:
