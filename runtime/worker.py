@@ -215,8 +215,6 @@ def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, st
     and the runtime's version. Ranks started by hand or by an outside launcher can differ in any."""
     from dataclasses import asdict
 
-    from runtime import checkpoint as ckpt
-
     data = ",".join(f"{name}{list(a.shape)}{a.dtype}" for name, a in sorted(dataset.arrays.items()))
     return {
         "lr": f"{config.lr:g}",
@@ -227,9 +225,18 @@ def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, st
         "data": hashlib.sha256(data.encode()).hexdigest()[:16] if len(data) > 60 else data,
         "resume": str(config.resume),
         "backend": config.backend,  # resolved on each rank: hosts with and without GPUs must not mix
-        "plan": ckpt.plan_hash(plan)[:16],
+        "plan": portable_plan_hash(plan)[:16],
         "runtime version": _version(),
     }
+
+
+def portable_plan_hash(plan: Plan) -> str:
+    """plan.json's hash without what says where it was written (``source_model.path``, the model's
+    absolute path when transpiled): OUTs transpiled from one model with the same options on two
+    hosts, from different directories, are the same plan."""
+    raw = json.loads(plan.path.read_text())
+    raw.get("source_model", {}).pop("path", None)
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
 def compare_fingerprints(prints: list[dict[str, str]]) -> str | None:

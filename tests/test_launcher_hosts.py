@@ -80,3 +80,41 @@ def test_cli_checks_hosts_before_starting_anything(tmp_path, capsys, monkeypatch
     assert main([*run, "--hosts", "a:1,b:1"]) == 2
     assert capsys.readouterr().err.startswith("transpile: error: --hostfile/--hosts: this process is already a rank "
                                               "started by MPICH/Hydra, which chose the hosts")
+
+
+def test_the_plan_ranks_agree_on_holds_nothing_of_the_host(model_dir, tmp_path):
+    """One model transpiled on two hosts from different directories is one plan: the ranks'
+    agreement ignores where the model was (plan.json records its absolute path, for provenance).
+    Nothing else in plan.json names a host, a path outside OUT, or GPUs per host."""
+    import json
+    import shutil
+    import socket
+
+    from runtime.plan import load_plan
+    from runtime.worker import portable_plan_hash
+    from transpiler import Options, transpile
+
+    hashes = {}
+    for where, strategy in (("host-a/models", "sharded"), ("host-b/home/me", "sharded"), ("host-b/other", "allreduce")):
+        (tmp_path / where).mkdir(parents=True)
+        shutil.copy(model_dir("perceptron") / "model.onnx", tmp_path / where / "model.onnx")
+        transpile(tmp_path / where / "model.onnx", tmp_path / where / "out", Options(world_size=2, strategy=strategy))
+        plan = load_plan(tmp_path / where / "out")
+        hashes[where] = portable_plan_hash(plan)
+        text = plan.path.read_text()
+        assert socket.gethostname() not in text
+        paths = [v for v in _strings(json.loads(text)) if "/" in v and v != "graph-transpiler/plan"]
+        assert paths == [str(tmp_path / where / "model.onnx")]  # source_model.path, and nothing else
+    assert hashes["host-a/models"] == hashes["host-b/home/me"]
+    assert hashes["host-b/other"] != hashes["host-a/models"]  # a real difference still counts
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
