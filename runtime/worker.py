@@ -133,9 +133,8 @@ def run_as_rank(setup: Setup) -> int:
     try:
         launch = detect_launcher()
         host, comm = _join_hosts(launch)
-    except RunError as exc:  # no agreement is possible without the host group: each rank says why
-        where = f"rank {os.environ.get('RANK')}: " if os.environ.get("RANK") else ""
-        print(f"transpile: error: {where}{exc}", file=sys.stderr, flush=True)
+    except RunError as exc:  # no agreement is possible without the host group: each rank says why (its rank in it)
+        print(f"transpile: error: {exc}", file=sys.stderr, flush=True)
         return 2
     rank_comm = comm  # the communicator training uses (its ``current`` collective names a timeout)
     run_dir = os.environ.get(RUN_DIR_ENV)

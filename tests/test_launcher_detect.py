@@ -65,3 +65,23 @@ def test_mpi_must_see_the_launchers_world():
                                        r"process manager \(under srun pass --mpi=pmix"):
         check_mpi_agrees(srun, 0, 1)
     check_mpi_agrees(detect_launcher({"PMIX_RANK": "3"}), 3, 4)  # PMIx publishes no size: MPI's stands
+
+
+@pytest.mark.parametrize("gpus, local_rank, local_size, device", [
+    (4, 2, 4, 2),  # local rank r drives device r
+    (1, 3, 4, 0),  # one GPU visible per rank (srun --gpus-per-task=1): it is device 0
+    (8, 1, None, 1),  # torchrun without LOCAL_WORLD_SIZE
+])
+def test_the_local_rank_picks_the_gpu(monkeypatch, gpus, local_rank, local_size, device):
+    from runtime.devices import pick_gpu
+
+    monkeypatch.setattr("runtime.gpu.cuda.gpu_count", lambda: gpus)
+    assert pick_gpu(local_rank, local_size) == device
+
+
+def test_more_local_ranks_than_gpus_is_one_line(monkeypatch):
+    from runtime.devices import pick_gpu
+
+    monkeypatch.setattr("runtime.gpu.cuda.gpu_count", lambda: 2)
+    with pytest.raises(RunError, match=r"^4 rank\(s\) on this host needs 4 GPU\(s\), one per rank, but this machine has 2"):
+        pick_gpu(1, 4)
