@@ -1,7 +1,8 @@
 """One rank process: ``python -m runtime.worker --config FILE`` (``--config-json JSON`` on other
 hosts) under our mpiexec (the RunConfig that ``transpile run`` resolved, runtime/config.py), or
-``run_as_rank`` under a foreign launcher (mpirun, srun, torchrun: runtime/launcher.py). The ranks' host-side agreements go through
-a host group (runtime/bootstrap.py): MPI, or the TCP bootstrap under torchrun.
+``run_as_rank`` under a foreign launcher (mpirun, srun, torchrun: runtime/launcher.py). The ranks'
+host-side agreements go through a host group (runtime/bootstrap.py): MPI, or the TCP bootstrap
+under torchrun.
 
 Failure handling keeps the "one line per error, no hang" promise in two phases:
 1. setup (plan, data, world size, building sessions) issues no collective, so every rank finishes
@@ -183,8 +184,9 @@ def run_as_rank(setup: Setup) -> int:
                 ranks = [r for r, e in enumerate(errors) if e == message]
                 where = "" if len(ranks) == host.size else f"rank {', '.join(map(str, ranks))}: "
                 print(f"transpile: error: {where}{message}", file=sys.stderr, flush=True)
+        code = _agreed_exit(host)  # no rank exits (and has its launcher stop rank 0) before the line is out
         host.close()
-        return 2
+        return code
     if host.rank == 0 and launch is not None and not spawned:
         print(f"launcher: {launch.launcher} ({host.size} rank(s), backend {config.backend})", flush=True)
     try:
