@@ -2,13 +2,14 @@
 ``python -m runtime run ...`` runs it directly.
 
 The arguments are parsed and checked once, here (``resolve``); the ranks this process spawns get
-the resulting RunConfig as a file (runtime/config.py), and run it in runtime/worker.py.
+the resulting RunConfig as a file, or inline on other hosts (runtime/config.py), and run it in runtime/worker.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 from dataclasses import replace
@@ -23,7 +24,7 @@ from runtime.errors import PeerFailed, RunError
 from runtime.evaluate import eval_batch_size, load_eval_data, make_evaluator
 from runtime.executor import CpuBackend
 from runtime.guard import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, timeout_from_env
-from runtime.launcher import detect_launcher, spawn
+from runtime.launcher import Host, check_slots, detect_launcher, parse_hostfile, parse_hosts, spawn
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
 from runtime.schedule import SCHEDULES, Schedule
@@ -82,6 +83,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "step's (rank 0 keeps a host copy of them)")
     parser.add_argument("--no-tf32", action="store_true",
                         help="nccl backend: fp32 MatMul/Conv in full fp32 instead of TF32 (for exact comparisons)")
+    # Several hosts, through the same mpiexec (docs/multi-node.md); the slots must add up to the plan's world size.
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("--hostfile", metavar="FILE",
+                       help="start the ranks on the hosts of FILE (lines 'host slots=N' or 'host:N'; # comments)")
+    hosts.add_argument("--hosts", metavar="H1:N1,H2:N2", help="start the ranks on these hosts, N ranks on each")
 
 
 def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
@@ -177,24 +183,44 @@ def _output_file(option: str, value: str | None) -> Path | None:
     return path
 
 
+def _hosts(args: argparse.Namespace, world_size: int) -> list[Host] | None:
+    """The hosts of --hostfile/--hosts (checked against the plan), or None for this host only."""
+    if args.hostfile is None and args.hosts is None:
+        return None
+    hosts = parse_hostfile(args.hostfile) if args.hostfile is not None else parse_hosts(args.hosts)
+    check_slots(hosts, world_size, f"--hostfile {args.hostfile}" if args.hostfile is not None else f"--hosts {args.hosts}")
+    return hosts
+
+
 def run_command(args: argparse.Namespace) -> int:
-    if detect_launcher() is not None:
-        # Already one rank of an mpirun/mpiexec/srun job: run as that rank, spawn nothing. Each rank
-        # resolves the arguments itself, inside the ranks' agreement on setup errors.
+    launch = detect_launcher()
+    if launch is not None:
+        # Already one rank of an mpirun/mpiexec/srun/torchrun job: run as that rank, spawn nothing.
+        # Each rank resolves the arguments itself, inside the ranks' agreement on setup errors.
+        if args.hostfile is not None or args.hosts is not None:
+            print(f"transpile: error: --hostfile/--hosts: this process is already a rank started by {launch.launcher}, "
+                  "which chose the hosts; drop the option (or run transpile run outside the launcher)",
+                  file=sys.stderr)
+            return 2
         return run_as_rank(lambda: resolve(args))
     try:
         plan, dataset, config = resolve(args)
-        config = replace(config, backend=resolve_backend(config.backend))
-        if config.backend == "nccl":
+        hosts = _hosts(args, plan.world_size)
+        if hosts is None:
+            config = replace(config, backend=resolve_backend(config.backend))
+        # On other hosts, each rank resolves "auto" and counts its host's GPUs itself (runtime/worker.py).
+        if config.backend == "nccl" and hosts is None:
             check_gpus(plan.world_size, f"the plan ({plan.world_size} rank(s), transpiled with --gpus {plan.world_size})")
         lock = None if config.checkpoint is None else checkpoint.Lock(config.checkpoint)
         try:
-            if plan.world_size == 1:
+            if plan.world_size == 1 and hosts is None:
                 return _run_single(plan, dataset, config)
             with tempfile.TemporaryDirectory(prefix="transpile-run.", ignore_cleanup_errors=True) as tmp:
                 path = Path(tmp) / "config.json"  # the ranks read it at start-up, before any step
                 config.save(path)
-                return spawn(plan.world_size, ["--config", str(path)], run_dir=Path(tmp))
+                # Ranks on other hosts cannot read a file in this host's /tmp: they get it inline.
+                given = ["--config", str(path)] if hosts is None else ["--config-json", json.dumps(config.to_json())]
+                return spawn(plan.world_size, given, run_dir=Path(tmp), hosts=hosts)
         finally:
             if lock is not None:
                 lock.release()

@@ -25,3 +25,18 @@ def check_gpus(needed: int, what: str) -> None:
         raise RunError(f"{what} needs {needed} GPU(s), one per rank, but this machine has {have}"
                        + (" (no CUDA device, or CuPy is not installed)" if have == 0 else "")
                        + "; transpile with --gpus <= the GPUs present, or use --backend cpu")
+
+
+def pick_gpu(local_rank: int, local_size: int | None) -> int:
+    """The CUDA device of the rank with this local rank (its index among the ranks of its host).
+
+    Where the launcher hands each rank one GPU (Slurm's --gpus-per-task, a CUDA_VISIBLE_DEVICES per
+    rank), that GPU is device 0 whatever the local rank; otherwise local rank r drives device r.
+    """
+    from runtime.gpu.cuda import gpu_count
+
+    have = gpu_count()
+    if have == 1:
+        return 0
+    check_gpus(max(local_rank + 1, local_size or 0), f"{local_size or 'the'} rank(s) on this host")
+    return local_rank

@@ -1,9 +1,10 @@
-"""Starting the rank processes: detect an enclosing MPI/Slurm launcher, or run mpiexec ourselves.
+"""Starting the rank processes: detect an enclosing launcher, or run mpiexec ourselves.
 
-Under mpirun/mpiexec/srun every process already is a rank: it reads its rank and the world size
-from the launcher's environment and must not spawn anything. Otherwise ``transpile run`` is the
-parent: it validates once, then runs ``mpiexec -n N python -m runtime.worker <same arguments>`` and
-returns its exit status (mpiexec tears all ranks down when one exits non-zero).
+Under mpirun/mpiexec/srun/torchrun every process already is a rank: it reads its rank, the world
+size and its local rank from the launcher's environment (``LAUNCHERS``) and must not spawn anything.
+Otherwise ``transpile run`` is the parent: it validates once, then runs ``mpiexec -n N python -m
+runtime.worker --config FILE`` (with ``--hostfile``/``--hosts``: on those hosts, the configuration
+inline) and returns its exit status (mpiexec tears all ranks down when one exits non-zero).
 """
 
 from __future__ import annotations
@@ -27,14 +28,32 @@ from runtime.guard import PARENT_ENV, RUN_DIR_ENV, parent_token, read_beats, set
 # enough to tear the others down (no MPI_Abort banner).
 SPAWNED_ENV = "GRAPH_TRANSPILER_SPAWNED"
 
-# (launcher, rank variable, size variable or None), first match wins. Open MPI also sets PMIX_RANK,
-# so it is checked first. PMIx publishes no size variable: the MPI communicator's size is the
-# authority anyway (check_world_size), detection only decides "already a rank, do not spawn".
-_LAUNCHERS = (
-    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-    ("MPICH/Hydra", "PMI_RANK", "PMI_SIZE"),
-    ("PMIx", "PMIX_RANK", None),
-    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS"),
+# Every launcher we recognise, first match wins. The order settles processes that see the variables
+# of several: Open MPI also sets PMIX_RANK; ranks that mpirun/mpiexec starts inside a Slurm
+# allocation inherit its SLURM_* variables; torchrun under srun sees SLURM_PROCID = its node. So the
+# per-process MPI variables come first, then torchrun's, then Slurm's. Slurm counts only inside an
+# srun step (SLURM_STEP_ID): an sbatch script's own shell has SLURM_PROCID=0 too, and there
+# `transpile run` must start the ranks itself. A variable left None is not published by that
+# launcher (PMIx keeps the size in its server; MPI's local communicator answers instead).
+@dataclass(frozen=True)
+class Launcher:
+    name: str
+    rank: str
+    size: str | None
+    local_rank: str | None
+    local_size: str | None
+    requires: tuple[str, ...] = ()  # present too, or it is not this launcher
+    mpi: bool = True  # its ranks are MPI processes; torchrun's are not (they meet over the TCP bootstrap)
+
+
+LAUNCHERS = (
+    Launcher("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    Launcher("MPICH/Hydra", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    Launcher("PMIx", "PMIX_RANK", None, None, None),
+    Launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", requires=("MASTER_ADDR", "MASTER_PORT"),
+             mpi=False),
+    Launcher("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, requires=("SLURM_STEP_ID",)),
 )
 
 
@@ -43,26 +62,54 @@ class LaunchEnv:
     launcher: str
     rank: int
     size: int | None  # None where the launcher does not publish it
+    local_rank: int | None = None  # this rank's index among the ranks of its host: the GPU it drives
+    local_size: int | None = None
+    mpi: bool = True
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
-    """The rank (and size) an enclosing launcher gave this process, or None when started by hand."""
+    """The rank, size and local rank an enclosing launcher gave this process, or None when started by hand."""
     environ = os.environ if environ is None else environ
-    for name, rank_var, size_var in _LAUNCHERS:
-        if rank_var not in environ or (size_var is not None and size_var not in environ):
+    for launcher in LAUNCHERS:
+        if launcher.rank not in environ or any(v not in environ for v in launcher.requires):
             continue
-        try:
-            return LaunchEnv(name, int(environ[rank_var]), None if size_var is None else int(environ[size_var]))
-        except ValueError:
-            raise RunError(f"{name} launcher: {rank_var} or {size_var} in the environment is not an integer") from None
+        if launcher.size is not None and launcher.size not in environ:
+            continue
+        rank, size, local_rank, local_size = (_number(environ, launcher.name, var) for var in (
+            launcher.rank, launcher.size, launcher.local_rank, launcher.local_size))
+        env = LaunchEnv(launcher.name, rank, size, local_rank, local_size, launcher.mpi)
+        if env.size is not None and env.rank >= env.size:
+            raise RunError(f"{launcher.name} launcher: {launcher.rank}={env.rank} is not below {launcher.size}={env.size}")
+        return env
     return None
 
 
+def _number(environ: Mapping[str, str], launcher: str, var: str | None) -> int | None:
+    if var is None or var not in environ:
+        return None
+    try:
+        value = int(environ[var])
+    except ValueError:
+        raise RunError(f"{launcher} launcher: {var}={environ[var]!r} in the environment is not an integer") from None
+    if value < 0:
+        raise RunError(f"{launcher} launcher: {var}={value} in the environment is negative")
+    return value
+
+
 def check_world_size(size: int, world_size: int, launcher: str) -> None:
-    """``size`` is the MPI world size this process sees; it must be the plan's."""
+    """``size`` is the world size this process sees (MPI's, or the launcher's); it must be the plan's."""
     if size != world_size:
         raise RunError(f"the {launcher} launcher started {size} process(es), but the plan was transpiled for "
                        f"world_size {world_size}; launch with -n {world_size}")
+
+
+def check_mpi_agrees(env: LaunchEnv, rank: int, size: int) -> None:
+    """The launcher's rank and size are MPI's: else MPI did not connect to the launcher's process
+    manager (srun without --mpi=pmi2/pmix starts N MPI worlds of one) and every rank would train alone."""
+    if env.size is not None and (env.size, env.rank) != (size, rank):
+        raise RunError(f"the {env.launcher} launcher made this rank {env.rank} of {env.size}, but MPI sees rank {rank} "
+                       f"of {size}: MPI is not using {env.launcher}'s process manager (under srun pass --mpi=pmix or "
+                       "--mpi=pmi2, or start the ranks with mpirun)")
 
 
 def find_mpiexec() -> str:
@@ -91,13 +138,100 @@ def mpiexec_flavor(mpiexec: str) -> str:
     return "unknown"
 
 
-def mpiexec_command(mpiexec: str, flavor: str, n: int, worker_args: Sequence[str]) -> list[str]:
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+def _host(text: str, slots: str | None, where: str) -> Host:
+    if not text or any(c.isspace() for c in text):
+        raise RunError(f"{where}: {text!r} is not a host name")
+    try:
+        count = 1 if slots is None else int(slots)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise RunError(f"{where}: slots of {text} must be a whole number >= 1, got {slots!r}")
+    return Host(text, count)
+
+
+def parse_hostfile(path: str | Path) -> list[Host]:
+    """Hosts of an Open MPI (``host slots=N``) or MPICH (``host:N``) hostfile; ``#`` starts a
+    comment, a host without a count has one slot. Other keys (max_slots=...) are refused, not ignored."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise RunError(f"--hostfile {path}: {exc.strerror or exc}") from None
+    hosts = []
+    for number, line in enumerate(lines, start=1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        where = f"--hostfile {path}, line {number}"
+        name, colon, count = words[0].partition(":")
+        if len(words) == 1:
+            hosts.append(_host(name, count if colon else None, where))
+        elif len(words) == 2 and words[1].startswith("slots=") and not colon:
+            hosts.append(_host(name, words[1][len("slots="):], where))
+        else:
+            raise RunError(f"{where}: expected 'host slots=N' or 'host:N', got {line.strip()!r}")
+    if not hosts:
+        raise RunError(f"--hostfile {path}: names no host")
+    return hosts
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """``--hosts h1:4,h2:4`` (a host without ``:N`` has one slot)."""
+    hosts = []
+    for item in spec.split(","):
+        name, colon, count = item.strip().partition(":")
+        hosts.append(_host(name, count if colon else None, f"--hosts {spec}"))
+    return hosts
+
+
+def check_slots(hosts: Sequence[Host], world_size: int, option: str) -> None:
+    total = sum(h.slots for h in hosts)
+    if total != world_size:
+        listed = ", ".join(f"{h.name}:{h.slots}" for h in hosts)
+        raise RunError(f"{option}: {total} slot(s) in all ({listed}), but the plan was transpiled for world_size "
+                       f"{world_size}; the slots must add up to it (one rank per slot)")
+
+
+def hostfile_text(hosts: Sequence[Host], flavor: str) -> str:
+    """The hostfile as ``flavor``'s mpiexec reads it (the two formats are not interchangeable)."""
+    if flavor == "openmpi":
+        return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
+    return "".join(f"{h.name}:{h.slots}\n" for h in hosts)
+
+
+# Variables the ranks on other hosts must see as they are here. Hydra passes the whole environment
+# on (-genvall, its default); Open MPI passes only what -x names to remote hosts.
+PASS_PREFIXES = ("NCCL_", "UCX_", "GRAPH_TRANSPILER_")
+PASS_NAMES = ("PYTHONPATH",)
+
+
+def passed_variables(env: Mapping[str, str]) -> list[str]:
+    return sorted(k for k in env if k.startswith(PASS_PREFIXES) or k in PASS_NAMES)
+
+
+def mpiexec_command(mpiexec: str, flavor: str, n: int, worker_args: Sequence[str], hostfile: Path | None = None,
+                    env: Mapping[str, str] | None = None) -> list[str]:
     flags = []
     if flavor == "openmpi":
         # Open MPI refuses more ranks than cores and running as root unless told; both are normal here.
         flags.append("--oversubscribe")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             flags.append("--allow-run-as-root")
+        if hostfile is not None:
+            flags += ["--hostfile", str(hostfile)]
+            for name in passed_variables(env or {}):
+                flags += ["-x", name]
+    elif hostfile is not None:
+        if flavor != "mpich":
+            raise RunError(f"{mpiexec} is neither Open MPI nor MPICH/Hydra (from its --version): cannot tell its "
+                           "hostfile format; start the ranks with your own launcher (docs/multi-node.md)")
+        flags += ["-f", str(hostfile), "-genvall"]
     return [mpiexec, *flags, "-n", str(n), sys.executable, "-m", "runtime.worker", *worker_args]
 
 
@@ -112,8 +246,9 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None) -> int:
-    """Run N rank processes of ``runtime.worker`` under mpiexec; returns the run's exit status.
+def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts: Sequence[Host] | None = None) -> int:
+    """Run N rank processes of ``runtime.worker`` under mpiexec (on ``hosts``, else here); returns
+    the run's exit status.
 
     mpiexec runs in its own session (process group). Ctrl-C (SIGINT), SIGTERM or SIGHUP on
     ``transpile run`` kills that whole group at once: the ranks, however blocked (a rank waiting in
@@ -128,11 +263,23 @@ def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None) -> in
     in the heartbeat files of ``run_dir``), its host and its exit status or signal.
     """
     mpiexec = find_mpiexec()
-    command = mpiexec_command(mpiexec, mpiexec_flavor(mpiexec), n, worker_args)
+    flavor = mpiexec_flavor(mpiexec)
     env = child_environment()
-    if run_dir is not None:
-        env[RUN_DIR_ENV] = str(run_dir)
-    env[PARENT_ENV] = parent_token()
+    hostfile = None
+    if hosts is None:
+        # The ranks' guards: heartbeats in a local directory, and this process's pid. Both mean
+        # nothing on another host (a remote rank would find no such pid and kill itself), so a
+        # multi-host run leaves them out and relies on mpiexec's proxies and the collective timeout.
+        if run_dir is not None:
+            env[RUN_DIR_ENV] = str(run_dir)
+        env[PARENT_ENV] = parent_token()
+    else:
+        if run_dir is None:
+            raise ValueError("spawn on hosts needs run_dir (for the hostfile)")
+        hostfile = run_dir / "hostfile"
+        hostfile.write_text(hostfile_text(hosts, flavor))
+        run_dir = None
+    command = mpiexec_command(mpiexec, flavor, n, worker_args, hostfile, env)
     me = os.getpid()
 
     def die_with_me() -> None:  # in the child, before exec: mpiexec dies with transpile run

@@ -1,5 +1,8 @@
-"""One rank process under MPI: ``python -m runtime.worker --config FILE`` (the RunConfig that
-``transpile run`` resolved, runtime/config.py), or ``run_as_rank`` under a foreign launcher.
+"""One rank process: ``python -m runtime.worker --config FILE`` (``--config-json JSON`` on other
+hosts) under our mpiexec (the RunConfig that ``transpile run`` resolved, runtime/config.py), or
+``run_as_rank`` under a foreign launcher (mpirun, srun, torchrun: runtime/launcher.py). The ranks'
+host-side agreements go through a host group (runtime/bootstrap.py): MPI, or the TCP bootstrap
+under torchrun.
 
 Failure handling keeps the "one line per error, no hang" promise in two phases:
 1. setup (plan, data, world size, building sessions) issues no collective, so every rank finishes
@@ -13,24 +16,27 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from runtime import checkpoint
+from runtime.bootstrap import HostGroup, MpiHost, torch_style_host
 from runtime.collectives.mpi import MpiCommunicator
 from runtime.config import RunConfig
 from runtime.data import Dataset
-from runtime.devices import check_gpus, resolve_backend
+from runtime.devices import pick_gpu, resolve_backend
 from runtime.errors import PeerFailed, RunError
 from runtime.evaluate import make_evaluator
 from runtime.executor import CpuBackend
 from runtime.guard import PARENT_ENV, RUN_DIR_ENV, Watchdog, set_parent_death_signal, timeout_from_env
-from runtime.launcher import SPAWNED_ENV, check_world_size, detect_launcher
+from runtime.launcher import SPAWNED_ENV, LaunchEnv, check_mpi_agrees, check_world_size, detect_launcher
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
 from runtime.trainer import Trainer
@@ -49,38 +55,11 @@ def _version() -> str:
 
 def _threads_per_rank(comm: MpiCommunicator) -> int:
     # Ranks on one host share its cores; onnxruntime's default (all cores each) oversubscribes them.
-    from mpi4py import MPI
-
-    local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return max(1, (os.cpu_count() or 1) // local.Get_size())
-    finally:
-        local.Free()
+    return max(1, (os.cpu_count() or 1) // _mpi_local(comm)[1])
 
 
-def _tear_down(comm: MpiCommunicator, code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if os.environ.get(SPAWNED_ENV) == "1":
-        os._exit(code)  # our mpiexec kills the other ranks when one exits non-zero
-    # An outside launcher's proxy forwards our stderr asynchronously; MPI_Abort tears it down at
-    # once, and the line just printed was lost (seen with Hydra): give it a moment to go out.
-    time.sleep(0.5)
-    comm.abort(code)
-
-
-def _agreed_exit(comm: MpiCommunicator) -> int:
-    """Every rank knows of the error: each ends normally with status 2 (no MPI_Abort, no banner),
-    after a barrier, so the rank that prints the line has printed it before any rank exits (our
-    mpiexec kills the others as soon as one exits non-zero). The watchdog bounds the barrier."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    comm.barrier()
-    return 2
-
-
-def _local_rank(comm: MpiCommunicator) -> tuple[int, int]:
-    """This rank's index among the ranks of its host, and their number: the GPU it drives."""
+def _mpi_local(comm: MpiCommunicator) -> tuple[int, int]:
+    """This rank's index among the MPI ranks of its host, and their number."""
     from mpi4py import MPI
 
     local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -90,16 +69,58 @@ def _local_rank(comm: MpiCommunicator) -> tuple[int, int]:
         local.Free()
 
 
-def _make_backend(config: RunConfig, comm: MpiCommunicator):
+def _tear_down(host: HostGroup, code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.environ.get(SPAWNED_ENV) == "1":
+        os._exit(code)  # our mpiexec kills the other ranks when one exits non-zero
+    # An outside launcher's proxy forwards our stderr asynchronously; MPI_Abort tears it down at
+    # once, and the line just printed was lost (seen with Hydra): give it a moment to go out.
+    time.sleep(0.5)
+    host.abort(code)
+
+
+def _agreed_exit(host: HostGroup) -> int:
+    """Every rank knows of the error: each ends normally with status 2 (no MPI_Abort, no banner),
+    after a barrier, so the rank that prints the line has printed it before any rank exits (our
+    mpiexec kills the others as soon as one exits non-zero). The watchdog bounds the barrier."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    host.barrier()
+    return 2
+
+
+def _join_hosts(launch: LaunchEnv | None) -> tuple[HostGroup, MpiCommunicator | None]:
+    """The ranks' host group, and the MPI communicator where the launcher made MPI processes (our
+    own mpiexec, mpirun, srun); torchrun's ranks meet over the TCP bootstrap instead."""
+    if launch is not None and not launch.mpi:
+        return torch_style_host(os.environ, launch.rank, launch.size, timeout_from_env()), None
+    comm = MpiCommunicator()
+    if launch is not None:
+        check_mpi_agrees(launch, comm.rank, comm.size)
+    return MpiHost(comm), comm
+
+
+def _make_backend(config: RunConfig, host: HostGroup, comm: MpiCommunicator | None, launch: LaunchEnv | None):
     """(backend, communicator the trainer uses); for nccl the NCCL communicator is not joined yet."""
-    backend = resolve_backend(config.backend)
-    if backend == "cpu":
+    if config.backend == "cpu":
+        if comm is None:
+            raise RunError(f"the cpu backend moves tensors with MPI, and {launch.launcher} starts no MPI processes: "
+                           f"start the {host.size} ranks with `mpirun -n {host.size} transpile run ...` (or plain "
+                           "`transpile run ...`, which starts them itself); torchrun works for --backend nccl")
         return CpuBackend(threads=_threads_per_rank(comm)), comm
     from runtime.gpu import GpuBackend, NcclCommunicator
 
-    local_rank, local_size = _local_rank(comm)
-    check_gpus(local_size, f"{local_size} rank(s) on this host")
-    return GpuBackend(local_rank, tf32=config.tf32), NcclCommunicator(comm, local_rank)
+    local_rank = launch.local_rank if launch is not None else None
+    local_size = launch.local_size if launch is not None else None
+    if comm is not None and (local_rank is None or local_size is None):
+        mpi_rank, mpi_size = _mpi_local(comm)
+        local_rank = mpi_rank if local_rank is None else local_rank
+        local_size = mpi_size if local_size is None else local_size
+    if local_rank is None:
+        raise RunError(f"{launch.launcher} gave this rank no local rank (LOCAL_RANK): cannot tell which GPU it drives")
+    device = pick_gpu(local_rank, local_size)
+    return GpuBackend(device, tf32=config.tf32), NcclCommunicator(host, device)
 
 
 def run_as_rank(setup: Setup) -> int:
@@ -111,10 +132,15 @@ def run_as_rank(setup: Setup) -> int:
     spawned = os.environ.get(SPAWNED_ENV) == "1"
     if spawned:
         set_parent_death_signal()  # the rank dies with its parent (mpiexec's proxy), however it dies
-    comm = MpiCommunicator()
+    try:
+        launch = detect_launcher()
+        host, comm = _join_hosts(launch)
+    except RunError as exc:  # no agreement is possible without the host group: each rank says why (its rank in it)
+        print(f"transpile: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     rank_comm = comm  # the communicator training uses (its ``current`` collective names a timeout)
     run_dir = os.environ.get(RUN_DIR_ENV)
-    watchdog = Watchdog(comm.rank, comm.size, timeout=timeout_from_env(), exit=lambda code: _tear_down(comm, code),
+    watchdog = Watchdog(host.rank, host.size, timeout=timeout_from_env(), exit=lambda code: _tear_down(host, code),
                         run_dir=Path(run_dir) if run_dir else None,
                         parent=os.environ.get(PARENT_ENV) if spawned else None,
                         activity=lambda: getattr(rank_comm, "current", None)).start()
@@ -124,12 +150,12 @@ def run_as_rank(setup: Setup) -> int:
         plan, dataset, config = setup()
         watchdog.timeout = config.timeout
         watchdog.progress(0, "start-up")
-        launcher = detect_launcher()
-        check_world_size(comm.size, plan.world_size, launcher.launcher if launcher else "MPI")
-        backend, rank_comm = _make_backend(config, comm)
-        trainer = Trainer(plan, rank_comm, rank=comm.rank, backend=backend)
+        check_world_size(host.size, plan.world_size, launch.launcher if launch else "MPI")
+        config = replace(config, backend=resolve_backend(config.backend))
+        backend, rank_comm = _make_backend(config, host, comm, launch)
+        trainer = Trainer(plan, rank_comm, rank=host.rank, backend=backend)
         evaluator = make_evaluator(trainer, config)
-        if comm.rank == 0 and config.checkpoint is not None and os.environ.get(SPAWNED_ENV) != "1":
+        if host.rank == 0 and config.checkpoint is not None and not spawned:
             # Under an outside launcher no parent holds the checkpoint lock: rank 0 does.
             lock = checkpoint.Lock(config.checkpoint)  # noqa: F841 (held until the process ends)
     except RunError as exc:
@@ -142,21 +168,29 @@ def run_as_rank(setup: Setup) -> int:
             mine = fingerprint(plan, dataset, config)
         except Exception as exc:  # noqa: BLE001 - reach the agreement whatever happened
             error = f"internal error: fingerprint: {type(exc).__name__}: {exc}".splitlines()[0]
-    # One small collective: every rank's setup error (if any) and its fingerprint of the run.
-    gathered = comm.comm.allgather((error, None if error else mine))
+    # One small exchange: every rank's setup error (if any) and its fingerprint of the run.
+    try:
+        gathered = host.allgather([error, None if error else mine])
+    except RunError as exc:  # the TCP bootstrap lost a rank: no agreement to be had
+        print(f"transpile: error: rank {host.rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
     errors = [e for e, _ in gathered]
     if not any(errors):
         disagreement = compare_fingerprints([f for _, f in gathered])
         if disagreement:
-            errors = [disagreement] * comm.size
+            errors = [disagreement] * host.size
     if any(errors):
-        if comm.rank == 0:
+        if host.rank == 0:
             distinct = list(dict.fromkeys(e for e in errors if e))
             for message in distinct:
                 ranks = [r for r, e in enumerate(errors) if e == message]
-                where = "" if len(ranks) == comm.size else f"rank {', '.join(map(str, ranks))}: "
+                where = "" if len(ranks) == host.size else f"rank {', '.join(map(str, ranks))}: "
                 print(f"transpile: error: {where}{message}", file=sys.stderr, flush=True)
-        return 2
+        code = _agreed_exit(host)  # no rank exits (and has its launcher stop rank 0) before the line is out
+        host.close()
+        return code
+    if host.rank == 0 and launch is not None and not spawned:
+        print(f"launcher: {launch.launcher} ({host.size} rank(s), backend {config.backend})", flush=True)
     try:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
@@ -165,16 +199,17 @@ def run_as_rank(setup: Setup) -> int:
         watchdog.disarm()
     except PeerFailed:
         # Every rank knows (a host agreement): the rank that failed prints its line; all exit 2.
-        return _agreed_exit(comm)
+        return _agreed_exit(host)
     except RunError as exc:
-        print(f"transpile: error: rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
+        print(f"transpile: error: rank {host.rank}: {exc}", file=sys.stderr, flush=True)
         if getattr(exc, "agreed", False):
-            return _agreed_exit(comm)
-        _tear_down(comm, 2)
+            return _agreed_exit(host)
+        _tear_down(host, 2)
     except Exception as exc:  # a bug, not a user error: keep the traceback
         traceback.print_exc()
-        print(f"transpile: error: rank {comm.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
-        _tear_down(comm, 1)
+        print(f"transpile: error: rank {host.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
+        _tear_down(host, 1)
+    host.close()
     return 0
 
 
@@ -183,8 +218,6 @@ def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, st
     plan (its hash covers the collectives of every rank in order), the run configuration, the data
     and the runtime's version. Ranks started by hand or by an outside launcher can differ in any."""
     from dataclasses import asdict
-
-    from runtime import checkpoint as ckpt
 
     data = ",".join(f"{name}{list(a.shape)}{a.dtype}" for name, a in sorted(dataset.arrays.items()))
     return {
@@ -197,9 +230,19 @@ def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, st
         "resume": str(config.resume),
         "evaluation": (f"every={config.eval_every},batch={config.eval_batch},best={config.export_best}"
                        if config.eval_data is not None else "none"),
-        "plan": ckpt.plan_hash(plan)[:16],
+        "backend": config.backend,  # resolved on each rank: hosts with and without GPUs must not mix
+        "plan": portable_plan_hash(plan)[:16],
         "runtime version": _version(),
     }
+
+
+def portable_plan_hash(plan: Plan) -> str:
+    """plan.json's hash without what says where it was written (``source_model.path``, the model's
+    absolute path when transpiled): OUTs transpiled from one model with the same options on two
+    hosts, from different directories, are the same plan."""
+    raw = json.loads(plan.path.read_text())
+    raw.get("source_model", {}).pop("path", None)
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
 def compare_fingerprints(prints: list[dict[str, str]]) -> str | None:
@@ -219,18 +262,27 @@ def compare_fingerprints(prints: list[dict[str, str]]) -> str | None:
             "(refused before any training collective)")
 
 
-def load_setup(path: str) -> tuple[Plan, Dataset, RunConfig]:
+def load_setup(config: RunConfig) -> tuple[Plan, Dataset, RunConfig]:
     """What a spawned rank runs: the configuration ``transpile run`` resolved, and its plan and data."""
-    config = RunConfig.load(path)
     plan = load_plan(config.out)
     return plan, Dataset.load(config.data, plan.data_inputs), config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.worker", description="One rank of `transpile run`.")
-    parser.add_argument("--config", required=True, metavar="FILE", help="the run configuration 'transpile run' wrote")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--config", metavar="FILE", help="the run configuration 'transpile run' wrote")
+    # Inline, as ranks on other hosts cannot read a file of the launching host's /tmp.
+    given.add_argument("--config-json", metavar="JSON", help="the same, as JSON text")
     args = parser.parse_args(argv)
-    return run_as_rank(lambda: load_setup(args.config))
+    return run_as_rank(lambda: load_setup(RunConfig.load(args.config) if args.config else _parse_config(args.config_json)))
+
+
+def _parse_config(text: str) -> RunConfig:
+    try:
+        return RunConfig.from_json(json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise RunError(f"--config-json: not a run configuration written by 'transpile run' ({exc})".splitlines()[0]) from None
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """NCCL through CuPy: flat-buffer collectives on a communication stream, a host side for bootstrap
 and logging, and a watchdog that turns a hang into an error.
 
-The unique id that every rank needs to join the NCCL communicator travels through the host
-communicator (MPI bcast under mpiexec); a world of one needs none. Every NCCL call is enqueued on
+The unique id that every rank needs to join the NCCL communicator travels through the host group
+(MPI bcast under mpiexec, the TCP bootstrap under torchrun: runtime/bootstrap.py); a world of one
+needs none. Every NCCL call is enqueued on
 ``self.stream`` and returns at once; callers order it against the compute stream with CUDA events.
 
 Watchdog: the program registers each collective it enqueues with the time and the event recorded
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from runtime.bootstrap import HostGroup, MpiHost
 from runtime.collectives.base import (
     Communicator,
     TensorSpec,
@@ -46,15 +48,31 @@ def _nccl_dtype(nccl, dtype: np.dtype) -> int:
     return table[np.dtype(dtype)]
 
 
-class NcclCommunicator(Communicator):
-    """Rank ``host.rank`` of ``host.size`` on CUDA device ``device``; ``host`` is an MPI communicator
-    (or None for a world of one). Call ``connect()`` on every rank before the first collective."""
+def join_nccl(nccl, host: HostGroup | None, rank: int, size: int, device: int):
+    """The NCCL communicator of rank ``rank`` of ``size``: rank 0 makes the unique id, the host group
+    (MPI, or the TCP bootstrap under torchrun: runtime/bootstrap.py) carries it to the others."""
+    uid = nccl.get_unique_id() if rank == 0 else None
+    if host is not None and size > 1:
+        uid = host.bcast(uid, root=0)  # CuPy 14: bytes; older CuPy: a tuple of ints
+        if isinstance(uid, list):  # through JSON, the older CuPy's tuple arrives as a list
+            uid = tuple(uid)
+    try:
+        return nccl.NcclCommunicator(size, uid, rank)
+    except Exception as exc:
+        raise RunError(f"rank {rank}: NCCL communicator init failed on device {device}: {exc}") from None
 
-    def __init__(self, host: Communicator | None, device: int, *, timeout: float | None = None):
+
+class NcclCommunicator(Communicator):
+    """Rank ``host.rank`` of ``host.size`` on CUDA device ``device``; ``host`` is the ranks' host
+    group (runtime/bootstrap.py: MPI, or the TCP bootstrap; None for a world of one). Call ``connect()`` on every rank before the first collective."""
+
+    def __init__(self, host: HostGroup | Communicator | None, device: int, *, timeout: float | None = None):
         self.cp = import_cupy()
         from cupy.cuda import nccl
 
         self._nccl = nccl
+        if host is not None and not isinstance(host, HostGroup):
+            host = MpiHost(host)  # an MpiCommunicator (the benchmarks, older callers)
         self.host = host
         self.rank = 0 if host is None else host.rank
         self.size = 1 if host is None else host.size
@@ -72,13 +90,7 @@ class NcclCommunicator(Communicator):
         """Join the NCCL communicator (a collective over all ranks) and start the watchdog."""
         # NVLink SHARP (multicast) can take a shared host's GPUs out of service: always off.
         os.environ["NCCL_NVLS_ENABLE"] = "0"
-        uid = self._nccl.get_unique_id() if self.rank == 0 else None
-        if self.host is not None and self.size > 1:
-            uid = self.host.comm.bcast(uid, root=0)  # CuPy 14: bytes; older CuPy: a tuple of ints
-        try:
-            self.comm = self._nccl.NcclCommunicator(self.size, uid, self.rank)
-        except Exception as exc:
-            raise RunError(f"rank {self.rank}: NCCL communicator init failed on device {self.device}: {exc}") from None
+        self.comm = join_nccl(self._nccl, self.host, self.rank, self.size, self.device)
         threading.Thread(target=self._watch, name="nccl-watchdog", daemon=True).start()
 
     def close(self) -> None:
