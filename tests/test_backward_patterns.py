@@ -193,3 +193,44 @@ def test_softmax_row_dot_is_taken_on_the_attention_output(v_transposed):
     ((p @ v) * torch.tensor(inits["c"])).sum().backward()
     for got, want in ((grad_wq, tw.grad), (grad_k, tk.grad), (grad_v, tv.grad)):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _cross_entropy_gradient(scores_shape, x, labels):
+    nodes = [helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"],
+                              reduction="mean", ignore_index=-100)]
+    graph = helper.make_graph(
+        nodes, "ce",
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, list(scores_shape)),
+         helper.make_tensor_value_info("labels", TensorProto.INT64, list(labels.shape))],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]))
+    ir_model = ir.serde.deserialize_model(model)
+    g = ir_model.graph
+    scores = g.inputs[0]
+    g.outputs.append(build_gradients(g, g.outputs[0], [scores]).grads[scores])
+    ops = {n.op_type for n in g}
+    session = ort.InferenceSession(ir.serde.serialize_model(ir_model).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, {"scores": x, "labels": labels})[1], ops
+
+
+@pytest.mark.parametrize("scores_shape", [(6, 5), (3, 5, 4)])
+def test_cross_entropy_gradient_equals_the_one_hot_form_bit_for_bit(scores_shape, monkeypatch):
+    """The label's element gets p - 1 by ScatterElements, the others stay p: the same float ops
+    as c * (exp(log_prob) - onehot), so the same bits; ignored labels (-100) get no gradient."""
+    from transpiler.autodiff.rules import losses
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(scores_shape).astype(np.float32)
+    labels = rng.integers(0, scores_shape[1], size=[scores_shape[0], *scores_shape[2:]])
+    labels.reshape(-1)[1] = -100
+    grad, ops = _cross_entropy_gradient(scores_shape, x, labels)
+    assert "ScatterElements" in ops and "Range" not in ops
+    monkeypatch.setattr(losses, "_minus_one_at_labels",
+                        lambda ctx, prob, safe: ctx.op("Sub", [prob, losses._class_mask(ctx, prob, safe)]))
+    one_hot, ops = _cross_entropy_gradient(scores_shape, x, labels)
+    assert "Range" in ops
+    np.testing.assert_array_equal(grad, one_hot)
+    ignored = np.unravel_index(1, labels.shape)
+    assert not grad[(ignored[0], slice(None), *ignored[1:])].any()  # the ignored label's sample

@@ -26,6 +26,17 @@ def _class_mask(ctx: RuleContext, scores: ir.Value, labels: ir.Value) -> ir.Valu
     return ctx.op("Cast", [hit], {"to": ctx.dtype(scores)}, like=scores)
 
 
+def _minus_one_at_labels(ctx: RuleContext, prob: ir.Value, labels: ir.Value) -> ir.Value:
+    """``prob - onehot(labels)`` along axis 1, bit for bit, without the one-hot: each label's own
+    element gets ``p - 1`` by ScatterElements, every other element is ``p - 0 = p`` already. Over a
+    [rows, vocabulary] tensor (a language model's logits) that is one pass over it instead of
+    three (Equal, Cast, Sub), and no float one-hot as large as the logits at the memory peak."""
+    index = ctx.op("Unsqueeze", [labels, ctx.const([1])])
+    picked = ctx.op("GatherElements", [prob, index], {"axis": 1})
+    minus_one = ctx.op("Sub", [picked, ctx.scalar(1.0, like=prob)])
+    return ctx.op("ScatterElements", [prob, index, minus_one], {"axis": 1}, like=prob)
+
+
 def _per_sample_coefficient(ctx: RuleContext, dloss: ir.Value, scores: ir.Value) -> tuple[ir.Value, ir.Value]:
     """(safe labels, c) with c the gradient of the loss w.r.t. each sample's -log p[label]:
     dloss times the sample's class weight (0 for ignored samples), over the weight total for 'mean'.
@@ -83,7 +94,7 @@ def _softmax_cross_entropy(ctx: RuleContext) -> list[ir.Value | None]:
         total = None
         if dloss is not None:
             safe, coefficient = _per_sample_coefficient(ctx, dloss, scores)
-            diff = ctx.op("Sub", [prob, _class_mask(ctx, scores, safe)])
+            diff = _minus_one_at_labels(ctx, prob, safe)
             total = ctx.op("Mul", [coefficient, diff], like=scores)
         if dlog_prob is not None:
             # The log_prob output is a LogSoftmax over axis 1.
