@@ -80,7 +80,18 @@ class Meta:
 
 
 def plan_hash(plan: Plan) -> str:
-    return hashlib.sha256(plan.path.read_bytes()).hexdigest()
+    """plan.json's hash without what says where it was written (``source_model.path``, the model's
+    absolute path when transpiled): OUTs transpiled from one model with the same options on two
+    hosts, or from two directories, are the same plan (for the ranks' agreement and for --resume)."""
+    raw = json.loads(plan.path.read_text())
+    raw.get("source_model", {}).pop("path", None)
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+
+
+def _same_plan(meta: Meta, plan: Plan) -> bool:
+    # Checkpoints saved before plan_hash left the path out hold the hash of plan.json's bytes.
+    return meta.world_size == plan.world_size and meta.plan_sha256 in (
+        plan_hash(plan), hashlib.sha256(plan.path.read_bytes()).hexdigest())
 
 
 def _is_store(directory: Path) -> bool:
@@ -318,7 +329,7 @@ def find_resume(path: Path, plan: Plan, *, batch: int, shuffle: bool, seed: int,
             continue
         if check_data_order:
             _check_compatible(directory, meta, plan, batch=batch, shuffle=shuffle, seed=seed, schedule=schedule)
-        elif meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
+        elif not _same_plan(meta, plan):
             raise RunError(f"{directory}: the checkpoint was written for another plan than {plan.path}")
         for other, reason in skipped:
             if not other.name.startswith(PARTIAL):  # an unfinished save is expected after a crash
@@ -332,7 +343,7 @@ def find_resume(path: Path, plan: Plan, *, batch: int, shuffle: bool, seed: int,
 
 def _check_compatible(directory: Path, meta: Meta, plan: Plan, *, batch: int, shuffle: bool, seed: int,
                       schedule: tuple | None) -> None:
-    if meta.plan_sha256 != plan_hash(plan) or meta.world_size != plan.world_size:
+    if not _same_plan(meta, plan):
         raise RunError(f"--resume {directory}: the checkpoint was written for another plan than {plan.path}"
                        " (transpile again with the same model and options, or start without --resume)")
     if (meta.batch, meta.shuffle, meta.seed if meta.shuffle else 0) != (batch, shuffle, seed if shuffle else 0):

@@ -231,18 +231,9 @@ def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, st
         "evaluation": (f"every={config.eval_every},batch={config.eval_batch},best={config.export_best}"
                        if config.eval_data is not None else "none"),
         "backend": config.backend,  # resolved on each rank: hosts with and without GPUs must not mix
-        "plan": portable_plan_hash(plan)[:16],
+        "plan": checkpoint.plan_hash(plan)[:16],
         "runtime version": _version(),
     }
-
-
-def portable_plan_hash(plan: Plan) -> str:
-    """plan.json's hash without what says where it was written (``source_model.path``, the model's
-    absolute path when transpiled): OUTs transpiled from one model with the same options on two
-    hosts, from different directories, are the same plan."""
-    raw = json.loads(plan.path.read_text())
-    raw.get("source_model", {}).pop("path", None)
-    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
 def compare_fingerprints(prints: list[dict[str, str]]) -> str | None:

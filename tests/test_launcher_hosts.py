@@ -84,14 +84,14 @@ def test_cli_checks_hosts_before_starting_anything(tmp_path, capsys, monkeypatch
 
 def test_the_plan_ranks_agree_on_holds_nothing_of_the_host(model_dir, tmp_path):
     """One model transpiled on two hosts from different directories is one plan: the ranks'
-    agreement ignores where the model was (plan.json records its absolute path, for provenance).
+    agreement and --resume ignore where the model was (plan.json records its absolute path, for provenance).
     Nothing else in plan.json names a host, a path outside OUT, or GPUs per host."""
     import json
     import shutil
     import socket
 
     from runtime.plan import load_plan
-    from runtime.worker import portable_plan_hash
+    from runtime.checkpoint import plan_hash
     from transpiler import Options, transpile
 
     hashes = {}
@@ -100,7 +100,7 @@ def test_the_plan_ranks_agree_on_holds_nothing_of_the_host(model_dir, tmp_path):
         shutil.copy(model_dir("perceptron") / "model.onnx", tmp_path / where / "model.onnx")
         transpile(tmp_path / where / "model.onnx", tmp_path / where / "out", Options(world_size=2, strategy=strategy))
         plan = load_plan(tmp_path / where / "out")
-        hashes[where] = portable_plan_hash(plan)
+        hashes[where] = plan_hash(plan)
         text = plan.path.read_text()
         assert socket.gethostname() not in text
         paths = [v for v in _strings(json.loads(text)) if "/" in v and v != "graph-transpiler/plan"]
