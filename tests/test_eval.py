@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import load_data
+from conftest import child_env, load_data
 from onnx import numpy_helper
 
 from runtime import simulate
@@ -145,7 +144,7 @@ def test_every_n_steps_equals_single_device(conv_model_no_dropout, tmp_path):
 
 def run_cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "commands", "run", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          cwd=cwd, timeout=300, env=child_env())
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +177,7 @@ def test_export_best_exports_the_best_step(regression):
     assert f"exported the parameters of step {best} " in done.stdout
     export = subprocess.run([sys.executable, "-m", "commands", "export", tmp / "out", "--checkpoint",
                              tmp / "ckpt" / f"checkpoint-{best}", "-o", tmp / "at_best.onnx"], capture_output=True,
-                            text=True, cwd=tmp, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            text=True, cwd=tmp, timeout=120, env=child_env())
     assert export.returncode == 0, export.stderr
     exported, expected = initializers(tmp / "best.onnx"), initializers(tmp / "at_best.onnx")
     assert exported.keys() == expected.keys()
@@ -186,7 +185,7 @@ def test_export_best_exports_the_best_step(regression):
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
     last = subprocess.run([sys.executable, "-m", "commands", "export", tmp / "out", "--checkpoint", tmp / "ckpt",
                            "-o", tmp / "last.onnx"], capture_output=True, text=True, cwd=tmp, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=child_env())
     assert last.returncode == 0, last.stderr
     assert not np.array_equal(initializers(tmp / "last.onnx")["m"], exported["m"])
 
