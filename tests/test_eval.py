@@ -22,7 +22,6 @@ from onnx import numpy_helper
 from runtime import simulate
 from transpiler import OptimizerConfig, Options, transpile
 
-REPO = Path(__file__).resolve().parents[1]
 ROWS, EVAL_ROWS, BATCH = 48, 37, 8  # 37 evaluation rows: not a multiple of the batch nor of the ranks
 
 

@@ -90,8 +90,8 @@ def test_the_plan_ranks_agree_on_holds_nothing_of_the_host(model_dir, tmp_path):
     import shutil
     import socket
 
-    from runtime.plan import load_plan
     from runtime.checkpoint import plan_hash
+    from runtime.plan import load_plan
     from transpiler import Options, transpile
 
     hashes = {}
