@@ -10,6 +10,6 @@ imported only when that subcommand runs (``transpile inspect`` never loads onnxr
 the only package that imports more than one layer. Docs: docs/cli.md.
 """
 
-from commands.main import COMMANDS, Command, main
+from commands.main import COMMANDS, Command, build_parser, main
 
-__all__ = ["COMMANDS", "Command", "main"]
+__all__ = ["COMMANDS", "Command", "build_parser", "main"]
