@@ -1,4 +1,4 @@
-"""The training loop of one rank: data shard per step, logging, checkpoints, timings, --export."""
+"""The training loop of one rank: data shard per step, progress and metrics (rank 0; runtime/progress.py),\ncheckpoints, timings, --export."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from runtime.config import RunConfig
 from runtime.data import Dataset
 from runtime.errors import AgreedError, PeerFailed, RunError, os_error_text
 from runtime.export import export_model
+from runtime.metrics import MetricsFile
+from runtime.progress import BarView, LineView, Report, RunInfo, View, bar_console
 from runtime.trainer import Trainer
 
 # Most steps whose losses wait on the device before being read (the GPU ring holds more).
@@ -29,10 +32,11 @@ FLUSH_EVERY = 1024
 
 def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print,
           progress: Callable[[int, str], None] = lambda step, phase: None) -> list[float]:
-    """Initialize (or resume) and run up to step ``config.steps``; rank 0 logs and exports.
+    """Initialize (or resume) and run up to step ``config.steps``; rank 0 reports and exports.
     Returns the global losses of the steps run. The rank and world size are the communicator's.
-    ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on."""
-    rank, world_size = trainer.comm.rank, trainer.comm.size
+    ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on;
+    ``log`` takes rank 0's plain lines (runtime/progress.py)."""
+    rank = trainer.comm.rank
     start = 0
     progress(0, "init")
     if config.resume is not None:
@@ -41,12 +45,24 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         start = meta.step
     else:
         trainer.initialize()
+    report = make_report(trainer, dataset, config, log)
+    try:
+        return _train(trainer, dataset, config, start, report, progress)
+    finally:
+        report.close()
+
+
+def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, report: Report,
+           progress: Callable[[int, str], None]) -> list[float]:
+    rank, world_size = trainer.comm.rank, trainer.comm.size
     losses: list[float] = []
     last_checkpoint = config.resume
-    # The log line reports averages over the steps since the previous line: a single step's time
+    # Each record reports averages over the steps since the previous one: a single step's time
     # and loss are too noisy to read (one batch; a rank descheduled for a moment).
     since, window_start = 0, time.perf_counter()
     lr_at = config.schedule.function(config.lr, config.steps)
+    report.start(run_info(trainer, dataset, config, start))
+    began = time.perf_counter()
     for step in range(start, config.steps):
         lr = lr_at(step)
         data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
@@ -71,14 +87,15 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             losses.extend(new)
             _check_losses(new, first, rank, last_checkpoint, trainer)
             _check_grad_norms(trainer.grad_norms, first, rank, last_checkpoint, trainer)
+        if rank == 0:
+            report.advance(done)
         if rank == 0 and log_now:
-            loss = losses[-1]
             now = time.perf_counter()
             window = losses[since:]
-            epoch = done * config.batch / dataset.rows
-            log(f"step {done}/{config.steps}  epoch {epoch:.2f}  loss {loss:.6f}  "
-                f"mean loss {sum(window) / len(window):.6f}  lr {lr:g}  "
-                f"{(now - window_start) * 1e3 / len(window):.2f} ms/step")
+            step_s = (now - window_start) / len(window)
+            report.log(done, loss=losses[-1], mean_loss=sum(window) / len(window), learning_rate=lr,
+                       samples_per_second=round(config.batch / step_s, 1), step_time_ms=round(step_s * 1e3, 4),
+                       **({"grad_norm": trainer.grad_norms[-1]} if trainer.grad_norms else {}))
             since, window_start = len(losses), now
         if save_now:
             progress(done, "checkpoint")
@@ -91,6 +108,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                                               keep=config.keep_checkpoints)
             progress(done, "step")
     progress(config.steps, "finishing")
+    runtime = time.perf_counter() - began
     if config.timings is not None:
         _write_timings(config.timings, trainer.step_program.median_timings(), trainer.comm)
     if config.export is not None:
@@ -111,7 +129,54 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                 raise PeerFailed("--export failed")
             raise AgreedError(f"{error}; the trained state is in {last_checkpoint}: export it later with 'transpile export "
                               f"{config.out} --checkpoint {last_checkpoint} -o FILE'")
+    if rank == 0:
+        run = config.steps - start
+        report.finish(steps=config.steps, steps_run=run, samples=run * config.batch, runtime_s=round(runtime, 4),
+                      samples_per_second=round(run * config.batch / runtime, 1) if runtime > 0 else None,
+                      step_time_ms=round(runtime * 1e3 / run, 4) if run else None,
+                      final_loss=losses[-1] if losses else None,
+                      mean_loss=sum(losses) / len(losses) if losses else None,
+                      epoch=round(config.steps * config.batch / dataset.rows, 4),
+                      export=config.export, checkpoint=last_checkpoint if last_checkpoint != config.resume else None,
+                      metrics=config.metrics)
     return losses
+
+
+def make_report(trainer: Trainer, dataset: Dataset, config: RunConfig, log: Callable[[str], None]) -> Report:
+    """Rank 0's Report (its view and its --metrics file); a silent one on the other ranks."""
+    if trainer.comm.rank != 0:
+        return Report(View(), None, steps=config.steps, batch=config.batch, rows=dataset.rows)
+    if not config.log_every:
+        view = View()
+    elif config.progress == "bar" or (config.progress == "auto" and sys.stdout.isatty()):
+        view = BarView(bar_console(config.tty), config.steps)
+    else:
+        view = LineView(log, config.steps)
+    metrics = None if config.metrics is None else MetricsFile(config.metrics, append=config.resume is not None)
+    return Report(view, metrics, steps=config.steps, batch=config.batch, rows=dataset.rows)
+
+
+def run_info(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int) -> RunInfo:
+    """The banner's facts: the plan's, the run configuration's and the data's."""
+    plan = trainer.plan
+    opt = plan.optimizer
+    name = str(opt.get("name", "?"))
+    hyper = [f"lr {config.lr:g}"]
+    if opt.get("momentum"):
+        hyper.append(f"momentum {opt['momentum']:g}" + (" nesterov" if opt.get("nesterov") else ""))
+    if name in ("adam", "adamw"):
+        hyper.append(f"betas {','.join(f'{b:g}' for b in opt.get('betas', ()))}, eps {opt.get('eps', 0):g}")
+    if opt.get("weight_decay"):
+        hyper.append(f"weight decay {opt['weight_decay']:g}")
+    if opt.get("max_grad_norm") is not None:
+        hyper.append(f"clip grad norm {opt['max_grad_norm']:g}")
+    source = plan.raw.get("source_model")
+    model = source.get("file") if isinstance(source, dict) and source.get("file") else plan.model.name
+    return RunInfo(model=model, ranks=trainer.comm.size, backend=trainer.backend.name, strategy=plan.strategy,
+                   batch=config.batch, accumulation=plan.grad_accumulation, steps=config.steps, start=start,
+                   rows=dataset.rows, data=Path(dataset.source).name, optimizer=f"{name} ({', '.join(hyper)})",
+                   schedule=config.schedule.describe(), parameters=sum(math.prod(p.shape) for p in plan.parameters),
+                   resumed_from=None if config.resume is None else str(config.resume))
 
 
 def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
