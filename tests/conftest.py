@@ -104,3 +104,14 @@ def refresh_manifest(directory: Path) -> None:
         blob = (directory / name).read_bytes()
         raw["files"][name] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
     (directory / "meta.json").write_text(json.dumps(raw))
+
+
+# The quick subset, ``pytest -m "not slow"`` (README): everything but these modules (PyTorch and
+# Hugging Face exports trained at parity, the digits CNN) and the tests that start MPI jobs.
+SLOW_MODULES = {"test_zoo", "test_torch_oracle", "test_models_real", "test_trainable_exports", "test_digits"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES or item.get_closest_marker("mpi"):
+            item.add_marker(pytest.mark.slow)
