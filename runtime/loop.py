@@ -1,4 +1,5 @@
-"""The training loop of one rank: data shard per step, progress and metrics (rank 0; runtime/progress.py),\ncheckpoints, timings, --export."""
+"""The training loop of one rank: data shard per step, progress and metrics (rank 0: runtime/progress.py),
+checkpoints, timings, --export."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,8 +22,7 @@ from runtime.config import RunConfig
 from runtime.data import Dataset
 from runtime.errors import AgreedError, PeerFailed, RunError, os_error_text
 from runtime.export import export_model
-from runtime.metrics import MetricsFile
-from runtime.progress import BarView, LineView, Report, RunInfo, View, bar_console
+from runtime.progress import Report, make_report, run_info
 from runtime.trainer import Trainer
 
 # Most steps whose losses wait on the device before being read (the GPU ring holds more).
@@ -140,43 +139,6 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
                       export=config.export, checkpoint=last_checkpoint if last_checkpoint != config.resume else None,
                       metrics=config.metrics)
     return losses
-
-
-def make_report(trainer: Trainer, dataset: Dataset, config: RunConfig, log: Callable[[str], None]) -> Report:
-    """Rank 0's Report (its view and its --metrics file); a silent one on the other ranks."""
-    if trainer.comm.rank != 0:
-        return Report(View(), None, steps=config.steps, batch=config.batch, rows=dataset.rows)
-    if not config.log_every:
-        view = View()
-    elif config.progress == "bar" or (config.progress == "auto" and sys.stdout.isatty()):
-        view = BarView(bar_console(config.tty), config.steps)
-    else:
-        view = LineView(log, config.steps)
-    metrics = None if config.metrics is None else MetricsFile(config.metrics, append=config.resume is not None)
-    return Report(view, metrics, steps=config.steps, batch=config.batch, rows=dataset.rows)
-
-
-def run_info(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int) -> RunInfo:
-    """The banner's facts: the plan's, the run configuration's and the data's."""
-    plan = trainer.plan
-    opt = plan.optimizer
-    name = str(opt.get("name", "?"))
-    hyper = [f"lr {config.lr:g}"]
-    if opt.get("momentum"):
-        hyper.append(f"momentum {opt['momentum']:g}" + (" nesterov" if opt.get("nesterov") else ""))
-    if name in ("adam", "adamw"):
-        hyper.append(f"betas {','.join(f'{b:g}' for b in opt.get('betas', ()))}, eps {opt.get('eps', 0):g}")
-    if opt.get("weight_decay"):
-        hyper.append(f"weight decay {opt['weight_decay']:g}")
-    if opt.get("max_grad_norm") is not None:
-        hyper.append(f"clip grad norm {opt['max_grad_norm']:g}")
-    source = plan.raw.get("source_model")
-    model = source.get("file") if isinstance(source, dict) and source.get("file") else plan.model.name
-    return RunInfo(model=model, ranks=trainer.comm.size, backend=trainer.backend.name, strategy=plan.strategy,
-                   batch=config.batch, accumulation=plan.grad_accumulation, steps=config.steps, start=start,
-                   rows=dataset.rows, data=Path(dataset.source).name, optimizer=f"{name} ({', '.join(hyper)})",
-                   schedule=config.schedule.describe(), parameters=sum(math.prod(p.shape) for p in plan.parameters),
-                   resumed_from=None if config.resume is None else str(config.resume))
 
 
 def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:

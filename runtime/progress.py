@@ -21,10 +21,12 @@ rank 0 opens itself (the relay of mpiexec's output is line by line, and a bar re
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from runtime.metrics import MetricsFile
@@ -234,3 +236,44 @@ class Report:
         self.view.close()
         if self.metrics is not None:
             self.metrics.close()
+
+
+def make_report(trainer, dataset, config, log: Callable[[str], None]) -> Report:
+    """Rank 0's Report (its view and its --metrics file); a silent one on the other ranks. ``trainer``,
+    ``dataset`` and ``config``: the loop's Trainer, Dataset and RunConfig."""
+    if trainer.comm.rank != 0:
+        return Report(View(), None, steps=config.steps, batch=config.batch, rows=dataset.rows)
+    if not config.log_every:
+        view = View()
+    else:
+        view = LineView(log, config.steps)
+        if config.progress == "bar" or (config.progress == "auto" and sys.stdout.isatty()):
+            try:
+                view = BarView(bar_console(config.tty), config.steps)
+            except OSError:  # the terminal went away (or is not ours to open): lines then
+                pass
+    metrics = None if config.metrics is None else MetricsFile(config.metrics, append=config.resume is not None)
+    return Report(view, metrics, steps=config.steps, batch=config.batch, rows=dataset.rows)
+
+
+def run_info(trainer, dataset, config, start: int) -> RunInfo:
+    """The banner's facts: the plan's, the run configuration's and the data's."""
+    plan = trainer.plan
+    opt = plan.optimizer
+    name = str(opt.get("name", "?"))
+    hyper = [f"lr {config.lr:g}"]
+    if opt.get("momentum"):
+        hyper.append(f"momentum {opt['momentum']:g}" + (" nesterov" if opt.get("nesterov") else ""))
+    if name in ("adam", "adamw"):
+        hyper.append(f"betas {','.join(f'{b:g}' for b in opt.get('betas', ()))}, eps {opt.get('eps', 0):g}")
+    if opt.get("weight_decay"):
+        hyper.append(f"weight decay {opt['weight_decay']:g}")
+    if opt.get("max_grad_norm") is not None:
+        hyper.append(f"clip grad norm {opt['max_grad_norm']:g}")
+    source = plan.raw.get("source_model")
+    model = source.get("file") if isinstance(source, dict) and source.get("file") else plan.model.name
+    return RunInfo(model=model, ranks=trainer.comm.size, backend=trainer.backend.name, strategy=plan.strategy,
+                   batch=config.batch, accumulation=plan.grad_accumulation, steps=config.steps, start=start,
+                   rows=dataset.rows, data=Path(dataset.source).name, optimizer=f"{name} ({', '.join(hyper)})",
+                   schedule=config.schedule.describe(), parameters=sum(math.prod(p.shape) for p in plan.parameters),
+                   resumed_from=None if config.resume is None else str(config.resume))

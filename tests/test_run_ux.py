@@ -168,7 +168,7 @@ def test_bar_view_on_a_terminal(plans, tmp_path, capsys, monkeypatch):
     from rich.console import Console
 
     screen = io.StringIO()
-    monkeypatch.setattr("runtime.loop.bar_console", lambda tty: Console(file=screen, force_terminal=True, width=100))
+    monkeypatch.setattr("runtime.progress.bar_console", lambda tty: Console(file=screen, force_terminal=True, width=100))
     code, out, err = _run(plans, "one", "--steps", 6, "--log-every", 3, "--progress", "bar",
                           "--metrics", tmp_path / "m.jsonl", tmp_path=tmp_path, capsys=capsys)
     assert code == 0 and out == "", err
