@@ -2,10 +2,10 @@
 
     python3 benchmarks/cpu_step_time.py [--model perceptron] [--steps 2000] [-o benchmarks/results/cpu_step_time.json]
 
-For each world size and strategy: transpile, run `--steps` steps with a log line every `--window`
-steps, and report the median over windows (the first window, with start-up, is dropped) of the mean
-step time in that window, as printed by the runtime (wall time of whole steps on rank 0, data
-slicing, collectives and the loss reduction included).
+For each world size and strategy: transpile, run `--steps` steps with a metrics record every `--window`
+steps (`transpile run --metrics`), and report the median over windows (the first window, with
+start-up, is dropped) of the mean step time in that window, as the runtime records it (wall time of
+whole steps on rank 0, data slicing, collectives and the loss reduction included).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from runtime.metrics import read_metrics
 
 
 def run(cmd: list[str]) -> str:
@@ -49,10 +51,11 @@ def main() -> None:
             run(transpile + [str(tmp / "model" / "model.onnx"), "--gpus", str(world), "--strategy", strategy,
                              "--optimizer", "adamw", "--lr", "1e-4", "-o", str(out)])
             started = time.perf_counter()
-            log = run(transpile + ["run", str(out), "--data", str(tmp / "model" / "data.npz"), "--batch",
-                                   str(args.batch), "--steps", str(args.steps), "--log-every", str(args.window)])
+            metrics = out / "metrics.jsonl"
+            run(transpile + ["run", str(out), "--data", str(tmp / "model" / "data.npz"), "--batch", str(args.batch),
+                             "--steps", str(args.steps), "--log-every", str(args.window), "--metrics", str(metrics)])
             wall = time.perf_counter() - started
-            windows = [float(line.rsplit(None, 2)[-2]) for line in log.splitlines() if line.endswith("ms/step")]
+            windows = [r["step_time_ms"] for r in read_metrics(metrics)[0]]  # mean over each window
             steady = windows[2:]  # drop step 1 and the first window (start-up, first-touch)
             results.append({
                 "world_size": world, "strategy": strategy,

@@ -1,53 +1,114 @@
-"""Dispatch ``transpile [run|export|inspect|view] ...`` to the layer that owns the subcommand.
+"""The ``transpile`` command line: one argparse parser with a subparser per subcommand.
 
-Today the first word picks the subcommand and anything else is ``transpile MODEL``; each command
-has its own parser (``add_arguments``) and handler (``execute``), so moving to argparse subparsers
-is a matter of registering ``COMMANDS`` on one parser.
+    transpile [compile] MODEL ...   transpiler/cli.py       transpile run OUT ...     runtime/cli.py
+    transpile export OUT ...        runtime/export_cli.py   transpile inspect OUT ... inspection/cli.py
+    transpile view FILE ...         inspection/view.py      transpile help [COMMAND], transpile --version
+
+Each subcommand's options and handler belong to its layer (``add_arguments(parser)``,
+``execute(args) -> int``). Only the subcommand being run has its module imported and its options
+added to its subparser (``transpile inspect`` never loads onnxruntime); the others are registered
+with their one-line summary, so ``transpile --help`` and the usage line list them all.
+``transpile MODEL ...`` without a command word is ``transpile compile MODEL ...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import signal
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from contract.errors import UserError
 
 
 @dataclass(frozen=True)
 class Command:
-    name: str  # "" for the default command, ``transpile MODEL``
+    name: str
     module: str  # imported when the command runs: add_arguments(parser) and execute(args) -> int
-    prog: str
-    description: str
+    usage: str  # what follows 'transpile' in the command list
+    description: str  # its first sentence is the one-line summary
 
-    def parser(self) -> tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], int]]:
-        module = importlib.import_module(self.module)
-        parser = argparse.ArgumentParser(prog=self.prog, description=self.description)
-        module.add_arguments(parser)
-        return parser, module.execute
-
-    def run(self, argv: list[str]) -> int:
-        parser, execute = self.parser()
-        return execute(parser.parse_args(argv))
+    @property
+    def summary(self) -> str:
+        return self.description.split(". ")[0].rstrip(".")
 
 
-COMMANDS = {
-    "": Command("", "transpiler.cli", "transpile",
-                "Rewrite a single-device ONNX model (loss inside the graph) into data-parallel training graphs for "
-                "N ranks. Subcommands: 'transpile run OUT ...' trains, 'transpile inspect OUT' shows the result, "
-                "'transpile view FILE' opens a graph in Netron."),
-    "run": Command("run", "runtime.cli", "transpile run", "Train on the graphs in OUT, one process per rank."),
-    "export": Command("export", "runtime.export_cli", "transpile export",
-                      "Write the user's model with the trained values of a checkpoint (docs/reliability.md)."),
-    "inspect": Command("inspect", "inspection.cli", "transpile inspect",
-                       "Show what 'transpile' wrote into OUT (or summarize a plain model.onnx). Docs: docs/inspect.md."),
-    "view": Command("view", "inspection.view", "transpile view", "Serve an ONNX graph in Netron on localhost."),
-}
+DEFAULT = "compile"
+COMMANDS = {c.name: c for c in (
+    Command("compile", "transpiler.cli", "[compile] MODEL -o OUT --gpus N",
+            "Rewrite a single-device ONNX model (loss inside the graph) into data-parallel training graphs for "
+            "N ranks. The command word is optional: 'transpile MODEL ...' is 'transpile compile MODEL ...'."),
+    Command("run", "runtime.cli", "run OUT --data DATA.npz --batch B --steps K",
+            "Train on the graphs in OUT, one process per rank."),
+    Command("export", "runtime.export_cli", "export OUT --checkpoint DIR -o FILE",
+            "Write the user's model with the trained values of a checkpoint (docs/reliability.md)."),
+    Command("inspect", "inspection.cli", "inspect OUT|MODEL.onnx",
+            "Show what 'transpile' wrote into OUT (or summarize a plain model.onnx). Docs: docs/inspect.md."),
+    Command("view", "inspection.view", "view FILE|OUT", "Serve an ONNX graph in Netron on localhost."),
+)}
+_HELP_USAGE = "help [COMMAND]"
+
+
+def build_parser(load: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; ``load`` names the one subcommand whose options are added (its module
+    imported), or None for none (usage and the command list need only the summaries)."""
+    width = max(len(c.usage) for c in COMMANDS.values())
+    epilog = "\n".join([f"  transpile {c.usage:{width}s}  {c.summary}" for c in COMMANDS.values()]
+                       + [f"  transpile {_HELP_USAGE:{width}s}  the commands, or one command's options",
+                          "", "'transpile help COMMAND' (or 'transpile COMMAND --help') shows a command's options. "
+                          "Docs: docs/cli.md."])
+    parser = argparse.ArgumentParser(prog="transpile", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="Data-parallel training from a single-device ONNX model.",
+                                     epilog="commands:\n" + epilog)
+    parser.add_argument("-V", "--version", action="version", version=f"transpile (graph-transpiler) {_version()}")
+    # No per-command help here: the epilog lists them with their arguments. The usage line names them.
+    sub = parser.add_subparsers(dest="command", required=True,
+                                help="a command listed below; 'transpile MODEL ...' is 'transpile compile MODEL ...'")
+    for command in COMMANDS.values():
+        p = sub.add_parser(command.name, description=command.description)
+        if command.name == load:
+            module = importlib.import_module(command.module)
+            module.add_arguments(p)
+            p.set_defaults(execute=module.execute)
+    helper = sub.add_parser("help", description="The commands, or one command's options.")
+    helper.add_argument("topic", nargs="?", metavar="COMMAND")
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line; ``SystemExit(2)`` with argparse's message on a usage error."""
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS and argv[0] != "help":
+        _check_not_a_typo(argv[0])
+        argv = [DEFAULT, *argv]
+    elif argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version"):
+        argv = [DEFAULT, *argv]  # 'transpile -o OUT MODEL': options first, still compile
+    name = argv[0] if argv and argv[0] in COMMANDS else None
+    return build_parser(name).parse_args(argv)
+
+
+def _check_not_a_typo(word: str) -> None:
+    """'transpile rnu OUT' would otherwise report that the model file 'rnu' does not exist."""
+    close = difflib.get_close_matches(word, [*COMMANDS, "help"], n=1, cutoff=0.6)
+    if close and not Path(word).exists():
+        build_parser().error(f"'{word}' is neither a command nor a file (did you mean '{close[0]}'?)")
+
+
+def _help(topic: str | None) -> int:
+    """``transpile help``: the usage and the commands; ``transpile help CMD``: that command's options."""
+    if topic is None:
+        build_parser().print_help()
+        return 0
+    name = DEFAULT if topic in ("transpile", "MODEL") else topic
+    if name not in COMMANDS:
+        print(f"transpile: error: help: no command {topic!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    parser = build_parser(name)
+    parser._subparsers._group_actions[0].choices[name].print_help()  # noqa: SLF001 - argparse keeps them there
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so a transpile being written removes its temporary directory.
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        if argv and argv[0] in ("--version", "-V"):
-            print(f"transpile (graph-transpiler) {_version()}")
-            return 0
-        if argv and argv[0] == "help":
-            return _help(argv[1:])
-        if argv and argv[0] in COMMANDS and argv[0]:
-            return COMMANDS[argv[0]].run(argv[1:])
-        return COMMANDS[""].run(argv)
+        try:
+            args = parse(argv)
+        except SystemExit as exc:  # argparse: --help/--version (0), usage errors (2)
+            return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+        if args.command == "help":
+            return _help(args.topic)
+        execute = args.execute
+        del args.command, args.execute
+        return execute(args)
     except UserError as exc:
         print(f"transpile: error: {exc}", file=sys.stderr)
         return 2
@@ -85,10 +147,6 @@ def _terminate(_signum, _frame) -> None:
     raise _Terminated()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -98,19 +156,5 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _help(argv: list[str]) -> int:
-    """``transpile help``: the commands, one line each; ``transpile help CMD``: that command's help."""
-    if argv:
-        name = "" if argv[0] in ("compile", "transpile") else argv[0]
-        if name not in COMMANDS:
-            print(f"transpile: error: help: no command {argv[0]!r} (commands: {', '.join(c or 'MODEL' for c in COMMANDS)})",
-                  file=sys.stderr)
-            return 2
-        COMMANDS[name].parser()[0].print_help()
-        return 0
-    print("usage: transpile MODEL [options] | transpile {run,export,inspect,view} ... | transpile help [COMMAND] | "
-          "transpile --version\n")
-    for command in COMMANDS.values():
-        print(f"  {command.prog + (' MODEL' if not command.name else ''):20s} {command.description.split('. ')[0].rstrip('.')}")
-    print("\n'transpile help COMMAND' (or 'transpile COMMAND --help') shows a command's options.")
-    return 0
+if __name__ == "__main__":
+    sys.exit(main())

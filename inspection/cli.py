@@ -12,14 +12,18 @@ from inspection.errors import InspectError
 from inspection.outdir import load_plan, rank_graph
 from inspection.report import DEFAULT_ROWS_PER_RANK, build_report
 
+# What matplotlib writes without extra packages (it picks the format from the extension).
+TIMELINE_FORMATS = (".png", ".svg", ".pdf", ".eps", ".ps", ".jpg", ".jpeg")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="the -o directory of 'transpile', or an .onnx file")
     p.add_argument("--rank", type=int, action="append", help="show only this rank (repeatable)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/inspect.md)")
     p.add_argument("--diff", action="store_true", help="what the rewrite changed against the user's model, op by op")
-    p.add_argument("--svg", metavar="FILE", help="draw a rank's step graph (the first --rank, default 0) with graphviz")
-    p.add_argument("--timeline", metavar="FILE", help="draw the step's schedule per rank (PNG, or SVG/PDF by extension)")
+    p.add_argument("--svg", metavar="FILE.svg", help="draw a rank's step graph (the first --rank, default 0) with graphviz")
+    p.add_argument("--timeline", metavar="FILE.png",
+                   help=f"draw the step's schedule per rank (format by extension: {', '.join(TIMELINE_FORMATS)})")
     p.add_argument("--collapse", choices=("auto", "on", "off"), default="auto",
                    help="--svg: fold repeated blocks (h.1, h.2, ...) and per-parameter updates (auto: big graphs)")
     p.add_argument("--rows", type=int, default=DEFAULT_ROWS_PER_RANK,
@@ -28,7 +32,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     return p
 
 
+def _check_extension(option: str, file: str | None, allowed: tuple[str, ...]) -> None:
+    """A picture's format is its file's extension: 'x.png' must not receive SVG."""
+    if file is not None and Path(file).suffix.lower() not in allowed:
+        raise InspectError(f"{option} {file}: the file name must end with {' or '.join(allowed)} "
+                           f"(the format is chosen by the extension)")
+
+
 def execute(args: argparse.Namespace) -> int:
+    _check_extension("--svg", args.svg, (".svg",))
+    _check_extension("--timeline", args.timeline, TIMELINE_FORMATS)
     path = Path(args.out)
     if not path.exists():
         raise InspectError(f"{path}: no such file or directory")

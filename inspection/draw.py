@@ -28,6 +28,9 @@ from inspection.model import human, load_model
 COLORS = {"forward": "#cfe2f3", "backward": "#f4cccc", "optimizer": "#d9ead3", "collective": "#ffd966"}
 OP_COLORS = {"Reduce": "#e69138", "Broadcast": "#6aa84f", "AllReduce": "#8e7cc3",
              "ReduceScatter": "#c27ba0", "AllGather": "#45818e"}
+# What the colours are called in the pictures' titles and legends: a title names only colours drawn.
+COLOR_NAMES = {"#cfe2f3": "light blue", "#f4cccc": "light red", "#d9ead3": "light green", "#ffd966": "yellow",
+               "#e69138": "orange", "#6aa84f": "green", "#8e7cc3": "purple", "#c27ba0": "pink", "#45818e": "teal"}
 COLLAPSE_AUTO_NODES = 200
 # 'blocks.3', 'h.3', 'layers.3' as PyTorch names modules; not 'MatMul_3' (exporters' op suffixes)
 _BLOCK = re.compile(r"(?:^|[/.])([A-Za-z_]+)\.(\d+)(?=[/.]|$)")
@@ -112,7 +115,7 @@ def graph_dot(path: Path, rank: int, plan: dict | None = None, collapse: str = "
     lines = [f"digraph {_dot_id(path.stem)} {{", "  rankdir=TB; newrank=true; compound=true;",
              '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
              '  edge [color="#888888", arrowsize=0.6];',
-             f'  label="{_esc(path.name)}: forward (blue), backward (red), optimizer (green), collectives (yellow); '
+             f'  label="{_esc(path.name)}: {_esc(_color_key(nodes, kinds))}; '
              f'clusters: compute segments{", repeated blocks folded" if fold else ""}"; labelloc=t; fontname="Helvetica";']
 
     def box_line(box: str, info: dict) -> str:
@@ -157,6 +160,18 @@ def graph_dot(path: Path, rank: int, plan: dict | None = None, collapse: str = "
     lines += [f"  {_dot_id(a)} -> {_dot_id(b)};" for a, b in sorted(edges)]
     lines.append("}")
     return "\n".join(lines) + "\n", len(boxes)
+
+
+def _color_key(nodes, kinds: dict[str, str]) -> str:
+    """'forward (light blue), ..., collectives: Reduce (orange), Broadcast (green)': the kinds and
+    collective ops this graph has, in the colours box_line fills them with."""
+    present = {kinds[node_key(n)] for n in nodes}
+    parts = [f"{kind} ({COLOR_NAMES[COLORS[kind]]})" for kind in ("forward", "backward", "optimizer") if kind in present]
+    ops = list(dict.fromkeys(n.op_type for n in nodes if kinds[node_key(n)] == "collective"))
+    if ops:
+        parts.append("collectives: " + ", ".join(
+            f"{op} ({COLOR_NAMES[OP_COLORS.get(op, COLORS['collective'])]})" for op in ops))
+    return ", ".join(parts)
 
 
 def draw_svg(path: Path, rank: int, svg: str, plan: dict | None = None, collapse: str = "auto") -> int:
@@ -284,10 +299,12 @@ def draw_timeline(report: dict, file: str, timings: dict | None = None) -> dict:
     handles += [Patch(facecolor=OP_COLORS.get(k, "#ffd966"), edgecolor="black", label=k) for k in present]
     if present:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="this rank is the root"))
-    handles.append(Patch(facecolor="none", edgecolor="none", label=(
-        f"estimates: {cm['compute_flops_per_s'] / 1e12:g} TFLOP/s + {cm['node_overhead_s'] * 1e6:g} us/node, "
-        f"{cm['link_bytes_per_s'] / 1e9:g} GB/s + {cm['collective_latency_s'] * 1e6:g} us/collective, "
-        f"{cm['rows_per_rank']} rows/rank")))
+    if sched["estimated"]:  # the cost model's assumptions, only where it gave a duration drawn
+        handles.append(Patch(facecolor="none", edgecolor="none", label=(
+            ("estimates" if not sched["measured"] else "estimates (items not in --timings)")
+            + f": {cm['compute_flops_per_s'] / 1e12:g} TFLOP/s + {cm['node_overhead_s'] * 1e6:g} us/node, "
+            f"{cm['link_bytes_per_s'] / 1e9:g} GB/s + {cm['collective_latency_s'] * 1e6:g} us/collective, "
+            f"{cm['rows_per_rank']} rows/rank")))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if len(ranks) > 1 else -0.35),
               ncol=min(len(handles), 4), fontsize=7, frameon=False)
     ax.set_xlim(0, total * 1.02)

@@ -19,7 +19,6 @@ labels input and the loss dropped. ``accuracy`` runs it with onnxruntime.
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import tempfile
@@ -163,9 +162,6 @@ def accuracy(trained: str | Path | onnx.ModelProto, data: dict[str, np.ndarray])
     return float(np.mean(np.argmax(logits, axis=1) == data["labels"]))
 
 
-STEP_LINE = re.compile(r"^step (\d+)/\d+ .*?  loss ([0-9.eE+-]+|nan|inf)")
-
-
 def train(work: str | Path, *, log_every: int = 1) -> tuple[Path, list[tuple[int, float]], float]:
     """The documented recipe through the real CLI (``transpile`` then ``transpile run`` on 4 MPI
     ranks). Returns (trained model, [(step, loss)], held-out accuracy)."""
@@ -179,13 +175,15 @@ def train(work: str | Path, *, log_every: int = 1) -> tuple[Path, list[tuple[int
                           capture_output=True, text=True, timeout=300)
     if done.returncode:
         raise RuntimeError(f"transpile failed: {done.stderr.strip()}")
-    trained = work / "trained.onnx"
+    trained, metrics = work / "trained.onnx", work / "metrics.jsonl"
     done = subprocess.run([*cli, "run", str(work / "out"), "--data", str(work / "data.npz"), *RUN_ARGS,
-                           "--log-every", str(log_every), "--export", str(trained)],
+                           "--log-every", str(log_every), "--export", str(trained), "--metrics", str(metrics)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(f"transpile run failed: {done.stderr.strip()}")
-    curve = [(int(m.group(1)), float(m.group(2))) for m in map(STEP_LINE.match, done.stdout.splitlines()) if m]
+    from runtime.metrics import read_metrics
+
+    curve = [(r["step"], r["loss"]) for r in read_metrics(metrics)[0] if "loss" in r]
     _, held_out = load_split()
     return trained, curve, accuracy(trained, held_out)
 

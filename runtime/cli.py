@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 from dataclasses import replace
@@ -26,7 +27,9 @@ from runtime.executor import CpuBackend
 from runtime.guard import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, timeout_from_env
 from runtime.launcher import Host, check_slots, detect_launcher, parse_hostfile, parse_hosts, spawn
 from runtime.loop import train
+from runtime.metrics import check_target as check_metrics_target
 from runtime.plan import Plan, load_plan
+from runtime.progress import VIEWS
 from runtime.schedule import SCHEDULES, Schedule
 from runtime.trainer import Trainer
 from runtime.worker import run_as_rank
@@ -42,15 +45,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, metavar="X", help="learning rate (default: the plan's optimizer lr)")
     parser.add_argument("--lr-schedule", default="constant", choices=SCHEDULES,
                         help="learning rate over the run, with --lr as its peak (formulas: docs/cli.md; default constant)")
-    parser.add_argument("--warmup-steps", type=int, default=0, metavar="W", help="linear warmup over the first W steps")
-    parser.add_argument("--min-lr", type=float, default=0.0, metavar="X", help="cosine/linear: the final learning rate")
-    parser.add_argument("--lr-step-size", type=int, default=0, metavar="N", help="step: decay every N steps")
-    parser.add_argument("--lr-gamma", type=float, default=0.1, metavar="G", help="step: decay factor (default 0.1)")
+    # default=None: a schedule option given to a schedule that ignores it is an error (Schedule.from_options).
+    parser.add_argument("--warmup-steps", type=int, metavar="W", help="linear warmup over the first W steps (any schedule)")
+    parser.add_argument("--min-lr", type=float, metavar="X", help="cosine/linear only: the final learning rate (default 0)")
+    parser.add_argument("--lr-step-size", type=int, metavar="N", help="step only: decay every N steps (required)")
+    parser.add_argument("--lr-gamma", type=float, metavar="G", help="step only: decay factor (default 0.1)")
     parser.add_argument("--shuffle", action="store_true", help="read each epoch in a seeded random order")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="shuffle seed (default 0)")
     parser.add_argument("--export", metavar="TRAINED.onnx", help="write the user's model with the trained parameters")
     parser.add_argument("--log-every", type=int, default=10, metavar="N",
                         help="log every N steps on rank 0 (also the first and last; 0: silent; default 10)")
+    parser.add_argument("--metrics", metavar="FILE.jsonl",
+                        help="rank 0 writes one JSON object per logged step, then a summary line (keys: docs/cli.md)")
+    parser.add_argument("--progress", choices=VIEWS, default="auto",
+                        help="bar (rich progress bar), lines (a line every --log-every steps) or auto (default: bar "
+                             "when stdout is a terminal)")
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="save every rank's state at the end into DIR/checkpoint-<step>/ (atomically; DIR is locked)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps")
@@ -115,6 +124,7 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     if export is not None and not plan.model.is_file():
         raise RunError(f"--export {args.export}: {plan.model} (the user's model in OUT) is missing")
     timings = _output_file("--timings", args.timings)
+    metrics = check_metrics_target("--metrics", args.metrics)
     ckpt = None if args.checkpoint is None else checkpoint.check_target(Path(args.checkpoint))
     if args.checkpoint_every < 0:
         raise RunError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
@@ -126,7 +136,8 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     if not 0 < timeout < float("inf"):
         raise RunError(f"--timeout must be a positive number of seconds, got {timeout:g}")
     eval_data, eval_batch = _check_eval(args, plan, export)
-    schedule = Schedule(args.lr_schedule, args.warmup_steps, args.min_lr, args.lr_step_size, args.lr_gamma)
+    schedule = Schedule.from_options(args.lr_schedule, args.warmup_steps, min_lr=args.min_lr,
+                                     step_size=args.lr_step_size, gamma=args.lr_gamma)
     schedule.validate(steps)
     resume = None
     if args.resume is not None:
@@ -148,7 +159,7 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
                        keep_checkpoints=args.keep_checkpoints, timeout=timeout, timings=timings,
                        out=plan.out_dir.resolve(), data=Path(args.data).resolve(), backend=args.backend,
                        tf32=not args.no_tf32, eval_data=eval_data, eval_every=args.eval_every,
-                       eval_batch=eval_batch, export_best=args.export_best)
+                       eval_batch=eval_batch, export_best=args.export_best, metrics=metrics, progress=args.progress)
     return plan, dataset, config
 
 
@@ -206,11 +217,15 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         plan, dataset, config = resolve(args)
         hosts = _hosts(args, plan.world_size)
+        # Rank 0 may run on another host, where this terminal's device is not: lines there.
+        config = replace(config, **_view(config.progress if hosts is None else "lines"))
         if hosts is None:
             config = replace(config, backend=resolve_backend(config.backend))
-        # On other hosts, each rank resolves "auto" and counts its host's GPUs itself (runtime/worker.py).
-        if config.backend == "nccl" and hosts is None:
-            check_gpus(plan.world_size, f"the plan ({plan.world_size} rank(s), transpiled with --gpus {plan.world_size})")
+            # On other hosts, each rank resolves "auto" and counts its host's GPUs itself (runtime/worker.py).
+            if config.backend == "nccl":
+                check_gpus(plan.world_size, f"the plan ({plan.world_size} rank(s), transpiled with --gpus {plan.world_size})")
+            else:
+                warn_oversubscribed(plan.world_size)
         lock = None if config.checkpoint is None else checkpoint.Lock(config.checkpoint)
         try:
             if plan.world_size == 1 and hosts is None:
@@ -220,7 +235,11 @@ def run_command(args: argparse.Namespace) -> int:
                 config.save(path)
                 # Ranks on other hosts cannot read a file in this host's /tmp: they get it inline.
                 given = ["--config", str(path)] if hosts is None else ["--config-json", json.dumps(config.to_json())]
-                return spawn(plan.world_size, given, run_dir=Path(tmp), hosts=hosts)
+                try:
+                    return spawn(plan.world_size, given, run_dir=Path(tmp), hosts=hosts)
+                finally:
+                    if config.tty is not None:  # a rank killed mid-bar leaves the terminal's cursor hidden
+                        print("\x1b[?25h", end="", flush=True)
         finally:
             if lock is not None:
                 lock.release()
@@ -228,6 +247,27 @@ def run_command(args: argparse.Namespace) -> int:
         if not isinstance(exc, PeerFailed):
             print(f"transpile: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _view(progress: str) -> dict:
+    """The progress view the ranks use, decided here: a spawned rank's stdout is mpiexec's pipe, so
+    for a bar on this terminal rank 0 is given the terminal's device (runtime/progress.py)."""
+    if progress == "lines" or (progress == "auto" and not sys.stdout.isatty()):
+        return {"progress": "lines"}
+    try:
+        return {"progress": "bar", "tty": os.ttyname(sys.stdout.fileno())}
+    except (OSError, ValueError):  # --progress bar without a terminal: draw into the pipe
+        return {"progress": "bar"}
+
+
+def warn_oversubscribed(ranks: int) -> None:
+    """CPU ranks share this machine's cores: more ranks than cores makes every step slower than on
+    fewer ranks (each collective waits for a descheduled rank), which is worth one line."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if ranks > cores:
+        print(f"transpile: warning: {ranks} CPU ranks on {cores} core(s) that this process may use: the ranks take "
+              f"turns and every step is slower; transpile with --gpus {cores} or fewer for a CPU run",
+              file=sys.stderr, flush=True)
 
 
 def _run_single(plan: Plan, dataset: Dataset, config: RunConfig) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 from runtime.errors import RunError
 from runtime.schedule import Schedule
 
-_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data")
+_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data", "metrics")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class RunConfig:
     resume: Path | None = None  # the checkpoint directory to start from instead of the init graph
     timings: Path | None = None  # measured segment and collective times, for inspect --timings
     schedule: Schedule = Schedule()  # learning rate per step (lr is the schedule's peak)
+    metrics: Path | None = None  # --metrics: rank 0's JSON lines (runtime/metrics.py)
+    progress: str = "lines"  # rank 0's view: "bar", "lines", or "auto" (bar when its stdout is a terminal)
+    tty: str | None = None  # the terminal the bar draws on (a spawned rank's stdout is mpiexec's pipe)
     # What a rank process loads (the in-process simulator passes arrays and leaves them None).
     out: Path | None = None  # the transpiler's OUT
     data: Path | None = None  # the .npz

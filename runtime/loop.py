@@ -1,4 +1,5 @@
-"""The training loop of one rank: data shard per step, logging, checkpoints, timings, --export."""
+"""The training loop of one rank: data shard per step, progress and metrics (rank 0: runtime/progress.py),
+checkpoints, timings, --export."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from runtime.data import Dataset
 from runtime.errors import AgreedError, PeerFailed, RunError, os_error_text
 from runtime.evaluate import Evaluator
 from runtime.export import export_model
+from runtime.progress import Report, make_report, run_info
 from runtime.trainer import Trainer
 
 # Most steps whose losses wait on the device before being read (the GPU ring holds more).
@@ -32,11 +34,12 @@ FLUSH_EVERY = 1024
 def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print,
           progress: Callable[[int, str], None] = lambda step, phase: None,
           evaluator: Evaluator | None = None) -> list[float]:
-    """Initialize (or resume) and run up to step ``config.steps``; rank 0 logs and exports.
+    """Initialize (or resume) and run up to step ``config.steps``; rank 0 reports and exports.
     Returns the global losses of the steps run. The rank and world size are the communicator's.
-    ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on.
-    ``evaluator`` (--eval-data) runs every ``config.eval_every`` steps and after the last one."""
-    rank, world_size = trainer.comm.rank, trainer.comm.size
+    ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on;
+    ``log`` takes rank 0's plain lines (runtime/progress.py). ``evaluator`` (--eval-data) runs every
+    ``config.eval_every`` steps and after the last one; its loss goes into that step's record."""
+    rank = trainer.comm.rank
     start = 0
     progress(0, "init")
     if config.resume is not None:
@@ -45,12 +48,24 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         start = meta.step
     else:
         trainer.initialize()
+    report = make_report(trainer, dataset, config, log)
+    try:
+        return _train(trainer, dataset, config, start, report, progress, evaluator)
+    finally:
+        report.close()
+
+
+def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, report: Report,
+           progress: Callable[[int, str], None], evaluator: Evaluator | None) -> list[float]:
+    rank, world_size = trainer.comm.rank, trainer.comm.size
     losses: list[float] = []
     last_checkpoint = config.resume
-    # The log line reports averages over the steps since the previous line: a single step's time
+    # Each record reports averages over the steps since the previous one: a single step's time
     # and loss are too noisy to read (one batch; a rank descheduled for a moment).
     since, window_start = 0, time.perf_counter()
     lr_at = config.schedule.function(config.lr, config.steps)
+    report.start(run_info(trainer, dataset, config, start))
+    began = time.perf_counter()
     for step in range(start, config.steps):
         lr = lr_at(step)
         data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
@@ -75,20 +90,22 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             losses.extend(new)
             _check_losses(new, first, rank, last_checkpoint, trainer)
             _check_grad_norms(trainer.grad_norms, first, rank, last_checkpoint, trainer)
-        eval_loss = None  # this step's global eval loss, where it evaluates (for the log and metrics)
+        if rank == 0:
+            report.advance(done)
+        evaluated = {}  # this step's global eval loss, where it evaluates: in its record
         if evaluator is not None and (done == config.steps or (config.eval_every and done % config.eval_every == 0)):
-            eval_loss, eval_text, seconds = _evaluate(evaluator, done, progress)
-            window_start += seconds  # ms/step is the training steps' time
+            loss, seconds = _evaluate(evaluator, done, progress)
+            window_start += seconds  # ms/step and samples/s are the training steps' own
+            evaluated = {"eval_loss": loss}
             if rank == 0 and config.log_every and not log_now:
-                log(f"step {done}/{config.steps}  {eval_text}")
+                report.log(done, **evaluated)
         if rank == 0 and log_now:
-            loss = losses[-1]
             now = time.perf_counter()
             window = losses[since:]
-            epoch = done * config.batch / dataset.rows
-            log(f"step {done}/{config.steps}  epoch {epoch:.2f}  loss {loss:.6f}  "
-                f"mean loss {sum(window) / len(window):.6f}  lr {lr:g}  "
-                f"{(now - window_start) * 1e3 / len(window):.2f} ms/step" + (f"  {eval_text}" if eval_loss is not None else ""))
+            step_s = (now - window_start) / len(window)
+            report.log(done, loss=losses[-1], mean_loss=sum(window) / len(window), learning_rate=lr,
+                       samples_per_second=round(config.batch / step_s, 1), step_time_ms=round(step_s * 1e3, 4),
+                       **({"grad_norm": trainer.grad_norms[-1]} if trainer.grad_norms else {}), **evaluated)
             since, window_start = len(losses), now
         if save_now:
             progress(done, "checkpoint")
@@ -101,14 +118,15 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                                               keep=config.keep_checkpoints)
             progress(done, "step")
     if evaluator is not None and start == config.steps:  # resumed at the end: only evaluates and exports
-        _, eval_text, _ = _evaluate(evaluator, start, progress)
+        loss, _ = _evaluate(evaluator, start, progress)
         if rank == 0 and config.log_every:
-            log(f"step {start}/{config.steps}  {eval_text}")
+            report.log(start, eval_loss=loss)
     progress(config.steps, "finishing")
+    runtime = time.perf_counter() - began
     if config.timings is not None:
         _write_timings(config.timings, trainer.step_program.median_timings(), trainer.comm)
+    best = evaluator.best if config.export_best and evaluator is not None else None
     if config.export is not None:
-        best = evaluator.best if config.export_best and evaluator is not None else None
         if best is not None:
             # --export-best: rank 0 kept host copies at the best evaluation (Evaluator.keep_best).
             parameters = evaluator.best_parameters if rank == 0 else {}
@@ -124,8 +142,6 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         if rank == 0:
             try:
                 export_model(trainer.plan, parameters, config.export)
-                if best is not None and config.log_every:
-                    log(f"exported the parameters of step {best[0]} (best eval loss {best[1]:.6f}) to {config.export}")
             except RunError as exc:
                 error = str(exc)
         # Every rank waits for the export's outcome, so that on failure the final state is kept.
@@ -136,20 +152,27 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
                 raise PeerFailed("--export failed")
             raise AgreedError(f"{error}; the trained state is in {last_checkpoint}: export it later with 'transpile export "
                               f"{config.out} --checkpoint {last_checkpoint} -o FILE'")
+    if rank == 0:
+        run = config.steps - start
+        report.finish(steps=config.steps, steps_run=run, samples=run * config.batch, runtime_s=round(runtime, 6),
+                      samples_per_second=round(run * config.batch / runtime, 1) if runtime > 0 else None,
+                      step_time_ms=round(runtime * 1e3 / run, 4) if run else None,
+                      final_loss=losses[-1] if losses else None,
+                      mean_loss=sum(losses) / len(losses) if losses else None,
+                      epoch=round(config.steps * config.batch / dataset.rows, 4),
+                      export=config.export, checkpoint=last_checkpoint if last_checkpoint != config.resume else None,
+                      metrics=config.metrics,
+                      **({"best_eval_loss": best[1], "best_eval_step": best[0]} if best is not None else {}))
     return losses
 
 
-def _evaluate(evaluator: Evaluator, step: int, progress: Callable[[int, str], None]) -> tuple[float, str, float]:
-    """One evaluation (a collective: every rank, same steps): the eval loss, its log text, seconds."""
+def _evaluate(evaluator: Evaluator, step: int, progress: Callable[[int, str], None]) -> tuple[float, float]:
+    """One evaluation (a collective: every rank, same steps): the global eval loss and its seconds."""
     progress(step, "eval")
     started = time.perf_counter()
     loss = evaluator.evaluate(step, lambda: progress(step, "eval"))
-    seconds = time.perf_counter() - started
     progress(step, "step")
-    best = evaluator.best
-    text = f"eval loss {loss:.6f} ({evaluator.dataset.rows} rows, {seconds:.2f} s"
-    text += f"; best {best[1]:.6f} at step {best[0]})" if best is not None and best[0] != step else ")"
-    return loss, text, seconds
+    return loss, time.perf_counter() - started
 
 
 def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:

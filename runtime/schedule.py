@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from runtime.errors import RunError
 
 SCHEDULES = ("constant", "cosine", "linear", "step")
+# The options each schedule reads besides --warmup-steps (which every schedule takes); giving one
+# that the chosen schedule ignores is an error, as the transpiler refuses --momentum for adam.
+USES = {"constant": (), "cosine": ("min_lr",), "linear": ("min_lr",), "step": ("step_size", "gamma")}
+OPTIONS = {"min_lr": "--min-lr", "step_size": "--lr-step-size", "gamma": "--lr-gamma"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,24 @@ class Schedule:
             raise RunError(f"--lr-gamma must be a finite number >= 0, got {self.gamma}")
         if self.kind == "step" and self.step_size < 1:
             raise RunError("--lr-schedule step needs --lr-step-size N (N >= 1)")
+
+    @classmethod
+    def from_options(cls, kind: str, warmup_steps: int | None = None, **given) -> Schedule:
+        """The schedule of ``--lr-schedule kind`` and the options the user gave (None: not given;
+        those get the defaults above). An option the schedule does not use is a RunError."""
+        unused = [OPTIONS[k] for k, v in given.items() if v is not None and k not in USES.get(kind, ())]
+        if unused:
+            users = [name for name, keys in USES.items() if any(OPTIONS[k] in unused for k in keys)]
+            raise RunError(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used by --lr-schedule {kind} "
+                           f"(only by {' and '.join(users)}); remove {'it' if len(unused) == 1 else 'them'} or choose "
+                           "that schedule")
+        return cls(kind, 0 if warmup_steps is None else warmup_steps, **{k: v for k, v in given.items() if v is not None})
+
+    def describe(self) -> str:
+        """The schedule in words, for the run's banner."""
+        words = {"constant": "constant", "cosine": f"cosine to {self.min_lr:g}", "linear": f"linear to {self.min_lr:g}",
+                 "step": f"step: x{self.gamma:g} every {self.step_size} steps"}[self.kind]
+        return words + (f", after {self.warmup_steps} warmup steps" if self.warmup_steps else "")
 
     def function(self, lr: float, steps: int) -> Callable[[int], float]:
         """``lr_at(t)`` for steps ``t = 0 .. steps-1``."""

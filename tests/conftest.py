@@ -114,3 +114,18 @@ def refresh_manifest(directory: Path) -> None:
         blob = (directory / name).read_bytes()
         raw["files"][name] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
     (directory / "meta.json").write_text(json.dumps(raw))
+
+
+# The quick subset, ``pytest -m "not slow"`` (README): it leaves out what takes seconds per test on
+# 2 cores: the tests that start MPI jobs or ``transpile run`` processes (the CLI's error and safety
+# contracts), and those that export and train PyTorch / Hugging Face models at parity.
+SLOW_MODULES = {"test_zoo", "test_torch_oracle", "test_models_real", "test_trainable_exports", "test_digits",
+                "test_opsets", "test_grad_accumulation", "test_cli_errors", "test_cli_safety", "test_faults"}
+SLOW_TESTS = {"test_compare_end_to_end_on_cpu", "test_the_harness_on_cpu_ranks"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if (item.module.__name__ in SLOW_MODULES or item.originalname in SLOW_TESTS
+                or item.get_closest_marker("mpi")):
+            item.add_marker(pytest.mark.slow)

@@ -388,7 +388,7 @@ def test_version_and_help_list_the_commands(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == f"transpile (graph-transpiler) {version('graph-transpiler')}"
     done = transpile_cli("help", cwd=tmp_path)
     assert done.returncode == 0
-    assert all(f"transpile {name}" in done.stdout for name in ("MODEL", "run", "export", "inspect", "view"))
+    assert all(f"transpile {name}" in done.stdout for name in ("[compile] MODEL", "run", "export", "inspect", "view"))
     done = transpile_cli("help", "run", cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.startswith("usage: transpile run")
     done = transpile_cli("help", "nope", cwd=tmp_path)

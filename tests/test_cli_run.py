@@ -11,6 +11,7 @@ from conftest import initial_parameters, load_data, max_rel_error
 from onnx import numpy_helper
 
 from runtime import simulate
+from runtime.metrics import read_metrics
 
 
 def cli(*args, cwd):
@@ -35,11 +36,11 @@ def test_perceptron_trains_on_four_mpi_ranks(model_dir, tmp_path, strategy):
 
     trained = tmp_path / "trained.onnx"
     done = cli("run", out, "--data", src / "data.npz", "--batch", 32, "--steps", 40, "--log-every", 10,
-               "--export", trained, cwd=tmp_path)
+               "--export", trained, "--metrics", tmp_path / "m.jsonl", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split()[1] for line in lines] == ["1/40", "10/40", "20/40", "30/40", "40/40"]
-    losses = [float(line.split("  loss ")[1].split()[0]) for line in lines]
+    records, summary = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in records] == [1, 10, 20, 30, 40] and summary["steps"] == 40
+    losses = [r["loss"] for r in records]
     assert losses[-1] < 0.5 * losses[0], losses
 
     # The exported model is the user's model with the parameters of the 4 MPI ranks, which equal

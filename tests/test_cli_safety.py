@@ -95,7 +95,10 @@ def test_an_interrupted_run_stops_every_rank(project, sig):
                             "16", "--steps", "100000000", "--log-every", "1000000"], cwd=project,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        assert job.stdout.readline().startswith("step 1/")  # the ranks are training
+        line = job.stdout.readline()
+        while line and not line.startswith("step "):  # the banner comes first
+            line = job.stdout.readline()
+        assert line.startswith("step 1/")  # the ranks are training
         started = time.monotonic()
         os.killpg(job.pid, sig) if sig == signal.SIGINT else job.send_signal(sig)
         _, err = job.communicate(timeout=60)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from conftest import child_env, load_data
 from onnx import numpy_helper
 
 from runtime import simulate
+from runtime.metrics import read_metrics
 from transpiler import OptimizerConfig, Options, transpile
 
 ROWS, EVAL_ROWS, BATCH = 48, 37, 8  # 37 evaluation rows: not a multiple of the batch nor of the ranks
@@ -161,19 +161,21 @@ def regression(model_dir, tmp_path_factory):
 def test_export_best_exports_the_best_step(regression):
     """With a learning rate that first improves and then diverges (linear warmup to a peak past
     stability), --export-best writes the parameters of the best evaluation: what 'transpile export'
-    writes from the checkpoint of that step. On 2 MPI ranks (the cli path), with the eval loss in
-    the rank-0 log lines."""
+    writes from the checkpoint of that step. On 2 MPI ranks (the cli path), with the eval losses
+    read from --metrics."""
     tmp = regression
     done = run_cli(tmp / "out", "--data", tmp / "train.npz", "--batch", 20, "--steps", 16, "--lr", _diverging_lr(tmp),
                    "--warmup-steps", 15, "--eval-data", tmp / "eval.npz", "--eval-every", 2, "--eval-batch", 6,
                    "--log-every", 4, "--export", tmp / "best.onnx", "--export-best", "--checkpoint", tmp / "ckpt",
-                   "--checkpoint-every", 2, "--keep-last", 8, cwd=tmp)
+                   "--checkpoint-every", 2, "--keep-last", 8, "--metrics", tmp / "metrics.jsonl", cwd=tmp)
     assert done.returncode == 0, done.stderr
-    evals = {int(s): float(v) for s, v in re.findall(r"step (\d+)/16 .*eval loss ([0-9.e+-]+|nan|inf)", done.stdout)}
-    assert sorted(evals) == [2, 4, 6, 8, 10, 12, 14, 16], done.stdout
+    records, summary = read_metrics(tmp / "metrics.jsonl")
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert sorted(evals) == [2, 4, 6, 8, 10, 12, 14, 16], records
     best = min(evals, key=evals.get)
     assert 2 < best < 16 and evals[16] > 2 * evals[best], evals  # it improved, then diverged
-    assert f"exported the parameters of step {best} " in done.stdout
+    assert (summary["best_eval_step"], summary["best_eval_loss"]) == (best, evals[best])
+    assert f"(step {best}, best eval loss" in done.stdout  # the end summary names the exported step
     export = subprocess.run([sys.executable, "-m", "commands", "export", tmp / "out", "--checkpoint",
                              tmp / "ckpt" / f"checkpoint-{best}", "-o", tmp / "at_best.onnx"], capture_output=True,
                             text=True, cwd=tmp, timeout=120, env=child_env())
@@ -281,8 +283,9 @@ def test_gpu_eval_equals_cpu(conv_model_no_dropout, tmp_path):
               tmp_path / "eval.npz", "--eval-every", 2, "--eval-batch", 12, "--log-every", 2]
     evals = {}
     for backend in ("nccl", "cpu"):
-        done = run_cli(*common, "--backend", backend, "--no-tf32", cwd=tmp_path)
+        metrics = tmp_path / f"{backend}.jsonl"
+        done = run_cli(*common, "--backend", backend, "--no-tf32", "--metrics", metrics, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
-        evals[backend] = [float(v) for v in re.findall(r"eval loss ([0-9.e+-]+)", done.stdout)]
+        evals[backend] = [r["eval_loss"] for r in read_metrics(metrics)[0] if "eval_loss" in r]
     assert len(evals["cpu"]) == 2
     np.testing.assert_allclose(evals["nccl"], evals["cpu"], rtol=1e-5)

@@ -6,7 +6,6 @@ Marked ``gpu``; skipped without CUDA GPUs, CuPy and onnxruntime-gpu.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from runtime.gpu import cuda_available, gpu_count
+from runtime.metrics import read_metrics
 
 GPUS = gpu_count() if cuda_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs, CuPy and onnxruntime-gpu")]
@@ -40,18 +40,16 @@ def _weights(path: Path) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
 
 
-def _losses(stdout: str) -> list[float]:
-    return [float(m) for m in re.findall(r"^step \d+/\d+ .*?loss ([0-9.eE+-]+)", stdout, re.M)]
-
-
 def _run_on_every_gpu_and_on_cpu(models: Path, out: Path, tmp_path: Path, batch: int, steps: int) -> list[float]:
     """``transpile run`` of OUT on every GPU (``--backend auto``) and on CPU ranks; the trained weights
     agree within 1e-5 of each parameter's scale (TF32 off). Returns the GPU run's logged losses."""
     common = ["--data", str(models / "data.npz"), "--batch", str(batch), "--steps", str(steps), "--log-every", "5"]
-    gpu = _run(str(out), *common, "--no-tf32", "--export", str(tmp_path / "gpu.onnx"))
+    metrics = tmp_path / "gpu-metrics.jsonl"
+    gpu = _run(str(out), *common, "--no-tf32", "--export", str(tmp_path / "gpu.onnx"), "--metrics", str(metrics))
     assert gpu.returncode == 0, gpu.stderr[-2000:]
     print(gpu.stdout)
-    assert f"step {steps}/{steps}" in gpu.stdout
+    records, summary = read_metrics(metrics)
+    assert records[-1]["step"] == steps and summary["steps"] == steps
     cpu = _run(str(out), *common, "--backend", "cpu", "--export", str(tmp_path / "cpu.onnx"))
     assert cpu.returncode == 0, cpu.stderr[-2000:]
     g, c = _weights(tmp_path / "gpu.onnx"), _weights(tmp_path / "cpu.onnx")
@@ -59,7 +57,7 @@ def _run_on_every_gpu_and_on_cpu(models: Path, out: Path, tmp_path: Path, batch:
     for name, value in c.items():
         scale = float(np.max(np.abs(value))) or 1.0
         assert float(np.max(np.abs(g[name].astype(np.float64) - value))) / scale < 1e-5, name
-    return _losses(gpu.stdout)
+    return [r["loss"] for r in records]
 
 
 def test_run_starts_one_rank_per_gpu_and_matches_the_cpu_backend(model_dir, tmp_path):

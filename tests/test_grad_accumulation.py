@@ -101,11 +101,15 @@ def test_cli_trains_with_accumulation_on_mpi_ranks(model_dir, tmp_path):
         "transpile: error: global batch 12 does not split into 2 rank(s) x 4 micro-batches (--grad-accumulation 4); "
         "use a multiple of 8"], bad.stderr
     run = subprocess.run([*cli, "run", str(tmp_path / "out"), "--batch", "16", *common, "--backend", "cpu",
-                          "--export", str(tmp_path / "t.onnx")], capture_output=True, text=True, timeout=300)
+                          "--export", str(tmp_path / "t.onnx"), "--metrics", str(tmp_path / "m.jsonl")],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     data = dict(np.load(source / "data.npz"))
     expected = simulate(tmp_path / "out", data, batch=16, steps=6)
-    assert f"loss {expected.losses[-1]:.6f}" in run.stdout
+    from runtime.metrics import read_metrics
+
+    assert [r["loss"] for r in read_metrics(tmp_path / "m.jsonl")[0]] == pytest.approx(
+        [expected.losses[s - 1] for s in (1, 3, 6)], rel=1e-5)
 
 
 def test_a_backend_without_accumulation_refuses_the_plan(torch_model, tmp_path):

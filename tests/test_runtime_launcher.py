@@ -16,6 +16,7 @@ from test_runtime_outdir import make_data, write_out
 from runtime import RunError, simulate
 from runtime.cli import main
 from runtime.launcher import LAUNCHERS, check_world_size, child_environment, mpiexec_command
+from runtime.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER_VARS = tuple(sorted({launcher.rank for launcher in LAUNCHERS}))
@@ -60,14 +61,15 @@ def test_two_mpi_processes_train_like_the_simulator(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYTHONPATH"] = str(REPO)
     command = [sys.executable, "-m", "runtime", "run", str(out), "--data", str(tmp_path / "d.npz"), "--batch", "4",
-               "--steps", "3", "--log-every", "1", "--export", str(tmp_path / "trained.onnx")]
+               "--steps", "3", "--log-every", "1", "--export", str(tmp_path / "trained.onnx"),
+               "--metrics", str(tmp_path / "m.jsonl")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]  # rank 0 only, one line per step
     expected = simulate(out, data, batch=4, steps=3)
-    logged = [float(line.split("  loss ")[1].split()[0]) for line in lines]
-    assert logged == pytest.approx(expected.losses, rel=1e-5)
+    records, _ = read_metrics(tmp_path / "m.jsonl")
+    assert [r["loss"] for r in records] == pytest.approx(expected.losses, rel=1e-5)
     trained = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "trained.onnx")).graph.initializer}
     for name, value in expected.parameters[0].items():
         np.testing.assert_array_equal(trained[name], value)  # MPI mean == local mean, bit for bit, on 2 ranks

@@ -275,9 +275,12 @@ def test_gpt2_default_export_cli_run_is_finite_and_exits_0(exported, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     done = subprocess.run([*cli, "run", str(out), "--data", str(tmp_path / "data.npz"), "--batch", "8", "--steps", "3",
-                           "--log-every", "1"], capture_output=True, text=True, timeout=300)
+                           "--log-every", "1", "--metrics", str(tmp_path / "m.jsonl")],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    losses = [float(ln.split("loss ")[1].split()[0]) for ln in done.stdout.splitlines() if ln.startswith("step ")]
+    from runtime.metrics import read_metrics
+
+    losses = [r["loss"] for r in read_metrics(tmp_path / "m.jsonl")[0]]
     assert len(losses) == 3 and all(np.isfinite(losses)), done.stdout
 
 

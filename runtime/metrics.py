@@ -1,0 +1,105 @@
+"""``transpile run --metrics FILE.jsonl``: the run's numbers as JSON lines, written by rank 0.
+
+One object per logged step, then one summary line::
+
+    {"step": 10, "epoch": 0.32, "loss": 0.41, "mean_loss": 0.47, "learning_rate": 0.01,
+     "samples_per_second": 35100.0, "step_time_ms": 0.91}
+    ...
+    {"summary": {"steps": 40, "runtime_s": 0.2, "samples_per_second": 6400.0, "final_loss": 0.1, ...}}
+
+``loss`` is that step's global loss (the mean over the global batch, the same number on every rank);
+``mean_loss``, ``step_time_ms`` and ``samples_per_second`` are over the steps since the previous
+record. ``grad_norm`` is there when the plan clips (``--clip-grad-norm``): that step's global norm
+before clipping. Other producers add records through ``Report.log(step, **values)``
+(runtime/progress.py): evaluation writes ``{"step": s, "epoch": e, "eval_loss": x}``, the way the HF
+Trainer logs evaluation apart from training. Keys are documented in docs/cli.md.
+
+Each record is one ``write`` of a whole line, flushed at once: a reader (``tail -f``, a dashboard)
+never sees half a line, and a crash loses at most the line being written. A fresh run truncates the
+file; ``--resume`` appends, so the file holds the whole history of a resumed run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import IO
+
+from runtime.errors import RunError, os_error_text
+
+
+def check_target(option: str, value: str | None) -> Path | None:
+    """The resolved path of ``--metrics``, or a one-line RunError when it cannot be written: checked
+    before training starts, so a typo does not cost a run its numbers."""
+    if value is None:
+        return None
+    path = Path(value).resolve()
+    if value.strip() == "" or path.is_dir():
+        raise RunError(f"{option} {value}: is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise RunError(f"{option} {value}: directory {path.parent} does not exist")
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        raise RunError(f"{option} {value}: {'file' if target is path else 'directory ' + str(target)} is not writable")
+    return path
+
+
+def _plain(value):
+    """JSON has no NaN or infinity: such a float is written as null (a loss is checked finite anyway)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+class MetricsFile:
+    """The JSON-lines file of one run (rank 0 only)."""
+
+    def __init__(self, path: Path, *, append: bool = False):
+        self.path = path
+        self._file: IO[str] | None = None
+        try:
+            self._file = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        except OSError as exc:
+            raise RunError(f"--metrics {path}: {os_error_text(exc)}") from None
+
+    def write(self, record: dict) -> None:
+        if self._file is None:
+            return
+        line = json.dumps({k: _plain(v) for k, v in record.items()}) + "\n"
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as exc:
+            # Training goes on: its result (checkpoints, export) matters more than its log.
+            print(f"transpile: warning: --metrics {self.path}: {os_error_text(exc)}; no more metrics are written",
+                  file=sys.stderr, flush=True)
+            self.close()
+
+    def summary(self, values: dict) -> None:
+        self.write({"summary": {k: _plain(v) for k, v in values.items()}})
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], dict | None]:
+    """(the step records, the summary or None): what benchmarks and tests read instead of the log."""
+    records, summary = [], None
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if "summary" in record:
+                summary = record["summary"]
+            else:
+                records.append(record)
+    return records, summary
