@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from transpiler.bucketing import Bucket
 from transpiler.errors import TranspileError
+from transpiler.lazy_weights import inline_weights
 from transpiler.load import Problem
 from transpiler.names import ACC, AFTER_GRADIENTS, LR_INPUT, NEXT, STEP_STATE
 from transpiler.optimizer import OptimizerConfig
@@ -103,7 +104,8 @@ class Job:
     def fwd_bwd(self) -> dict[str, onnx.ModelProto]:
         """Forward + backward with gradient (and buffer-update) outputs, per variant, serialized
         (for running it outside the transpiler; the passes use ``variants``)."""
-        return {key: ir.serde.serialize_model(model) for key, (model, _) in self.variants.items()}
+        return {key: inline_weights(ir.serde.serialize_model(model))
+                for key, (model, _) in self.variants.items()}
 
 
 def reduced_gradient_name(job: Job, param: str) -> str:

@@ -45,8 +45,13 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _save(model: ir.Model, path: Path) -> None:
+def _save(model: ir.Model, path: Path, locations: dict[str, str]) -> None:
+    """``locations``: the weight references' file names in the user's folder -> in OUT."""
     proto = ir.serde.serialize_model(model)
+    for tensor in proto.graph.initializer:  # large weights stay where OUT's model.onnx holds them
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = locations[entry.value]
     # The lowest IR version the opset allows: onnx stamps its newest by default, which onnxruntime
     # releases often do not load yet.
     default_opset = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
@@ -71,6 +76,8 @@ def _tensor_bytes(proto: onnx.ModelProto) -> int:
     """The initializers' bytes, from their dims (ByteSize() would walk the whole message)."""
     total = 0
     for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
         n = 1
         for d in t.dims:
             n *= d
@@ -221,16 +228,19 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
     try:
         tmp.mkdir()
         tmp.chmod(0o777 & ~_umask())  # OUT gets the permissions of any new directory
-        if job.problem.external_data:  # one self-contained copy, so OUT does not depend on the data file
-            onnx.save_model(job.problem.source, tmp / SOURCE_MODEL_FILE)
-        else:
-            shutil.copyfile(job.problem.path, tmp / SOURCE_MODEL_FILE)  # the user's bytes, unchanged
+        # The user's bytes unchanged (and its external data files): OUT does not depend on them,
+        # and the graphs reference the weights in them rather than holding copies.
+        locations = {}
+        for location, (source, name) in job.problem.files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, tmp / name)
+            locations[location] = name
         for g, stem in ((job.single, SINGLE_STEM), *((g, rank_stem(g.rank)) for g in job.ranks)):
             files = graph_files(stem)
-            _save(g.step, tmp / files["step"])
-            _save(g.init, tmp / files["init"])
+            _save(g.step, tmp / files["step"], locations)
+            _save(g.init, tmp / files["init"], locations)
             if g.accum is not None:
-                _save(g.accum, tmp / files["accum"])
+                _save(g.accum, tmp / files["accum"], locations)
         plan = plan_json(job)
         text = json.dumps(plan, indent=1) + "\n"
         (tmp / PLAN_FILE).write_text(text)

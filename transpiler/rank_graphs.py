@@ -71,9 +71,14 @@ def _init_graph(job: Job, rank: int | None, world: int, strategy: Strategy, stat
 
     def initial(entry: StateEntry) -> ir.Value:
         if entry.kind in ("param", "buffer"):
-            array = source[entry.param].const_value.numpy()
-            value = ir.val(f"{entry.input}.init", ir.DataType.from_numpy(array.dtype), array.shape,
-                           const_value=ir.tensor(array, name=f"{entry.input}.init"))
+            tensor = source[entry.param].const_value
+            name = f"{entry.input}.init"
+            if isinstance(tensor, ir.ExternalTensor):  # a reference to the weight's bytes, not a copy
+                tensor = ir.ExternalTensor(tensor.location, tensor.offset, tensor.length, tensor.dtype,
+                                           shape=tensor.shape, name=name, base_dir=tensor.base_dir)
+            else:
+                tensor = ir.tensor(tensor.numpy(), name=name)
+            value = ir.val(name, tensor.dtype, tensor.shape, const_value=tensor)
             graph.register_initializer(value)
             return value
         shape, dtype = list(entry.shape), entry.dtype
