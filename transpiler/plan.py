@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -45,8 +46,9 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _save(model: ir.Model, path: Path, locations: dict[str, str]) -> None:
-    """``locations``: the weight references' file names in the user's folder -> in OUT."""
+def _checked(model: ir.Model, name: str, locations: dict[str, str]) -> onnx.ModelProto:
+    """``model`` serialized and checked; ``locations``: the weight references' files -> their
+    names in OUT."""
     proto = ir.serde.serialize_model(model)
     for tensor in proto.graph.initializer:  # large weights stay where OUT's model.onnx holds them
         for entry in tensor.external_data:
@@ -64,12 +66,39 @@ def _save(model: ir.Model, path: Path, locations: dict[str, str]) -> None:
     try:
         onnx.checker.check_model(proto)
     except Exception as exc:
-        raise TranspileError(f"internal error: {path.name} fails onnx.checker ({' '.join(str(exc).split())[:300]})") from None
+        raise TranspileError(f"internal error: {name} fails onnx.checker ({' '.join(str(exc).split())[:300]})") from None
     attach_weights(proto, weights, stand_ins)
-    if _tensor_bytes(proto) > EXTERNAL_DATA_BYTES:
-        onnx.save_model(proto, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
-    else:
-        onnx.save_model(proto, path)
+    return proto
+
+
+class _GraphWriter:
+    """Writes each distinct graph once. Ranks given the same graph object (``Strategy.rank_key``),
+    or whose graphs serialize to the same bytes, share one file, named after the first rank that
+    runs it; plan.json says which file each rank runs."""
+
+    def __init__(self, directory: Path, locations: dict[str, str]):
+        self.directory, self.locations = directory, locations
+        self.by_object: dict[int, str] = {}
+        self.by_content: dict[str, str] = {}
+
+    def write(self, model: ir.Model, name: str) -> str:
+        """The file that holds ``model``: ``name``, or the one an identical graph was written to."""
+        if id(model) in self.by_object:
+            return self.by_object[id(model)]
+        proto = _checked(model, name, self.locations)
+        path = self.directory / name
+        if _tensor_bytes(proto) > EXTERNAL_DATA_BYTES:  # too large to compare in memory: its own file
+            onnx.save_model(proto, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
+        else:
+            data = proto.SerializeToString()
+            digest = hashlib.sha256(data).hexdigest()
+            if digest in self.by_content:
+                name = self.by_content[digest]
+            else:
+                path.write_bytes(data)
+                self.by_content[digest] = name
+        self.by_object[id(model)] = name
+        return name
 
 
 def _tensor_bytes(proto: onnx.ModelProto) -> int:
@@ -120,7 +149,8 @@ def _numel(value: ir.Value) -> int:
     return n
 
 
-def plan_json(job: Job) -> dict:
+def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -> dict:
+    """``files``: the graph file each rank runs, per kind (default: each rank its own)."""
     problem, opts = job.problem, job.options
     placement = job.placement
     others = {}
@@ -144,12 +174,12 @@ def plan_json(job: Job) -> dict:
         )
 
     def graphs_json(g: RankGraphs, stem: str) -> dict:
-        files = graph_files(stem)
-        entry = {"step": files["step"], "init": files["init"], "state": [s.to_json() for s in g.state]}
+        names = files[g.rank] if files is not None else graph_files(stem)
+        entry = {"step": names["step"], "init": names["init"], "state": [s.to_json() for s in g.state]}
         entry["optimizer_state_bytes"] = sum(s.bytes for s in g.state if s.kind == "optimizer")
         entry["updates"] = list(g.updates)
         if g.accum is not None:
-            entry["accum"] = files["accum"]
+            entry["accum"] = names["accum"]
             entry["accumulators"] = [{**a.to_json(), "shape": list(a.shape), "dtype": a.dtype.numpy().name}
                                      for a in g.accumulators]
         return entry
@@ -235,13 +265,14 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, tmp / name)
             locations[location] = name
+        writer = _GraphWriter(tmp, locations)
+        files = {}  # rank (None: single device) -> kind -> the file it runs
         for g, stem in ((job.single, SINGLE_STEM), *((g, rank_stem(g.rank)) for g in job.ranks)):
-            files = graph_files(stem)
-            _save(g.step, tmp / files["step"], locations)
-            _save(g.init, tmp / files["init"], locations)
-            if g.accum is not None:
-                _save(g.accum, tmp / files["accum"], locations)
-        plan = plan_json(job)
+            names = graph_files(stem)
+            files[g.rank] = {kind: writer.write(model, names[kind])
+                             for kind, model in (("step", g.step), ("init", g.init), ("accum", g.accum))
+                             if model is not None}
+        plan = plan_json(job, files)
         text = json.dumps(plan, indent=1) + "\n"
         (tmp / PLAN_FILE).write_text(text)
         try:  # the readers' own validation, before OUT exists: writer and readers cannot drift apart

@@ -33,7 +33,7 @@ def _accum_graph(job: Job, rank: int | None, protos) -> tuple[ir.Model, list[Sta
     accumulator, buffers (BatchNorm statistics) updated as the step graph updates them. No
     optimizer, no gradient collective (a --sync-bn forward keeps its statistics AllReduce)."""
     problem = job.problem
-    model, values, params = forward_backward(job, rank, "train_accum" if rank is None else f"rank{rank}_accum", protos)
+    model, values, params = forward_backward(job, rank, "train_accum" if rank is None else "rank_accum", protos)
     graph = model.graph
     tape = Tape(graph)
     outputs, accumulators = [values[problem.loss]], []
@@ -62,10 +62,10 @@ def _init_graph(job: Job, rank: int | None, world: int, strategy: Strategy, stat
     rank (optimizer state, accumulators), equal without a collective.
     """
     problem = job.problem
-    roots = job.placement.roots
+    roots = strategy.init_roots(job)
     graph = ir.Graph(
         [], [], nodes=[], opset_imports={"": problem.opset, DOMAIN: VERSION},
-        name="train_init" if rank is None else f"rank{rank}_init",
+        name="train_init" if rank is None else "rank_init",  # the same on every rank: ranks may share a file
     )
     source = problem.model.graph.initializers
 
