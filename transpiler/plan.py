@@ -20,6 +20,7 @@ from contract.plan import (
     FORMAT,
     FORMAT_VERSION,
     PLAN_FILE,
+    SAME_AS,
     SINGLE_STEM,
     SOURCE_MODEL_FILE,
     PlanError,
@@ -214,7 +215,7 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         "buckets": [b.to_json() for b in job.buckets],
         "graphs": {
             "single": graphs_json(job.single, SINGLE_STEM),
-            "ranks": [{"rank": g.rank, **graphs_json(g, rank_stem(g.rank))} for g in job.ranks],
+            "ranks": _ranks_json(job.ranks, lambda g: graphs_json(g, rank_stem(g.rank))),
         },
         "collectives": {
             "init": _collectives_json(job, job.ranks[0], "init"),
@@ -222,6 +223,22 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         },
         "versions": {"graph_transpiler": _version(), "onnx": onnx.__version__, "onnx_ir": ir.__version__},
     }
+
+
+def _ranks_json(ranks: list[RankGraphs], entry) -> list[dict]:
+    """One entry per rank; a rank built as an earlier one (``Strategy.rank_key``: the same graph
+    objects, hence the same files, state and updates) is written ``{"rank": r, "same_as": q}``, so
+    plan.json does not repeat the state list N times (contract/plan.py, format_version 2)."""
+    first: dict[tuple, int] = {}
+    out = []
+    for g in ranks:
+        key = (id(g.step), id(g.init), id(g.accum), id(g.state), id(g.updates))
+        if key in first:
+            out.append({"rank": g.rank, SAME_AS: first[key]})
+        else:
+            first[key] = g.rank
+            out.append({"rank": g.rank, **entry(g)})
+    return out
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
@@ -276,7 +293,7 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
         text = json.dumps(plan, indent=1) + "\n"
         (tmp / PLAN_FILE).write_text(text)
         try:  # the readers' own validation, before OUT exists: writer and readers cannot drift apart
-            parse_plan(json.loads(text), tmp / PLAN_FILE, report_fields=True)
+            plan = parse_plan(json.loads(text), tmp / PLAN_FILE, report_fields=True).raw  # as readers see it
         except PlanError as exc:
             raise TranspileError(f"internal error: the plan written breaks the contract: {exc}") from None
         if out_dir.exists():
