@@ -112,7 +112,7 @@ class Strategy(ABC):
         wrong = [p for p in job.problem.params if not low <= updates[p] <= high]
         if wrong:
             raise PostconditionError(f"parameters updated on the wrong number of ranks: {wrong}")
-        for r in job.ranks:
+        for r in {id(r.step): r for r in job.ranks}.values():  # each distinct graph once
             sent = sent_to_reduction(r.step.graph)
             for p in job.problem.params:
                 count = sent[reduced_gradient_name(job, p)]

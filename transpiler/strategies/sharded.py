@@ -66,7 +66,7 @@ class Sharded(Strategy):
 
     def ensures(self, job):
         super().ensures(job)
-        for r in job.ranks:
+        for r in {id(r.step): r for r in job.ranks}.values():  # each distinct graph once
             sent = Counter(v.name for n in collective_nodes(r.step.graph) if n.op_type == "Broadcast" for v in n.outputs)
             for p in job.problem.params:
                 if sent[p + NEXT] != 1:
