@@ -21,7 +21,7 @@ __all__ = ["ACC", "AFTER_GRADIENTS", "LR_INPUT", "NEXT", "STEP_STATE", "Job", "O
            "reduced_gradient_name"]
 
 MAX_GRAD_ACCUMULATION = 1024
-MAX_WORLD_SIZE = 4096  # OUT holds two ONNX files per rank; beyond this, transpiling is the bottleneck
+MAX_WORLD_SIZE = 4096  # zero still builds and writes every rank's graphs: docs/scale.md says how far N goes
 
 
 @dataclass(frozen=True)
