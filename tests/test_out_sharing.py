@@ -123,7 +123,8 @@ def test_progress_prints_slow_stages_only():
         pass
     assert stream.getvalue() == ""  # a fast stage (a tiny model) prints nothing
     progress.min_seconds = 0.0
-    with progress.stage("split ranks"):
-        pass
+    with progress.stage("split ranks") as note:
+        note("rank 1/2")  # the spinner's detail: never a line of its own
+        note("rank 2/2")
     line = stream.getvalue()
     assert line.startswith("transpile: split ranks ") and line.endswith(" s\n") and line.count("\n") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,6 +100,8 @@ class Job:
     # forward), each with its BatchNorm buffers. BatchNormPass sets it; AutodiffPass appends the
     # backward to these models in place, so afterwards they are the forward + backward.
     variants: dict[str, tuple[ir.Model, list]] = field(default_factory=dict)
+    # How far the running pass is, for the progress display (transpiler/progress.py); no output by default.
+    note: Callable[[str], None] = field(default=lambda detail: None, repr=False, compare=False)
 
     @property
     def fwd_bwd(self) -> dict[str, onnx.ModelProto]:

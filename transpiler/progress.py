@@ -41,8 +41,14 @@ class Progress:
         status = self.console.status(f"{label} ...") if self.console is not None else None
         if status is not None:
             status.start()
+
+        def note(detail: str) -> None:
+            """How far the stage is (e.g. "37/512 ranks"): shown in the spinner only, never as a line."""
+            if status is not None:
+                status.update(f"{label} {detail}")
+
         try:
-            yield
+            yield note
         finally:
             if status is not None:
                 status.stop()

@@ -51,7 +51,8 @@ def run_passes(job: Job, progress: Progress | None = None) -> None:
     progress = progress or Quiet()
     model = job.problem.model
     for make in PIPELINE:
-        with progress.stage(_label(make)):
+        with progress.stage(_label(make)) as note:
+            job.note = note
             try:
                 model = ir.passes.PassManager([make(job)], steps=1)(model).model
             except ir.passes.PassError as exc:

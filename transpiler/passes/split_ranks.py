@@ -42,6 +42,7 @@ class SplitRanksPass(InPlacePass):
         for r in range(job.options.world_size):
             key = strategy.rank_key(job, r)
             if key not in built:
+                job.note(f"rank {r + 1}/{job.options.world_size}")
                 built[key] = build_rank(job, r, protos)
             job.ranks.append(dataclasses.replace(built[key], rank=r))
         return PassResult(model, modified=False)
