@@ -17,7 +17,12 @@ from typing import Any
 from contract.errors import UserError
 
 FORMAT = "graph-transpiler/plan"
-FORMAT_VERSION = 1
+# 2: a rank entry may be {"rank": r, "same_as": q} (rank r runs rank q's files, q < r), so plan.json
+# holds the state list once per distinct set of rank graphs, not once per rank. Version 1 plans
+# (every entry written out) are read as they always were.
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)
+SAME_AS = "same_as"
 STATE_KINDS = ("param", "buffer", "optimizer", "step")
 EXPORTED_KINDS = ("param", "buffer")  # state written back into the user's model by --export
 PLAN_FILE = "plan.json"
@@ -212,9 +217,10 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
     if fmt != FORMAT:
         raise r.fail("format", f"is {fmt!r}, expected {FORMAT!r} (not a graph-transpiler plan)", "format", found=fmt)
     version = r.get(raw, "format_version", int, "")
-    if version != FORMAT_VERSION:
+    if version not in READS_VERSIONS:
         newer = " (written by a newer transpiler; upgrade the runtime)" if version > FORMAT_VERSION else ""
-        raise r.fail("format_version", f"is {version}, this runtime reads {FORMAT_VERSION}{newer}", "version",
+        raise r.fail("format_version", f"is {version}, this runtime reads {' and '.join(map(str, READS_VERSIONS))}{newer}",
+                     "version",
                      found=version)
     if report_fields:
         for key, kind in REPORT_FIELDS.items():
@@ -258,6 +264,14 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
             raise r.fail(where, "must be an object")
         if r.get(entry, "rank", int, where) != i:
             raise r.fail(f"{where}.rank", f"is {entry['rank']}, expected {i} (ranks must be listed in order)")
+        if SAME_AS in entry and version >= 2:
+            same = r.get(entry, SAME_AS, int, where)
+            if not 0 <= same < i:
+                raise r.fail(f"{where}.{SAME_AS}", f"is {same}, expected an earlier rank (0..{i - 1})")
+            ranks.append(ranks[same])
+            # Written out in the document as read, so readers of ``raw`` see every rank's entry.
+            ranks_raw[i] = {**ranks_raw[same], "rank": i}
+            continue
         ranks.append(_graph_files(entry, r, where, accumulation))
 
     return Plan(

@@ -24,7 +24,7 @@ def _worded(exc: contract_plan.PlanError) -> str:
         return f"{path}: not a graph-transpiler plan (format {d['found']!r})"
     if exc.kind == "version":
         return (f"{path}: format_version {d['found']} is not supported (this version reads "
-                f"{contract_plan.FORMAT_VERSION}); transpile the model again")
+                f"{' and '.join(map(str, contract_plan.READS_VERSIONS))}); transpile the model again")
     if exc.kind == "ranks":
         return f"{path}: world_size {d['world_size']} but {d['entries']} rank graph entries"
     if exc.kind == "type" and "expected" in d:

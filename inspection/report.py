@@ -9,6 +9,7 @@ two against each other. Traffic and cost models: inspection/costs.py.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -32,12 +33,12 @@ REPORT_VERSION = 1
 DEFAULT_ROWS_PER_RANK = 32
 
 
-def _rank_report(out: Path, plan: dict, r: int, rows: int, with_segments: bool) -> dict:
+def _rank_report(out: Path, plan: dict, r: int, rows: int, with_segments: bool, load=load_model) -> dict:
     world = plan["world_size"]
     entry = plan["graphs"]["ranks"][r]
-    model = load_model(out / entry["step"])
+    model = load(out / entry["step"])
     step = graph_collectives(model, r, world, plan["collectives"]["step"])
-    init_model = load_model(out / entry["init"])
+    init_model = load(out / entry["init"])
     init = graph_collectives(init_model, r, world, plan["collectives"]["init"])
     report = {
         "rank": r,
@@ -132,7 +133,9 @@ def build_report(path: Path, ranks: list[int] | None = None, *, rows_per_rank: i
         "node_overhead_s": NODE_OVERHEAD_S, "link_bytes_per_s": LINK_BYTES_PER_S,
         "collective_latency_s": COLLECTIVE_LATENCY_S,
     }
-    report["ranks"] = [_rank_report(path, plan, r, rows_per_rank, segments) for r in selected]
+    # Ranks may share a graph file (docs/contracts.md): each file is read once.
+    load = functools.lru_cache(maxsize=None)(load_model)
+    report["ranks"] = [_rank_report(path, plan, r, rows_per_rank, segments, load) for r in selected]
     if diff:
         report["diff"] = diff_report(path, plan, selected)
     return report

@@ -26,7 +26,8 @@ def test_valid_plan_loads(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (lambda p: p.update(format="other"), r"field 'format' is 'other', expected 'graph-transpiler/plan'"),
-    (lambda p: p.update(format_version=2), r"field 'format_version' is 2, this runtime reads 1 \(written by a newer"),
+    (lambda p: p.update(format_version=3), r"field 'format_version' is 3, this runtime reads 1 and 2 \(written by a newer"),
+    (lambda p: (p.update(format_version=2), p["graphs"]["ranks"][1].update(same_as=1)), r"field 'graphs.ranks\[1\].same_as' is 1, expected an earlier rank"),
     (lambda p: p.pop("loss"), r"field 'loss' is missing"),
     (lambda p: p.update(world_size="2"), r"field 'world_size' must be an integer, got str"),
     (lambda p: p["graphs"]["ranks"].pop(), r"field 'graphs.ranks' has 1 entries, world_size is 2"),

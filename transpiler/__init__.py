@@ -14,6 +14,7 @@ from transpiler.load import Problem, load_problem, validate_freeze
 from transpiler.optimizer import OptimizerConfig
 from transpiler.passes import LR_INPUT, STEP_STATE, Job, Options, run_passes
 from transpiler.plan import check_out_dir, write_out
+from transpiler.progress import Progress, Quiet
 
 __all__ = [
     "Job",
@@ -29,18 +30,21 @@ __all__ = [
 
 
 def build(model_path: str | Path, options: Options, *, loss: str | None = None, freeze: str | None = None,
-          train: str | None = None) -> Job:
+          train: str | None = None, progress: Progress | None = None) -> Job:
     """Run every pass and return the Job (graphs in memory, nothing written).
 
     ``freeze``/``train``: regular expressions on initializer names, not trained / trained even where
-    the default rules freeze them (transpiler/trainable.py)."""
+    the default rules freeze them (transpiler/trainable.py). ``progress``: where each stage's time
+    goes (transpiler/progress.py; default: nowhere)."""
+    progress = progress or Quiet()
     options.validate()
     validate_freeze(freeze)
     validate_freeze(train, "--train")
-    problem = load_problem(model_path, loss=loss, freeze=freeze, train=train)
+    with progress.stage("load"):
+        problem = load_problem(model_path, loss=loss, freeze=freeze, train=train)
     _check_reserved_names(problem)
     job = Job(problem=problem, options=options)
-    run_passes(job)
+    run_passes(job, progress)
     return job
 
 
@@ -52,11 +56,15 @@ def transpile(
     loss: str | None = None,
     freeze: str | None = None,
     train: str | None = None,
+    progress: Progress | None = None,
 ) -> dict:
-    """Transpile ``model_path`` into ``out_dir``; returns the plan (also written as plan.json)."""
+    """Transpile ``model_path`` into ``out_dir``; returns the plan (also written as plan.json).
+    ``progress``: see ``build`` (the ``transpile`` command passes one that prints)."""
     check_out_dir(out_dir)  # before minutes of work, not after
-    job = build(model_path, options or Options(), loss=loss, freeze=freeze, train=train)
-    return write_out(job, out_dir)
+    progress = progress or Quiet()
+    job = build(model_path, options or Options(), loss=loss, freeze=freeze, train=train, progress=progress)
+    with progress.stage("write"):
+        return write_out(job, out_dir)
 
 
 def _check_reserved_names(problem: Problem) -> None:

@@ -7,6 +7,7 @@ The ``transpile`` command (commands/) dispatches here for the rewrite; ``run`` b
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from transpiler.errors import TranspileError
@@ -97,7 +98,14 @@ def execute(args: argparse.Namespace) -> int:
         flat_update=args.flat_update,
         grad_accumulation=args.grad_accumulation,
     )
-    plan = transpile(args.model, args.out, options, loss=args.loss, freeze=args.freeze, train=args.train)
+    from transpiler.progress import LARGE_MODEL_BYTES, LARGE_WORLD, Progress
+
+    try:
+        large = os.path.getsize(args.model) >= LARGE_MODEL_BYTES or args.gpus >= LARGE_WORLD
+    except OSError:
+        large = False  # the load stage names the problem
+    plan = transpile(args.model, args.out, options, loss=args.loss, freeze=args.freeze, train=args.train,
+                     progress=Progress(large=large))
     trainable = plan.get("trainable", {})
     for warning in trainable.get("warnings", []):
         print(f"transpile: warning: {warning}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,6 +11,7 @@ import onnx_ir as ir
 
 from transpiler.bucketing import Bucket
 from transpiler.errors import TranspileError
+from transpiler.lazy_weights import inline_weights
 from transpiler.load import Problem
 from transpiler.names import ACC, AFTER_GRADIENTS, LR_INPUT, NEXT, STEP_STATE
 from transpiler.optimizer import OptimizerConfig
@@ -20,7 +22,7 @@ __all__ = ["ACC", "AFTER_GRADIENTS", "LR_INPUT", "NEXT", "STEP_STATE", "Job", "O
            "reduced_gradient_name"]
 
 MAX_GRAD_ACCUMULATION = 1024
-MAX_WORLD_SIZE = 4096  # OUT holds two ONNX files per rank; beyond this, transpiling is the bottleneck
+MAX_WORLD_SIZE = 4096  # zero still builds and writes every rank's graphs: docs/scale.md says how far N goes
 
 
 @dataclass(frozen=True)
@@ -98,12 +100,15 @@ class Job:
     # forward), each with its BatchNorm buffers. BatchNormPass sets it; AutodiffPass appends the
     # backward to these models in place, so afterwards they are the forward + backward.
     variants: dict[str, tuple[ir.Model, list]] = field(default_factory=dict)
+    # How far the running pass is, for the progress display (transpiler/progress.py); no output by default.
+    note: Callable[[str], None] = field(default=lambda detail: None, repr=False, compare=False)
 
     @property
     def fwd_bwd(self) -> dict[str, onnx.ModelProto]:
         """Forward + backward with gradient (and buffer-update) outputs, per variant, serialized
         (for running it outside the transpiler; the passes use ``variants``)."""
-        return {key: ir.serde.serialize_model(model) for key, (model, _) in self.variants.items()}
+        return {key: inline_weights(ir.serde.serialize_model(model))
+                for key, (model, _) in self.variants.items()}
 
 
 def reduced_gradient_name(job: Job, param: str) -> str:

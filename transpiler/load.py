@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,10 +13,12 @@ import onnx.shape_inference
 import onnx.version_converter
 import onnx_ir as ir
 
+from contract.plan import SOURCE_MODEL_FILE
 from transpiler.autodiff import check_supported, differentiable_values
 from transpiler.autodiff._context import FLOAT_TYPES
 from transpiler.batchnorm import decompose_batchnorm
 from transpiler.errors import TranspileError, UnsupportedOpsError
+from transpiler.lazy_weights import LazyModel, read_lazy
 from transpiler.trainable import Selection, folded_batchnorm, merged_parameters, select, transposed_copies
 from transpiler.weights import attach_weights, detach_weights
 
@@ -41,7 +42,9 @@ class Problem:
     """What training the user's model means: a forward graph, its loss and what to train."""
 
     path: Path
-    source: onnx.ModelProto  # the model exactly as the user gave it (for --export)
+    # The files OUT copies so that its graphs' weight references resolve there: location -> (file,
+    # name in OUT); the model file itself becomes OUT's model.onnx (transpiler/lazy_weights.py).
+    files: dict[str, tuple[Path, str]]
     sha256: str
     model: ir.Model  # forward graph, opset >= MIN_OPSET, batch axes symbolic, shapes inferred
     loss: str
@@ -64,27 +67,22 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def read_model(path: str | Path) -> tuple[onnx.ModelProto, bytes, bool]:
-    """The model with its external data loaded, the file's bytes, and whether it had external data."""
+def read_model(path: str | Path) -> LazyModel:
+    """The model with its large weights left on disk as references (transpiler/lazy_weights.py)."""
     path = Path(path)
     if path.is_dir():
         raise TranspileError(f"{path}: a directory, not an ONNX model file")
     if not path.is_file():
         raise TranspileError(f"{path}: no such file")
-    raw = path.read_bytes()
     try:
-        proto = onnx.load_from_string(raw)
-    except Exception as exc:  # protobuf raises DecodeError and friends
+        lazy = read_lazy(path, SOURCE_MODEL_FILE)
+    except TranspileError:
+        raise
+    except Exception as exc:  # protobuf raises DecodeError and friends; the scanner ValueError, IndexError
         raise TranspileError(f"{path}: not an ONNX model ({_one_line(exc)})") from None
-    if not proto.HasField("graph") or not proto.graph.node:
+    if not lazy.proto.HasField("graph") or not lazy.proto.graph.node:
         raise TranspileError(f"{path}: not an ONNX model (no graph or no nodes)")
-    external = any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer)
-    if external:
-        try:
-            onnx.load_external_data_for_model(proto, str(path.parent))
-        except Exception as exc:  # a missing or short data file, or a location outside the model's folder
-            raise TranspileError(f"{path}: cannot read its external data ({_one_line(exc)})") from None
-    return proto, raw, external
+    return lazy
 
 
 def _upgrade(proto: onnx.ModelProto, path: Path) -> onnx.ModelProto:
@@ -215,9 +213,8 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
                  train: str | None = None) -> Problem:
     """Read, check and normalise the user's model; raise TranspileError with a one-line reason."""
     path = Path(path)
-    source, raw, external = read_model(path)
-    proto = onnx.ModelProto()
-    proto.CopyFrom(source)
+    lazy = read_model(path)
+    proto = lazy.proto
     init_names = {t.name for t in proto.graph.initializer}
     data_names = [vi.name for vi in proto.graph.input if vi.name not in init_names]
     _check_raw_sizes(proto, path)
@@ -241,12 +238,13 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         raise TranspileError(f"{path}: shape inference failed ({_one_line(exc)})") from None
     attach_weights(proto, weights, stand_ins)
 
-    model = ir.serde.deserialize_model(proto)
+    model = ir.serde.deserialize_model(proto)  # the weights' references are absolute paths
     loss_value = _find_loss(model.graph, loss, path)
     # Parameters are found on the graph as it will be differentiated: BatchNormalization decomposed
     # (its running statistics become buffers). `model` keeps the original nodes; AutodiffPass
     # decomposes its own copies, with or without synchronized statistics.
     probe, found = decompose_batchnorm(ir.serde.deserialize_model(proto))
+    _share_weights(probe.graph, model.graph)
     buffers = [b.name for b in found]
     graph = probe.graph
     loss_value = next(v for v in graph.outputs if v.name == loss_value.name)
@@ -285,22 +283,36 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
     except UnsupportedOpsError as exc:
         raise UnsupportedOpsError(exc.nodes, where=str(path)) from None
 
-    return Problem(
+    problem = Problem(
         path=path,
-        source=source,
-        sha256=hashlib.sha256(raw).hexdigest(),
+        files=lazy.files,
+        sha256=lazy.sha256,
         model=model,
         loss=loss_value.name,
         data_inputs=data_inputs,
         params=params,
         frozen=frozen,
         buffers=buffers,
-        external_data=external,
+        external_data=lazy.external_data,
         selection=selection,
         # Read on the graph as exported (metadata and Identity copies intact, BatchNorm not decomposed).
         warnings=(merged_parameters(model.graph, params) + transposed_copies(model.graph, params)
                   + folded_batchnorm(model.graph)),
     )
+    for value in model.graph.initializers.values():  # read by the rules above; unmapped until read again
+        if isinstance(value.const_value, ir.ExternalTensor):
+            value.const_value.release()
+    return problem
+
+
+def _share_weights(graph: ir.Graph, like: ir.Graph) -> None:
+    """``graph``'s weight references become ``like``'s tensor objects: one mapping of each weight's
+    bytes, not one per copy of the graph (each would count its pages again)."""
+    for name, value in graph.initializers.items():
+        other = like.initializers.get(name)
+        if other is not None and isinstance(value.const_value, ir.ExternalTensor) and isinstance(
+                other.const_value, ir.ExternalTensor):
+            value.const_value = other.const_value
 
 
 # Ops whose output 0 has input 0's type and shape, which onnx's shape inference leaves untyped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from contract.plan import (
     FORMAT,
     FORMAT_VERSION,
     PLAN_FILE,
+    SAME_AS,
     SINGLE_STEM,
     SOURCE_MODEL_FILE,
     PlanError,
@@ -48,8 +50,14 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _save(model: ir.Model, path: Path) -> None:
+def _checked(model: ir.Model, name: str, locations: dict[str, str]) -> onnx.ModelProto:
+    """``model`` serialized and checked; ``locations``: the weight references' files -> their
+    names in OUT."""
     proto = ir.serde.serialize_model(model)
+    for tensor in proto.graph.initializer:  # large weights stay where OUT's model.onnx holds them
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = locations[entry.value]
     # The lowest IR version the opset allows: onnx stamps its newest by default, which onnxruntime
     # releases often do not load yet.
     default_opset = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
@@ -62,18 +70,47 @@ def _save(model: ir.Model, path: Path) -> None:
     try:
         onnx.checker.check_model(proto)
     except Exception as exc:
-        raise TranspileError(f"internal error: {path.name} fails onnx.checker ({' '.join(str(exc).split())[:300]})") from None
+        raise TranspileError(f"internal error: {name} fails onnx.checker ({' '.join(str(exc).split())[:300]})") from None
     attach_weights(proto, weights, stand_ins)
-    if _tensor_bytes(proto) > EXTERNAL_DATA_BYTES:
-        onnx.save_model(proto, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
-    else:
-        onnx.save_model(proto, path)
+    return proto
+
+
+class _GraphWriter:
+    """Writes each distinct graph once. Ranks given the same graph object (``Strategy.rank_key``),
+    or whose graphs serialize to the same bytes, share one file, named after the first rank that
+    runs it; plan.json says which file each rank runs."""
+
+    def __init__(self, directory: Path, locations: dict[str, str]):
+        self.directory, self.locations = directory, locations
+        self.by_object: dict[int, str] = {}
+        self.by_content: dict[str, str] = {}
+
+    def write(self, model: ir.Model, name: str) -> str:
+        """The file that holds ``model``: ``name``, or the one an identical graph was written to."""
+        if id(model) in self.by_object:
+            return self.by_object[id(model)]
+        proto = _checked(model, name, self.locations)
+        path = self.directory / name
+        if _tensor_bytes(proto) > EXTERNAL_DATA_BYTES:  # too large to compare in memory: its own file
+            onnx.save_model(proto, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
+        else:
+            data = proto.SerializeToString()
+            digest = hashlib.sha256(data).hexdigest()
+            if digest in self.by_content:
+                name = self.by_content[digest]
+            else:
+                path.write_bytes(data)
+                self.by_content[digest] = name
+        self.by_object[id(model)] = name
+        return name
 
 
 def _tensor_bytes(proto: onnx.ModelProto) -> int:
     """The initializers' bytes, from their dims (ByteSize() would walk the whole message)."""
     total = 0
     for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
         n = 1
         for d in t.dims:
             n *= d
@@ -116,7 +153,8 @@ def _numel(value: ir.Value) -> int:
     return n
 
 
-def plan_json(job: Job) -> dict:
+def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -> dict:
+    """``files``: the graph file each rank runs, per kind (default: each rank its own)."""
     problem, opts = job.problem, job.options
     placement = job.placement
     others = {}
@@ -140,12 +178,12 @@ def plan_json(job: Job) -> dict:
         )
 
     def graphs_json(g: RankGraphs, stem: str) -> dict:
-        files = graph_files(stem)
-        entry = {"step": files["step"], "init": files["init"], "state": [s.to_json() for s in g.state]}
+        names = files[g.rank] if files is not None else graph_files(stem)
+        entry = {"step": names["step"], "init": names["init"], "state": [s.to_json() for s in g.state]}
         entry["optimizer_state_bytes"] = sum(s.bytes for s in g.state if s.kind == "optimizer")
         entry["updates"] = list(g.updates)
         if g.accum is not None:
-            entry["accum"] = files["accum"]
+            entry["accum"] = names["accum"]
             entry["accumulators"] = [{**a.to_json(), "shape": list(a.shape), "dtype": a.dtype.numpy().name}
                                      for a in g.accumulators]
         return entry
@@ -182,7 +220,7 @@ def plan_json(job: Job) -> dict:
         "buckets": [b.to_json() for b in job.buckets],
         "graphs": {
             "single": graphs_json(job.single, SINGLE_STEM),
-            "ranks": [{"rank": g.rank, **graphs_json(g, rank_stem(g.rank))} for g in job.ranks],
+            "ranks": _ranks_json(job.ranks, lambda g: graphs_json(g, rank_stem(g.rank))),
         },
         "collectives": {
             "init": _collectives_json(job, job.ranks[0], "init"),
@@ -190,6 +228,22 @@ def plan_json(job: Job) -> dict:
         },
         "versions": {"graph_transpiler": _version(), "onnx": onnx.__version__, "onnx_ir": ir.__version__},
     }
+
+
+def _ranks_json(ranks: list[RankGraphs], entry) -> list[dict]:
+    """One entry per rank; a rank built as an earlier one (``Strategy.rank_key``: the same graph
+    objects, hence the same files, state and updates) is written ``{"rank": r, "same_as": q}``, so
+    plan.json does not repeat the state list N times (contract/plan.py, format_version 2)."""
+    first: dict[tuple, int] = {}
+    out = []
+    for g in ranks:
+        key = (id(g.step), id(g.init), id(g.accum), id(g.state), id(g.updates))
+        if key in first:
+            out.append({"rank": g.rank, SAME_AS: first[key]})
+        else:
+            first[key] = g.rank
+            out.append({"rank": g.rank, **entry(g)})
+    return out
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
@@ -226,22 +280,26 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
     try:
         tmp.mkdir()
         tmp.chmod(0o777 & ~_umask())  # OUT gets the permissions of any new directory
-        if job.problem.external_data:  # one self-contained copy, so OUT does not depend on the data file
-            onnx.save_model(job.problem.source, tmp / SOURCE_MODEL_FILE)
-        else:
-            shutil.copyfile(job.problem.path, tmp / SOURCE_MODEL_FILE)  # the user's bytes, unchanged
+        # The user's bytes unchanged (and its external data files): OUT does not depend on them,
+        # and the graphs reference the weights in them rather than holding copies.
+        locations = {}
+        for location, (source, name) in job.problem.files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, tmp / name)
+            locations[location] = name
+        writer = _GraphWriter(tmp, locations)
+        files = {}  # rank (None: single device) -> kind -> the file it runs
         for g, stem in ((job.single, SINGLE_STEM), *((g, rank_stem(g.rank)) for g in job.ranks)):
-            files = graph_files(stem)
-            _save(g.step, tmp / files["step"])
-            _save(g.init, tmp / files["init"])
-            if g.accum is not None:
-                _save(g.accum, tmp / files["accum"])
-        _save(build_eval_graph(job.problem), tmp / EVAL_FILE)
-        plan = plan_json(job)
+            names = graph_files(stem)
+            files[g.rank] = {kind: writer.write(model, names[kind])
+                             for kind, model in (("step", g.step), ("init", g.init), ("accum", g.accum))
+                             if model is not None}
+        writer.write(build_eval_graph(job.problem), EVAL_FILE)
+        plan = plan_json(job, files)
         text = json.dumps(plan, indent=1) + "\n"
         (tmp / PLAN_FILE).write_text(text)
         try:  # the readers' own validation, before OUT exists: writer and readers cannot drift apart
-            parse_plan(json.loads(text), tmp / PLAN_FILE, report_fields=True)
+            plan = parse_plan(json.loads(text), tmp / PLAN_FILE, report_fields=True).raw  # as readers see it
         except PlanError as exc:
             raise TranspileError(f"internal error: the plan written breaks the contract: {exc}") from None
         if out_dir.exists():

@@ -33,7 +33,7 @@ def _accum_graph(job: Job, rank: int | None, protos) -> tuple[ir.Model, list[Sta
     accumulator, buffers (BatchNorm statistics) updated as the step graph updates them. No
     optimizer, no gradient collective (a --sync-bn forward keeps its statistics AllReduce)."""
     problem = job.problem
-    model, values, params = forward_backward(job, rank, "train_accum" if rank is None else f"rank{rank}_accum", protos)
+    model, values, params = forward_backward(job, rank, "train_accum" if rank is None else "rank_accum", protos)
     graph = model.graph
     tape = Tape(graph)
     outputs, accumulators = [values[problem.loss]], []
@@ -62,18 +62,23 @@ def _init_graph(job: Job, rank: int | None, world: int, strategy: Strategy, stat
     rank (optimizer state, accumulators), equal without a collective.
     """
     problem = job.problem
-    roots = job.placement.roots
+    roots = strategy.init_roots(job)
     graph = ir.Graph(
         [], [], nodes=[], opset_imports={"": problem.opset, DOMAIN: VERSION},
-        name="train_init" if rank is None else f"rank{rank}_init",
+        name="train_init" if rank is None else "rank_init",  # the same on every rank: ranks may share a file
     )
     source = problem.model.graph.initializers
 
     def initial(entry: StateEntry) -> ir.Value:
         if entry.kind in ("param", "buffer"):
-            array = source[entry.param].const_value.numpy()
-            value = ir.val(f"{entry.input}.init", ir.DataType.from_numpy(array.dtype), array.shape,
-                           const_value=ir.tensor(array, name=f"{entry.input}.init"))
+            tensor = source[entry.param].const_value
+            name = f"{entry.input}.init"
+            if isinstance(tensor, ir.ExternalTensor):  # a reference to the weight's bytes, not a copy
+                tensor = ir.ExternalTensor(tensor.location, tensor.offset, tensor.length, tensor.dtype,
+                                           shape=tensor.shape, name=name, base_dir=tensor.base_dir)
+            else:
+                tensor = ir.tensor(tensor.numpy(), name=name)
+            value = ir.val(name, tensor.dtype, tensor.shape, const_value=tensor)
             graph.register_initializer(value)
             return value
         shape, dtype = list(entry.shape), entry.dtype

@@ -94,7 +94,7 @@ def accumulator(graph: ir.Graph, param: ir.Value, grad: ir.Value) -> ir.Value:
 
 def build_step(job: Job, rank: int | None, strategy: Strategy, protos: dict[str, onnx.ModelProto]) -> RankStep:
     problem = job.problem
-    model, values, params = forward_backward(job, rank, "train_step" if rank is None else f"rank{rank}_step", protos)
+    model, values, params = forward_backward(job, rank, "train_step" if rank is None else "rank_step", protos)
     step = RankStep(job, rank, strategy, model, values, params)
     graph = step.graph
     if job.options.grad_accumulation > 1:

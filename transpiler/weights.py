@@ -24,11 +24,17 @@ def _numel(tensor: TensorProto) -> int:
     return n
 
 
+def is_large_float(tensor: TensorProto) -> bool:
+    """Whether a tensor is one the whole-model passes need only the type of (and the loader leaves
+    on disk, transpiler/lazy_weights.py)."""
+    return tensor.data_type in _FLOATS and _numel(tensor) >= MIN_ELEMENTS
+
+
 def detach_weights(proto: onnx.ModelProto) -> tuple[list[TensorProto], list[str]]:
     """Remove the large float initializers from ``proto`` (in place); returns them and the names of
     the graph inputs added in their place."""
     graph = proto.graph
-    big = [i for i, t in enumerate(graph.initializer) if t.data_type in _FLOATS and _numel(t) >= MIN_ELEMENTS]
+    big = [i for i, t in enumerate(graph.initializer) if is_large_float(t)]
     if not big:
         return [], []
     detached = []

@@ -14,6 +14,8 @@ buckets, the per-rank models) is kept on the Job, which is what ``transpiler.pla
 
 from __future__ import annotations
 
+import re
+
 import onnx_ir as ir
 
 from transpiler.errors import TranspileError
@@ -32,6 +34,7 @@ from transpiler.passes.batchnorm import BatchNormPass
 from transpiler.passes.bucketing import BucketingPass
 from transpiler.passes.placement import PlacementPass
 from transpiler.passes.split_ranks import SplitRanksPass
+from transpiler.progress import Progress, Quiet
 from transpiler.strategies import STRATEGIES
 
 __all__ = [
@@ -43,15 +46,26 @@ __all__ = [
 PIPELINE = [BatchNormPass, AutodiffPass, PlacementPass, BucketingPass, SplitRanksPass]
 
 
-def run_passes(job: Job) -> None:
-    manager = ir.passes.PassManager([make(job) for make in PIPELINE], steps=1)
-    try:
-        manager(job.problem.model)
-    except ir.passes.PassError as exc:
-        # Surface the user-facing error from inside the pass chain unchanged.
-        cause = exc
-        while cause is not None and not isinstance(cause, TranspileError):
-            cause = cause.__cause__
-        if cause is not None:
-            raise cause from None
-        raise
+def run_passes(job: Job, progress: Progress | None = None) -> None:
+    """Run ``PIPELINE`` on the job's model, each pass timed as a stage of ``progress``."""
+    progress = progress or Quiet()
+    model = job.problem.model
+    for make in PIPELINE:
+        with progress.stage(_label(make)) as note:
+            job.note = note
+            try:
+                model = ir.passes.PassManager([make(job)], steps=1)(model).model
+            except ir.passes.PassError as exc:
+                # Surface the user-facing error from inside the pass chain unchanged.
+                cause = exc
+                while cause is not None and not isinstance(cause, TranspileError):
+                    cause = cause.__cause__
+                if cause is not None:
+                    raise cause from None
+                raise
+
+
+def _label(make: type) -> str:
+    """"SplitRanksPass" -> "split ranks"."""
+    name = make.__name__.removesuffix("Pass")
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name).lower()

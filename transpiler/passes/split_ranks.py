@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
@@ -33,7 +35,16 @@ class SplitRanksPass(InPlacePass):
             same = next((k for k in protos if job.variants[k][0] is variant), None)
             protos[key] = protos[same] if same is not None else ir.serde.serialize_model(variant)
         job.single = build_rank(job, None, protos)
-        job.ranks = [build_rank(job, r, protos) for r in range(job.options.world_size)]
+        # Ranks the strategy keys alike get the same graph objects (built once, written once).
+        strategy = strategy_for(job.options.strategy, job.options.world_size)
+        built: dict = {}
+        job.ranks = []
+        for r in range(job.options.world_size):
+            key = strategy.rank_key(job, r)
+            if key not in built:
+                job.note(f"rank {r + 1}/{job.options.world_size}")
+                built[key] = build_rank(job, r, protos)
+            job.ranks.append(dataclasses.replace(built[key], rank=r))
         return PassResult(model, modified=False)
 
     def ensures(self, model: ir.Model) -> None:

@@ -6,7 +6,9 @@ replica computes the same ones. It is the simplest correct strategy and the one 
 measured against (their N ranks must equal one device exactly as this one's do); its cost is
 N copies of the update and of the optimizer state.
 
-Buckets may mix roots (the root is used only by the init graph's Broadcasts).
+Buckets may mix roots, and the placement moves nothing: as DDP does at construction, rank 0
+Broadcasts every initial value. So every rank runs the same step graph, and ranks 1..N-1 the same
+init graph: OUT holds three rank files whatever N is (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ class AllReduce(Strategy):
         # not zeros; a bucket's flat state (no single parameter, hence no root) starts as zeros on
         # every rank, equal without a collective.
         return super().broadcast_at_init(state) + [e for e in state if e.kind == "optimizer" and e.param is not None]
+
+    def init_roots(self, job):
+        return dict.fromkeys(job.placement.roots, 0)
+
+    def rank_key(self, job, rank):
+        return rank == 0  # the only rank whose graphs differ: its init graph holds the initial values
 
     def updates_per_param(self, world):
         return world, world

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, ClassVar
 
 import onnx_ir as ir
@@ -85,6 +86,18 @@ class Strategy(ABC):
         values are stored on their root only."""
         return [e for e in state if e.kind == "param"]
 
+    def init_roots(self, job: Job) -> dict[str, int]:
+        """The rank each parameter's initial value is stored on and Broadcast from. Default: its
+        placement root, so the init graphs spread the initial values over the ranks."""
+        return job.placement.roots
+
+    def rank_key(self, job: Job, rank: int) -> Hashable:
+        """Ranks with equal keys get identical graphs, built once and written to one file (OUT
+        then does not grow with the world size where the strategy's graphs do not). Default: the
+        rank itself, every rank its own graphs. An override must key on everything the strategy's
+        graphs read of the rank (tests/test_strategies.py builds every rank alone to check)."""
+        return rank
+
     @abstractmethod
     def updates_per_param(self, world: int) -> tuple[int, int]:
         """(fewest, most) ranks on which a parameter's update runs, for ``ensures``."""
@@ -99,7 +112,7 @@ class Strategy(ABC):
         wrong = [p for p in job.problem.params if not low <= updates[p] <= high]
         if wrong:
             raise PostconditionError(f"parameters updated on the wrong number of ranks: {wrong}")
-        for r in job.ranks:
+        for r in {id(r.step): r for r in job.ranks}.values():  # each distinct graph once
             sent = sent_to_reduction(r.step.graph)
             for p in job.problem.params:
                 count = sent[reduced_gradient_name(job, p)]

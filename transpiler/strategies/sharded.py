@@ -55,12 +55,18 @@ class Sharded(Strategy):
         for name, value in zip(bucket.params, published):
             step.add_state(step.params[name], value, "param", name)
 
+    def rank_key(self, job, rank):
+        # A rank's graphs differ from another's only in the buckets it is the root of (it receives
+        # their Reduce, updates them, sends their Broadcast, stores their initial values); the
+        # ranks that root none (most, once N exceeds the buckets) share one set of files.
+        return tuple(b.id for b in job.buckets if b.root == rank)
+
     def updates_per_param(self, world):
         return 1, 1
 
     def ensures(self, job):
         super().ensures(job)
-        for r in job.ranks:
+        for r in {id(r.step): r for r in job.ranks}.values():  # each distinct graph once
             sent = Counter(v.name for n in collective_nodes(r.step.graph) if n.op_type == "Broadcast" for v in n.outputs)
             for p in job.problem.params:
                 if sent[p + NEXT] != 1:
