@@ -18,7 +18,7 @@ from pathlib import Path
 
 from runtime import checkpoint
 from runtime.collectives import LocalGroup
-from runtime.config import RunConfig
+from runtime.config import RunConfig, output_file
 from runtime.data import Dataset, check_ids, id_bounds, shard_size
 from runtime.devices import BACKENDS, check_gpus, resolve_backend
 from runtime.errors import PeerFailed, RunError
@@ -27,7 +27,6 @@ from runtime.executor import CpuBackend
 from runtime.guard import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, timeout_from_env
 from runtime.launcher import Host, check_slots, detect_launcher, parse_hostfile, parse_hosts, spawn
 from runtime.loop import train
-from runtime.metrics import check_target as check_metrics_target
 from runtime.plan import Plan, load_plan
 from runtime.progress import VIEWS
 from runtime.schedule import SCHEDULES, Schedule
@@ -120,11 +119,11 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     if args.log_every < 0:
         raise RunError(f"--log-every must be >= 0, got {args.log_every}")
     # Output paths are checked now, not after training: a bad one would lose the run's result.
-    export = _output_file("--export", args.export)
+    export = output_file("--export", args.export)
     if export is not None and not plan.model.is_file():
         raise RunError(f"--export {args.export}: {plan.model} (the user's model in OUT) is missing")
-    timings = _output_file("--timings", args.timings)
-    metrics = check_metrics_target("--metrics", args.metrics)
+    timings = output_file("--timings", args.timings)
+    metrics = output_file("--metrics", args.metrics)
     ckpt = None if args.checkpoint is None else checkpoint.check_target(Path(args.checkpoint))
     if args.checkpoint_every < 0:
         raise RunError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
@@ -180,18 +179,6 @@ def _check_eval(args: argparse.Namespace, plan: Plan, export: Path | None) -> tu
     eval_batch_size(batch, plan.world_size, "--eval-batch" if args.eval_batch is not None else "--batch")
     load_eval_data(plan, args.eval_data)
     return Path(args.eval_data).resolve(), batch
-
-
-def _output_file(option: str, value: str | None) -> Path | None:
-    """The resolved path of an output file, or a RunError if it cannot be written there."""
-    if value is None:
-        return None
-    path = Path(value).resolve()
-    if value.strip() == "" or path.is_dir():
-        raise RunError(f"{option} {value}: is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise RunError(f"{option} {value}: directory {path.parent} does not exist")
-    return path
 
 
 def _hosts(args: argparse.Namespace, world_size: int) -> list[Host] | None:

@@ -10,11 +10,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import RunError
 from runtime.schedule import Schedule
+
+
+def output_file(option: str, value: str | None) -> Path | None:
+    """The resolved path of an output file option (--export, --timings, --metrics), or a one-line
+    RunError when it cannot be written there: checked before training starts, so a typo does not
+    cost a run its results."""
+    if value is None:
+        return None
+    path = Path(value).resolve()
+    if value.strip() == "" or path.is_dir():
+        raise RunError(f"{option} {value}: is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise RunError(f"{option} {value}: directory {path.parent} does not exist")
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        raise RunError(f"{option} {value}: {'file' if target is path else 'directory ' + str(target)} is not writable")
+    return path
+
 
 _PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data", "metrics")
 

@@ -23,28 +23,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import IO
 
 from runtime.errors import RunError, os_error_text
-
-
-def check_target(option: str, value: str | None) -> Path | None:
-    """The resolved path of ``--metrics``, or a one-line RunError when it cannot be written: checked
-    before training starts, so a typo does not cost a run its numbers."""
-    if value is None:
-        return None
-    path = Path(value).resolve()
-    if value.strip() == "" or path.is_dir():
-        raise RunError(f"{option} {value}: is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise RunError(f"{option} {value}: directory {path.parent} does not exist")
-    target = path if path.exists() else path.parent
-    if not os.access(target, os.W_OK):
-        raise RunError(f"{option} {value}: {'file' if target is path else 'directory ' + str(target)} is not writable")
-    return path
 
 
 def _plain(value):
