@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from runtime.errors import RunError
 
 BACKENDS = ("auto", "cpu", "nccl")
@@ -36,7 +38,9 @@ def pick_gpu(local_rank: int, local_size: int | None) -> int:
     from runtime.gpu.cuda import gpu_count
 
     have = gpu_count()
-    if have == 1:
+    # One visible GPU per rank: a launcher narrowed CUDA_VISIBLE_DEVICES for it. Without that, one
+    # GPU shared by several local ranks is the machine's only GPU: the check below names it.
+    if have == 1 and (os.environ.get("CUDA_VISIBLE_DEVICES") or (local_size or 1) <= 1):
         return 0
     check_gpus(max(local_rank + 1, local_size or 0), f"{local_size or 'the'} rank(s) on this host")
     return local_rank

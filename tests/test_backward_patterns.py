@@ -234,3 +234,59 @@ def test_cross_entropy_gradient_equals_the_one_hot_form_bit_for_bit(scores_shape
     np.testing.assert_array_equal(grad, one_hot)
     ignored = np.unravel_index(1, labels.shape)
     assert not grad[(ignored[0], slice(None), *ignored[1:])].any()  # the ignored label's sample
+
+
+def _chain_with(one: np.ndarray, sqrt2: np.ndarray) -> onnx.ModelProto:
+    """loss = sum(x * (erf(x / sqrt2) + one) * 0.5), x = inp @ w; ``one`` and ``sqrt2`` initializers."""
+    nodes = [helper.make_node("MatMul", ["inp", "w"], ["x"]),
+             helper.make_node("Div", ["x", "sqrt2"], ["u"]),
+             helper.make_node("Erf", ["u"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["a"]),
+             helper.make_node("Mul", ["x", "a"], ["m"]),
+             helper.make_node("Mul", ["m", "half"], ["y"]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    inits = {"w": np.random.default_rng(5).standard_normal((3, 5)).astype(np.float32), "one": one, "sqrt2": sqrt2,
+             "half": np.array(0.5, np.float32)}
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("inp", TensorProto.FLOAT, [4, 3])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]), strict_mode=True)
+
+
+def _gradients(model: onnx.ModelProto, wrt: list[str], inp: np.ndarray) -> list[np.ndarray]:
+    ir_model = ir.serde.deserialize_model(model)
+    g = ir_model.graph
+    values = [g.initializers[name] for name in wrt]
+    result = build_gradients(g, g.outputs[0], values)
+    g.outputs.extend(result.grads[v] for v in values)
+    session = ort.InferenceSession(ir.serde.serialize_model(ir_model).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, {"inp": inp})[1:]
+
+
+def test_trained_constants_of_the_gelu_chain_keep_their_gradients():
+    """A chain whose 1 and sqrt 2 are trained initializers is no GELU to the rule: they get gradients."""
+    one, sqrt2 = np.array([1.0], np.float32), np.array([math.sqrt(2)], np.float32)
+    inp = np.random.default_rng(6).standard_normal((4, 3)).astype(np.float32)
+    grad_w, grad_one, grad_sqrt2 = _gradients(_chain_with(one, sqrt2), ["w", "one", "sqrt2"], inp)
+    model = _chain_with(one, sqrt2)
+    w = torch.tensor(numpy_helper.to_array(model.graph.initializer[0]), requires_grad=True)
+    t_one, t_sqrt2 = torch.tensor(one, requires_grad=True), torch.tensor(sqrt2, requires_grad=True)
+    x = torch.tensor(inp) @ w
+    (x * (torch.erf(x / t_sqrt2) + t_one) * 0.5).sum().backward()
+    for got, want in ((grad_w, w.grad), (grad_one, t_one.grad), (grad_sqrt2, t_sqrt2.grad)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+    assert abs(grad_one[0]) > 1e-3
+
+
+def test_a_gelu_chain_whose_constant_broadcasts_x_up_keeps_the_plain_rule():
+    """A size-1 constant of higher rank than x makes the product [1, 4, 5]: the plain rules sum the
+    gradient back to x's shape (the whole-chain rule would not), so they apply."""
+    one = np.ones((1, 1, 1), np.float32)
+    inp = np.random.default_rng(7).standard_normal((4, 3)).astype(np.float32)
+    model = _chain_with(one, np.array(math.sqrt(2), np.float32))
+    (grad_w,) = _gradients(model, ["w"], inp)
+    w = torch.tensor(numpy_helper.to_array(model.graph.initializer[0]), requires_grad=True)
+    torch.nn.functional.gelu(torch.tensor(inp) @ w).sum().backward()
+    np.testing.assert_allclose(grad_w, w.grad.numpy(), rtol=1e-5, atol=1e-6)

@@ -76,7 +76,20 @@ def test_the_local_rank_picks_the_gpu(monkeypatch, gpus, local_rank, local_size,
     from runtime.devices import pick_gpu
 
     monkeypatch.setattr("runtime.gpu.cuda.gpu_count", lambda: gpus)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(local_rank) if gpus == 1 else "")
     assert pick_gpu(local_rank, local_size) == device
+
+
+def test_ranks_sharing_the_machine_s_only_gpu_is_one_line(monkeypatch):
+    """One GPU and no per-rank CUDA_VISIBLE_DEVICES: four local ranks would share it (NCCL refuses
+    that later, with no hint of why): the same line as for too few GPUs."""
+    from runtime.devices import pick_gpu
+
+    monkeypatch.setattr("runtime.gpu.cuda.gpu_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(RunError, match=r"^4 rank\(s\) on this host needs 4 GPU\(s\), one per rank, but this machine has 1"):
+        pick_gpu(3, 4)
+    assert pick_gpu(0, 1) == 0  # one rank, one GPU
 
 
 def test_more_local_ranks_than_gpus_is_one_line(monkeypatch):

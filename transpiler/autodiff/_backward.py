@@ -120,7 +120,7 @@ class _Backward:
                 self.emitter.created.discard(node)
 
     def _apply_rule(self, node: ir.Node, dys: list[ir.Value | None], slots: list[int]) -> None:
-        ctx = RuleContext(self.emitter, node, dys, slots)
+        ctx = RuleContext(self.emitter, node, dys, slots, on_path=self.on_path)
         input_grads = list(rule_for(node).compute(ctx))
         if len(input_grads) != len(node.inputs):
             raise ctx.error(f"rule returned {len(input_grads)} gradients for {len(node.inputs)} inputs")

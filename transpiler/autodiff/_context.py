@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -126,12 +126,14 @@ class RuleContext:
     """The view a gradient rule has of one forward node."""
 
     def __init__(
-        self, emitter: Emitter, node: ir.Node, dys: Sequence[ir.Value | None], wanted: Iterable[int]
+        self, emitter: Emitter, node: ir.Node, dys: Sequence[ir.Value | None], wanted: Iterable[int],
+        on_path: Collection[ir.Value] = frozenset(),
     ):
         self.node = node
         self.dys = list(dys)
         self._emitter = emitter
         self._wanted = frozenset(wanted)
+        self._on_path = on_path
         self._scope = f"{node.name or node.op_type}/grad"
 
     @property
@@ -254,6 +256,12 @@ class RuleContext:
         if producer is None or producer not in self._emitter.created or value.uses() or value.is_graph_output():
             return None
         return producer
+
+    def differentiated(self, value: ir.Value | None) -> bool:
+        """Whether the backward differentiates ``value`` (it lies between the loss and a value a
+        gradient is asked for, e.g. a trained initializer): a rule that reads it as a constant
+        would drop its gradient."""
+        return value is not None and value in self._on_path
 
     def forward_uses(self, value: ir.Value) -> list:
         """The uses of ``value`` by nodes of the forward graph (not by the backward being built)."""

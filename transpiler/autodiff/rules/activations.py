@@ -7,7 +7,7 @@ import math
 
 import onnx_ir as ir
 
-from transpiler.autodiff._context import RuleContext, unbroadcast
+from transpiler.autodiff._context import RuleContext, same_dim, unbroadcast
 from transpiler.autodiff._registry import register
 
 
@@ -146,9 +146,11 @@ def _scalar_const(value: ir.Value | None) -> float | None:
     return float(array.reshape(-1)[0]) if array.size == 1 else None
 
 
-def _is_near(value: ir.Value | None, target: float) -> bool:
+def _is_near(ctx: RuleContext, value: ir.Value | None, target: float) -> bool:
+    """``value`` is a constant ``target``: a trained initializer (one the backward differentiates)
+    is no constant here, its gradient must not be folded away."""
     number = _scalar_const(value)
-    return number is not None and math.isclose(number, target, rel_tol=1e-6)
+    return number is not None and not ctx.differentiated(value) and math.isclose(number, target, rel_tol=1e-6)
 
 
 def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
@@ -156,28 +158,35 @@ def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
     return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
 
 
-def _erf_argument_is(value: ir.Value, x: ir.Value) -> bool:
+def _erf_argument_is(ctx: RuleContext, value: ir.Value, x: ir.Value) -> bool:
     """``value`` is x / sqrt(2), written as Div(x, sqrt 2) or Mul(x, 1/sqrt 2) in either order."""
     div = _producer(value, "Div")
     if div is not None:
-        return div.inputs[0] is x and _is_near(div.inputs[1], _SQRT2)
+        return div.inputs[0] is x and _is_near(ctx, div.inputs[1], _SQRT2)
     mul = _producer(value, "Mul")
     return mul is not None and any(
-        mul.inputs[i] is x and _is_near(mul.inputs[1 - i], 1 / _SQRT2) for i in (0, 1))
+        mul.inputs[i] is x and _is_near(ctx, mul.inputs[1 - i], 1 / _SQRT2) for i in (0, 1))
 
 
-def erf_gelu_operand(node: ir.Node) -> int | None:
-    """The index of x when ``node`` is Mul(x, 1 + erf(x / sqrt 2)) (either order), else None."""
+def _same_shape(a: ir.Value, b: ir.Value) -> bool:
+    return a.shape is not None and b.shape is not None and a.shape.rank() == b.shape.rank() and all(
+        same_dim(p, q) for p, q in zip(a.shape, b.shape))
+
+
+def erf_gelu_operand(ctx: RuleContext) -> int | None:
+    """The index of x when the node is Mul(x, 1 + erf(x / sqrt 2)) (either order) with constants
+    that are not trained and that broadcast nothing (the product is shaped like x), else None."""
+    node = ctx.node
     if node.op_type != "Mul" or len(node.inputs) != 2:
         return None
     for index in (0, 1):
         x, factor = node.inputs[index], node.inputs[1 - index]
         add = _producer(factor, "Add")
-        if x is None or add is None:
+        if x is None or add is None or not _same_shape(x, node.outputs[0]):
             continue
         for j in (0, 1):
             erf = _producer(add.inputs[j], "Erf")
-            if erf is not None and _is_near(add.inputs[1 - j], 1.0) and _erf_argument_is(erf.inputs[0], x):
+            if erf is not None and _is_near(ctx, add.inputs[1 - j], 1.0) and _erf_argument_is(ctx, erf.inputs[0], x):
                 return index
     return None
 

@@ -28,7 +28,7 @@ def _sub(ctx: RuleContext) -> list[ir.Value | None]:
 
 @register("Mul")
 def _mul(ctx: RuleContext) -> list[ir.Value | None]:
-    gelu = erf_gelu_operand(ctx.node)
+    gelu = erf_gelu_operand(ctx)
     if gelu is not None:  # x * (1 + erf(x / sqrt 2)): the exact GELU's core, differentiated whole
         return erf_gelu_grads(ctx, gelu)
     a, b = ctx.inputs
