@@ -97,7 +97,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
             loss, seconds = _evaluate(evaluator, done, progress)
             window_start += seconds  # ms/step and samples/s are the training steps' own
             evaluated = {"eval_loss": loss}
-            if rank == 0 and config.log_every and not log_now:
+            if rank == 0 and not log_now:  # its own record (with --log-every 0: to --metrics only)
                 report.log(done, **evaluated)
         if rank == 0 and log_now:
             now = time.perf_counter()
@@ -119,7 +119,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
             progress(done, "step")
     if evaluator is not None and start == config.steps:  # resumed at the end: only evaluates and exports
         loss, _ = _evaluate(evaluator, start, progress)
-        if rank == 0 and config.log_every:
+        if rank == 0:
             report.log(start, eval_loss=loss)
     progress(config.steps, "finishing")
     runtime = time.perf_counter() - began

@@ -80,9 +80,12 @@ def duration(seconds: float) -> str:
 
 
 def summary_lines(summary: dict) -> tuple[str, list[tuple[str, str]]]:
-    head = (f"{summary['steps_run']:,} steps in {duration(summary['runtime_s'])}: "
-            f"{summary['samples_per_second']:.0f} samples/s, {summary['step_time_ms']:.2f} ms/step, "
-            f"final loss {summary['final_loss']:.6f}")
+    if not summary["steps_run"]:  # resumed at the last step: only evaluated and exported
+        head = f"no steps run (resumed at step {summary['steps']:,})"
+    else:
+        head = (f"{summary['steps_run']:,} steps in {duration(summary['runtime_s'])}: "
+                f"{summary['samples_per_second']:.0f} samples/s, {summary['step_time_ms']:.2f} ms/step, "
+                f"final loss {summary['final_loss']:.6f}")
     where = [(key, str(summary[key])) for key in ("export", "checkpoint", "metrics") if summary.get(key)]
     if summary.get("best_eval_step") is not None:  # --export-best: which evaluation the export holds
         where = [(key, f"{value} (step {summary['best_eval_step']}, best eval loss {summary['best_eval_loss']:.6f})"

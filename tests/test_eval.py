@@ -289,3 +289,25 @@ def test_gpu_eval_equals_cpu(conv_model_no_dropout, tmp_path):
         evals[backend] = [r["eval_loss"] for r in read_metrics(metrics)[0] if "eval_loss" in r]
     assert len(evals["cpu"]) == 2
     np.testing.assert_allclose(evals["nccl"], evals["cpu"], rtol=1e-5)
+
+
+def test_quiet_runs_still_record_evaluations_and_a_resume_at_the_end_only_evaluates(regression, tmp_path):
+    """--log-every 0 says nothing but --metrics still gets the eval records; a resume at --steps
+    evaluates, exports and ends with a summary of no steps (it used to crash formatting it)."""
+    tmp = regression
+    common = [tmp / "out", "--data", tmp / "train.npz", "--batch", 20, "--steps", 6, "--eval-data", tmp / "eval.npz",
+              "--eval-every", 3]
+    done = run_cli(*common, "--log-every", 0, "--metrics", tmp_path / "quiet.jsonl", "--checkpoint", tmp_path / "ck",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
+    records, summary = read_metrics(tmp_path / "quiet.jsonl")
+    assert [(r["step"], set(r)) for r in records] == [(3, {"step", "epoch", "eval_loss"}), (6, {"step", "epoch", "eval_loss"})]
+    again = run_cli(*common, "--resume", "latest", "--checkpoint", tmp_path / "ck", "--export", tmp_path / "t.onnx",
+                    "--metrics", tmp_path / "resumed.jsonl", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    records, summary = read_metrics(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in records] == [6] and records[0]["eval_loss"] == pytest.approx(
+        read_metrics(tmp_path / "quiet.jsonl")[0][-1]["eval_loss"], rel=1e-6)
+    assert summary["steps_run"] == 0 and "no steps run (resumed at step 6)" in again.stdout
+    assert (tmp_path / "t.onnx").is_file()
