@@ -43,9 +43,20 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
     start = 0
     progress(0, "init")
     if config.resume is not None:
-        meta = checkpoint.read_meta(config.resume)
-        trainer.load_state(checkpoint.load(config.resume, rank, meta.step), f"{config.resume}/rank{rank}.npz")
-        start = meta.step
+        # Each rank reads its own file; one that cannot (damaged, from another step) must not leave
+        # the others waiting in the first step's collectives for a launcher to kill them: every
+        # rank agrees on the outcome first, then all stop with the failing rank's line.
+        error = None
+        try:
+            meta = checkpoint.read_meta(config.resume)
+            trainer.load_state(checkpoint.load(config.resume, rank, meta.step), f"{config.resume}/rank{rank}.npz")
+            start = meta.step
+        except RunError as exc:
+            error = exc
+        if trainer.comm.allreduce_scalars([1.0 if error is not None else 0.0], "sum")[0]:
+            if error is None:
+                raise PeerFailed("--resume failed on another rank")
+            raise AgreedError(str(error)) from None
     else:
         trainer.initialize()
     report = make_report(trainer, dataset, config, log)
