@@ -279,6 +279,15 @@ class RuleContext:
         return index < len(self.node.inputs) and self.node.inputs[index] is not None
 
 
+def producer_of(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
+    """The node of type ``op_type`` (default domain unless ``domain``) that computes ``value``, or
+    None: how rules recognize the forward pattern around a node."""
+    node = None if value is None else value.producer()
+    if node is None or node.op_type != op_type or node.domain not in ({domain} if domain else {"", "ai.onnx"}):
+        return None
+    return node
+
+
 def same_dim(a: Any, b: Any) -> bool:
     """Dims provably equal: equal ints, or the same named symbol (unnamed unknown dims never are)."""
     if isinstance(a, int) or isinstance(b, int):

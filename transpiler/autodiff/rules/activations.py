@@ -7,7 +7,7 @@ import math
 
 import onnx_ir as ir
 
-from transpiler.autodiff._context import RuleContext, same_dim, unbroadcast
+from transpiler.autodiff._context import RuleContext, producer_of, same_dim, unbroadcast
 from transpiler.autodiff._registry import register
 
 
@@ -153,17 +153,12 @@ def _is_near(ctx: RuleContext, value: ir.Value | None, target: float) -> bool:
     return number is not None and not ctx.differentiated(value) and math.isclose(number, target, rel_tol=1e-6)
 
 
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = None if value is None else value.producer()
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-
 def _erf_argument_is(ctx: RuleContext, value: ir.Value, x: ir.Value) -> bool:
     """``value`` is x / sqrt(2), written as Div(x, sqrt 2) or Mul(x, 1/sqrt 2) in either order."""
-    div = _producer(value, "Div")
+    div = producer_of(value, "Div")
     if div is not None:
         return div.inputs[0] is x and _is_near(ctx, div.inputs[1], _SQRT2)
-    mul = _producer(value, "Mul")
+    mul = producer_of(value, "Mul")
     return mul is not None and any(
         mul.inputs[i] is x and _is_near(ctx, mul.inputs[1 - i], 1 / _SQRT2) for i in (0, 1))
 
@@ -181,11 +176,11 @@ def erf_gelu_operand(ctx: RuleContext) -> int | None:
         return None
     for index in (0, 1):
         x, factor = node.inputs[index], node.inputs[1 - index]
-        add = _producer(factor, "Add")
+        add = producer_of(factor, "Add")
         if x is None or add is None or not _same_shape(x, node.outputs[0]):
             continue
         for j in (0, 1):
-            erf = _producer(add.inputs[j], "Erf")
+            erf = producer_of(add.inputs[j], "Erf")
             if erf is not None and _is_near(ctx, add.inputs[1 - j], 1.0) and _erf_argument_is(ctx, erf.inputs[0], x):
                 return index
     return None

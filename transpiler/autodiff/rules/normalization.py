@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from transpiler.autodiff._context import RuleContext, annotate, unbroadcast
+from transpiler.autodiff._context import RuleContext, annotate, producer_of, unbroadcast
 from transpiler.autodiff._registry import register
 from transpiler.autodiff.rules.collectives import DOMAIN as COLLECTIVES_DOMAIN
 
@@ -150,16 +150,9 @@ class _BatchStatistics:
     synced: bool  # --sync-bn: both statistics went through an AllReduce(mean)
 
 
-def _producer(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
-    node = None if value is None else value.producer()
-    if node is None or node.op_type != op_type or node.domain not in ({domain} if domain else {"", "ai.onnx"}):
-        return None
-    return node
-
-
 def _unsynced(value: ir.Value) -> tuple[ir.Value | None, bool]:
     """(the local statistic, whether an AllReduce(mean) made it global); None: another collective."""
-    reduce = _producer(value, "AllReduce", COLLECTIVES_DOMAIN)
+    reduce = producer_of(value, "AllReduce", COLLECTIVES_DOMAIN)
     if reduce is None:
         return value, False
     if reduce.attributes.get_string("reduction", "") != "mean" or len(reduce.inputs) != 1:
@@ -169,7 +162,7 @@ def _unsynced(value: ir.Value) -> tuple[ir.Value | None, bool]:
 
 def _is_channel_mean(value: ir.Value, source: ir.Value, rank: int) -> bool:
     """``value`` = ReduceMean(source) over every axis but 1, dims kept."""
-    node = _producer(value, "ReduceMean")
+    node = producer_of(value, "ReduceMean")
     if node is None or node.inputs[0] is not source or len(node.inputs) < 2:
         return False
     axes = ir.convenience.get_const_tensor(node.inputs[1]) if node.inputs[1] is not None else None
@@ -199,7 +192,7 @@ def batch_statistics(node: ir.Node) -> _BatchStatistics | None:
     rank = x.shape.rank()
     stats = []
     for index in (3, 4):
-        flat = _producer(node.inputs[index], "Reshape")
+        flat = producer_of(node.inputs[index], "Reshape")
         if flat is None:
             return None
         stats.append(flat.inputs[0])
@@ -210,14 +203,14 @@ def batch_statistics(node: ir.Node) -> _BatchStatistics | None:
         return None
     if not _is_channel_mean(mean_local, x, rank):
         return None
-    square_node = _producer(var_local, "ReduceMean")
+    square_node = producer_of(var_local, "ReduceMean")
     if square_node is None or not _is_channel_mean(var_local, square_node.inputs[0], rank):
         return None
-    square = _producer(square_node.inputs[0], "Mul")
+    square = producer_of(square_node.inputs[0], "Mul")
     if square is None or square.inputs[0] is not square.inputs[1]:
         return None
     centered = square.inputs[0]
-    sub = _producer(centered, "Sub")
+    sub = producer_of(centered, "Sub")
     if sub is None or sub.inputs[0] is not x or sub.inputs[1] is not mean:
         return None
     return _BatchStatistics(centered, mean, var, mean_synced)
