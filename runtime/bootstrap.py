@@ -22,6 +22,7 @@ is present, since torchrun is part of it.
 
 from __future__ import annotations
 
+import abc
 import base64
 import json
 import os
@@ -40,14 +41,16 @@ _MAX_MESSAGE = 64 << 20
 
 
 # -- the host group: what the runtime asks of the other ranks' hosts -----------------------------
-class HostGroup:
-    """Rank ``rank`` of ``size``; every rank calls the same methods in the same order."""
+class HostGroup(abc.ABC):
+    """Rank ``rank`` of ``size``; every rank calls the same methods in the same order. A transport
+    (MPI, the TCP bootstrap, torchrun's store) implements ``allgather``; the rest is built on it."""
 
     rank: int
     size: int
 
+    @abc.abstractmethod
     def allgather(self, value: Any) -> list:
-        raise NotImplementedError
+        """Every rank's ``value``, in rank order, on every rank."""
 
     def bcast(self, value: Any, root: int = 0) -> Any:
         return self.allgather(value if self.rank == root else None)[root]
@@ -67,7 +70,7 @@ class HostGroup:
         self.close()
         os._exit(code)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a transport without a connection has nothing to close
         pass
 
 
