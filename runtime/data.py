@@ -98,6 +98,10 @@ class Dataset:
         per_rank = shard_size(batch, world_size)
         start = step * batch + rank * per_rank
         rows = self.positions_to_rows(np.arange(start, start + per_rank, dtype=np.int64), shuffle=shuffle, seed=seed)
+        return self.take(rows)
+
+    def take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """These rows of every data input, along each input's batch axis."""
         return {spec.name: np.take(self.arrays[spec.name], rows, axis=spec.batch_axis) for spec in self.inputs}
 
     def _permutation(self, seed: int, epoch: int) -> np.ndarray:

@@ -162,9 +162,8 @@ class Evaluator:
         for k in range(math.ceil(self.dataset.rows / self.batch)):
             start, stop = self.shard_rows(k)
             if stop > start:
-                index = np.arange(start, stop)
-                feeds = {spec.name: self.backend.from_host(np.take(self.dataset.arrays[spec.name], index, axis=spec.batch_axis))
-                         for spec in self.dataset.inputs}
+                feeds = {name: self.backend.from_host(array)
+                         for name, array in self.dataset.take(np.arange(start, stop)).items()}
                 outputs = self._program(stop - start).run({**feeds, **state})
                 total += float(np.asarray(self.backend.to_host(outputs[self.spec.loss]), dtype=np.float64)) * (stop - start)
                 count += stop - start
