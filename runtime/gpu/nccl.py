@@ -27,11 +27,13 @@ from runtime.bootstrap import HostGroup, MpiHost
 from runtime.collectives.base import (
     Communicator,
     TensorSpec,
+    aligned_offsets,
     check_reduction,
     flat_size,
     flat_views,
     unpack_gathered,
 )
+from runtime.collectives.op import FLAT_ALIGN
 from runtime.errors import RunError
 from runtime.gpu.cuda import import_cupy
 
@@ -170,16 +172,17 @@ class NcclCommunicator(Communicator):
     # -- the list API of Communicator (init graphs, the first step, tests) -----------------------
     # Synchronous with respect to the current (compute) stream: the caller's values are ready
     # before the call and the results are ready when it returns to the compute stream's order.
-    def _pack(self, arrays, total: int | None = None):
+    def _pack(self, arrays, total: int | None = None, align: int = 1):
+        """The arrays in one new device buffer, each at a multiple of ``align`` elements (the
+        padding zeros); ``total`` elements at least."""
         cp = self.cp
         dtypes = {a.dtype for a in arrays}
         if len(dtypes) != 1:
             raise RunError(f"the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
-        flat = cp.zeros(total if total is not None else sum(a.size for a in arrays), dtype=dtypes.pop())
-        offset = 0
-        for a in arrays:
+        offsets = aligned_offsets([a.shape for a in arrays], align)
+        flat = cp.zeros(max(offsets[-1], total or 0), dtype=dtypes.pop())
+        for a, offset in zip(arrays, offsets):
             flat[offset:offset + a.size] = cp.asarray(a).ravel()
-            offset += a.size
         return flat
 
     def _sync_call(self, body):
@@ -199,24 +202,24 @@ class NcclCommunicator(Communicator):
         check_reduction(reduction)
 
         def body():
-            flat = self._pack(arrays)
+            flat = self._pack(arrays, align=FLAT_ALIGN)
             self.all_reduce_flat(flat, "AllReduce")
             if reduction == "mean":
                 self.finish_mean(flat)
-            return flat_views(flat, [a.shape for a in arrays])
+            return flat_views(flat, [a.shape for a in arrays], FLAT_ALIGN)
         return self._sync_call(body)
 
     def reduce(self, arrays, root, reduction):
         check_reduction(reduction)
 
         def body():
-            flat = self._pack(arrays)
+            flat = self._pack(arrays, align=FLAT_ALIGN)
             self.reduce_flat(flat, root, "Reduce")
             if self.rank != root:
                 return None
             if reduction == "mean":
                 self.finish_mean(flat)
-            return flat_views(flat, [a.shape for a in arrays])
+            return flat_views(flat, [a.shape for a in arrays], FLAT_ALIGN)
         return self._sync_call(body)
 
     def broadcast(self, arrays, root, specs: Sequence[TensorSpec]):
@@ -224,15 +227,16 @@ class NcclCommunicator(Communicator):
             raise RunError(f"rank {self.rank} is the root of a Broadcast but passed no arrays")
 
         def body():
+            shapes = [s.shape for s in specs]
             if self.rank == root:
-                flat = self._pack(arrays)
+                flat = self._pack(arrays, align=FLAT_ALIGN)
             else:
                 dtypes = {np.dtype(s.dtype) for s in specs}
                 if len(dtypes) != 1:
                     raise RunError(f"the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
-                flat = self.cp.empty(sum(s.size for s in specs), dtype=dtypes.pop())
+                flat = self.cp.empty(aligned_offsets(shapes, FLAT_ALIGN)[-1], dtype=dtypes.pop())
             self.broadcast_flat(flat, root, "Broadcast")
-            return flat_views(flat, [s.shape for s in specs])
+            return flat_views(flat, shapes, FLAT_ALIGN)
         return self._sync_call(body)
 
     def reduce_scatter(self, arrays, reduction):
