@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner
 from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
@@ -59,6 +60,17 @@ class NativeSequence(SegmentRunner):
                 for out, src in runner.in_place_pairs().items()}
 
 
+def parse_provider_options(text: str) -> dict[str, str]:
+    """``"a=1,b=x"`` -> ``{"a": "1", "b": "x"}``; a malformed entry is a one-line error naming it."""
+    options = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        key, sep, value = entry.partition("=")
+        if not sep or not key.strip():
+            raise RunError(f"GRAPH_TRANSPILER_CUDA_EP_OPTIONS: {entry!r} is not key=value")
+        options[key.strip()] = value.strip()
+    return options
+
+
 class GpuBackend(Backend):
     """onnxruntime CUDA EP on ``device_id``; ``tf32`` lets fp32 MatMul/Conv use TF32 (off for the
     equality tests); ``skip_collectives`` enqueues no NCCL call (a measurement aid that shows the
@@ -97,6 +109,10 @@ class GpuBackend(Backend):
         self.cuda_graphs = env_flag("GRAPH_TRANSPILER_CUDA_GRAPHS") if cuda_graphs is None else cuda_graphs
         self.shrink_arena = env_flag("GRAPH_TRANSPILER_SHRINK_ARENA")
         self.mem_pattern = env_flag("GRAPH_TRANSPILER_MEM_PATTERN")
+        # Extra CUDA EP options, "key=value,key=value" (onnxruntime's names: prefer_nhwc,
+        # cudnn_conv_algo_search, ...), over the ones the sessions set: for trying onnxruntime's
+        # knobs on a model without a code change (docs/gpu.md).
+        self.provider_options = parse_provider_options(os.environ.get("GRAPH_TRANSPILER_CUDA_EP_OPTIONS", ""))
         # The fused update writes parameters and optimizer state in place (GpuProgram._in_place);
         # GRAPH_TRANSPILER_UPDATE_IN_PLACE=0 keeps a buffer pair per state value instead.
         self.update_in_place = env_flag("GRAPH_TRANSPILER_UPDATE_IN_PLACE")
