@@ -40,9 +40,11 @@ def _weights(path: Path) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
 
 
-def _run_on_every_gpu_and_on_cpu(models: Path, out: Path, tmp_path: Path, batch: int, steps: int) -> list[float]:
+def _run_on_every_gpu_and_on_cpu(models: Path, out: Path, tmp_path: Path, batch: int,
+                                 steps: int) -> tuple[list[float], list[float]]:
     """``transpile run`` of OUT on every GPU (``--backend auto``) and on CPU ranks; the trained weights
-    agree within 1e-5 of each parameter's scale (TF32 off). Returns the GPU run's logged losses."""
+    agree within 1e-5 of each parameter's scale (TF32 off). Returns the GPU run's and the CPU run's
+    logged losses."""
     common = ["--data", str(models / "data.npz"), "--batch", str(batch), "--steps", str(steps), "--log-every", "5"]
     metrics = tmp_path / "gpu-metrics.jsonl"
     gpu = _run(str(out), *common, "--no-tf32", "--export", str(tmp_path / "gpu.onnx"), "--metrics", str(metrics))
@@ -50,30 +52,35 @@ def _run_on_every_gpu_and_on_cpu(models: Path, out: Path, tmp_path: Path, batch:
     print(gpu.stdout)
     records, summary = read_metrics(metrics)
     assert records[-1]["step"] == steps and summary["steps"] == steps
-    cpu = _run(str(out), *common, "--backend", "cpu", "--export", str(tmp_path / "cpu.onnx"))
+    cpu_metrics = tmp_path / "cpu-metrics.jsonl"
+    cpu = _run(str(out), *common, "--backend", "cpu", "--export", str(tmp_path / "cpu.onnx"), "--metrics", str(cpu_metrics))
     assert cpu.returncode == 0, cpu.stderr[-2000:]
     g, c = _weights(tmp_path / "gpu.onnx"), _weights(tmp_path / "cpu.onnx")
     assert g.keys() == c.keys()
     for name, value in c.items():
         scale = float(np.max(np.abs(value))) or 1.0
         assert float(np.max(np.abs(g[name].astype(np.float64) - value))) / scale < 1e-5, name
-    return [r["loss"] for r in records]
+    return [r["loss"] for r in records], [r["loss"] for r in read_metrics(cpu_metrics)[0]]
 
 
 def test_run_starts_one_rank_per_gpu_and_matches_the_cpu_backend(model_dir, tmp_path):
     models = model_dir("perceptron")
     out = _transpile(models, tmp_path / "out", GPUS, "sharded")
-    _run_on_every_gpu_and_on_cpu(models, out, tmp_path, 16 * GPUS, 20)
+    gpu, cpu = _run_on_every_gpu_and_on_cpu(models, out, tmp_path, 16 * GPUS, 20)
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-5)
 
 
 def test_run_trains_the_built_in_gpt_on_every_gpu(model_dir, tmp_path):
     """The issue's end-to-end check: the built-in GPT (models/gpt.py, exported from PyTorch) trains
     on every GPU through ``transpile run``, with the bandwidth-optimal strategy, and equals the CPU
-    backend."""
+    backend: weights, and the loss at every logged step. (Whether the loss falls is not the test:
+    over 20 momentum steps on the built-in random tokens it stays near ln(vocab), on the CPU backend
+    too: 8.3659 -> 8.3690 on 2 H100s and on CPU ranks alike.)"""
     models = model_dir("gpt")
     out = _transpile(models, tmp_path / "out", GPUS, "zero")
-    losses = _run_on_every_gpu_and_on_cpu(models, out, tmp_path, 4 * GPUS, 20)
-    assert len(losses) >= 2 and losses[-1] < losses[0], losses
+    gpu, cpu = _run_on_every_gpu_and_on_cpu(models, out, tmp_path, 4 * GPUS, 20)
+    assert len(gpu) == len(cpu) >= 4 and all(np.isfinite(gpu))
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-5)
 
 
 def test_more_ranks_than_gpus_is_a_clear_error(model_dir, tmp_path):
@@ -132,4 +139,16 @@ def _faulty_rank(out: str, data: str, fault: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_faulty_rank(*sys.argv[1:]))
+    # As runtime/worker.py ends a spawned rank: an error is printed and the process exits at once.
+    # Unwinding into the interpreter's teardown while NCCL kernels spin can block for good (on 2
+    # H100s this harness, then ending by an exception, outlived the test's 120 s).
+    try:
+        code = _faulty_rank(*sys.argv[1:])
+    except BaseException:  # noqa: BLE001 - any failure ends the rank, as the worker's does
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

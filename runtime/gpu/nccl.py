@@ -38,6 +38,7 @@ from runtime.errors import RunError
 from runtime.gpu.cuda import import_cupy
 
 DEFAULT_TIMEOUT_S = 45.0  # under the 60 s promise, with room for the abort and the exit
+ABORT_WAIT_S = 3.0  # how long a failing rank waits for ncclCommAbort before it exits regardless
 
 
 def _nccl_dtype(nccl, dtype: np.dtype) -> int:
@@ -125,10 +126,19 @@ class NcclCommunicator(Communicator):
     def _fail(self, message: str) -> None:
         print(f"transpile: error: rank {self.rank}: {message}; NCCL communicator aborted", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        # The exit must not depend on ncclCommAbort returning (on 2 H100s a job whose peer hung ran
+        # past 120 s): abort from a helper thread, wait at most ABORT_WAIT_S, then exit; when this
+        # process exits, the driver ends any of its kernels still spinning.
+        aborting = threading.Thread(target=self._abort_quietly, name="nccl-abort", daemon=True)
+        aborting.start()
+        aborting.join(ABORT_WAIT_S)
+        os._exit(3)
+
+    def _abort_quietly(self) -> None:
         try:
             self.comm.abort()
-        finally:
-            os._exit(3)
+        except Exception:  # noqa: BLE001 - already broken; the exit follows anyway
+            pass
 
     # -- flat-buffer collectives (Communicator's flat interface), enqueued on self.stream -------
     def _call(self, label: str, fn, *args) -> None:
