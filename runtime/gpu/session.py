@@ -182,7 +182,7 @@ class OrtCudaSegment(SegmentRunner):
         computed = [name for name in self.outputs if name not in fixed]
         for name in computed:
             io.bind_output(name, "cuda", self.backend.device_id)
-        self._run(io, self.backend.run_options_uncaptured if self.graphs else self.backend.run_options)
+        self._run(io, self.backend.run_options_uncaptured)
         fixed.update(zip(computed, (self.backend.wrap(v) for v in io.get_outputs())))
         return [fixed[name] for name in self.outputs]
 
@@ -214,7 +214,13 @@ class OrtCudaSegment(SegmentRunner):
                 bound[name] = value.data.ptr
                 changed = True
         if not self.graphs:
-            self._run(io, self.backend.run_options)
+            # The first bound run of each parity gives the arena's free chunks back (the first
+            # call's outputs, which onnxruntime allocated and the program no longer reads); later
+            # runs keep what they use. Multi-rank programs are never captured, and without this
+            # each segment's arena kept its first call's outputs for good.
+            warm = self.seen[parity]
+            self.seen[parity] = True
+            self._run(io, self.backend.run_options if warm else self.backend.run_options_uncaptured)
             return
         # A captured graph replays with the pointers it was captured with. The first runs of a
         # parity still read buffers that later steps no longer use (the first call's outputs), so
