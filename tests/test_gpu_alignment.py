@@ -33,7 +33,7 @@ def test_a_conv_weight_at_an_odd_address_runs_and_equals_the_cpu(graphs):
     import onnxruntime as ort
 
     from runtime.gpu import GpuBackend
-    from runtime.gpu.session import OrtCudaSegment, misaligned
+    from runtime.gpu.session import ALIGN_BYTES, OrtCudaSegment, misaligned
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, 3, 16, 16)).astype(np.float32)
@@ -53,9 +53,13 @@ def test_a_conv_weight_at_an_odd_address_runs_and_equals_the_cpu(graphs):
 
     out = cp.empty(expected.shape, dtype=cp.float32)
     segment.prepare(0, {"y": out})
-    for step in range(4):  # bound runs; with graphs the third is captured and the fourth replays it
+    for step in range(4):  # bound runs; with graphs the later ones replay a captured graph
         weight[...] = cp.asarray(w * (step + 1))  # the copy follows the view's new values every run
         segment.run_bound(0, feeds)
         cp.cuda.get_current_stream().synchronize()
         np.testing.assert_allclose(cp.asnumpy(out), expected * (step + 1), rtol=1e-5, atol=1e-4)
     assert segment.graphs == graphs
+    # onnxruntime read the aligned copy, not the view: every bound pointer is aligned.
+    assert list(segment.realigned) == ["w"]
+    assert segment.bound[0]["w"] == segment.realigned["w"].data.ptr
+    assert all(ptr % ALIGN_BYTES == 0 for ptr in segment.bound[0].values())

@@ -20,3 +20,9 @@ def test_options_are_key_value_pairs_with_spaces_and_empty_entries_ignored():
 def test_a_malformed_entry_is_a_one_line_error_naming_it(text):
     with pytest.raises(RunError, match=r"GRAPH_TRANSPILER_CUDA_EP_OPTIONS: '.*' is not key=value"):
         parse_provider_options(text)
+
+
+@pytest.mark.parametrize("key", ["device_id", "user_compute_stream", "has_user_compute_stream", "enable_cuda_graph"])
+def test_options_the_runtime_owns_are_refused(key):
+    with pytest.raises(RunError, match=f"'{key}' is set by the runtime and cannot be changed"):
+        parse_provider_options(f"prefer_nhwc=0,{key}=1")

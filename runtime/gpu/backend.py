@@ -60,14 +60,24 @@ class NativeSequence(SegmentRunner):
                 for out, src in runner.in_place_pairs().items()}
 
 
+# Options the runtime owns: the device and stream every session must share (the program orders
+# its work by that stream) and CUDA graphs (which sessions capture is the program's decision).
+RESERVED_PROVIDER_OPTIONS = ("device_id", "user_compute_stream", "has_user_compute_stream", "enable_cuda_graph")
+
+
 def parse_provider_options(text: str) -> dict[str, str]:
-    """``"a=1,b=x"`` -> ``{"a": "1", "b": "x"}``; a malformed entry is a one-line error naming it."""
+    """``"a=1,b=x"`` -> ``{"a": "1", "b": "x"}``; a malformed entry or one the runtime owns is a
+    one-line error naming it."""
     options = {}
     for entry in filter(None, (e.strip() for e in text.split(","))):
         key, sep, value = entry.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise RunError(f"GRAPH_TRANSPILER_CUDA_EP_OPTIONS: {entry!r} is not key=value")
-        options[key.strip()] = value.strip()
+        if key in RESERVED_PROVIDER_OPTIONS:
+            raise RunError(f"GRAPH_TRANSPILER_CUDA_EP_OPTIONS: {key!r} is set by the runtime and cannot be "
+                           f"changed (reserved: {', '.join(RESERVED_PROVIDER_OPTIONS)})")
+        options[key] = value.strip()
     return options
 
 

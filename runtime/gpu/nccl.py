@@ -86,6 +86,8 @@ class NcclCommunicator(Communicator):
         self.timeout = float(os.environ.get("GRAPH_TRANSPILER_NCCL_TIMEOUT", DEFAULT_TIMEOUT_S)) if timeout is None else timeout
         self._inflight: dict[int, tuple[float, object, str]] = {}
         self._stop = threading.Event()
+        self._abort_lock = threading.Lock()
+        self._aborted = False
         self._sync_calls = 0
 
     # -- setup ---------------------------------------------------------------------------------
@@ -135,10 +137,16 @@ class NcclCommunicator(Communicator):
         os._exit(3)
 
     def _abort_quietly(self) -> None:
-        try:
-            self.comm.abort()
-        except Exception:  # noqa: BLE001 - already broken; the exit follows anyway
-            pass
+        """ncclCommAbort once: the watchdog and the main thread's abort() may both get here, and
+        two concurrent aborts of one communicator are not safe."""
+        with self._abort_lock:
+            if self._aborted or self.comm is None:
+                return
+            self._aborted = True
+            try:
+                self.comm.abort()
+            except Exception:  # noqa: BLE001 - already broken; the exit follows anyway
+                pass
 
     # -- flat-buffer collectives (Communicator's flat interface), enqueued on self.stream -------
     def _call(self, label: str, fn, *args) -> None:
@@ -284,10 +292,6 @@ class NcclCommunicator(Communicator):
 
     def abort(self, code):
         self._stop.set()
-        if self.comm is not None:
-            try:
-                self.comm.abort()
-            except Exception:  # already broken: the host abort below still ends every rank
-                pass
+        self._abort_quietly()  # (already broken: the host abort below still ends every rank)
         if self.host is not None:
             self.host.abort(code)

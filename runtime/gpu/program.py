@@ -35,7 +35,7 @@ import numpy as np
 from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
 from runtime.executor import ProgramBase
-from runtime.gpu.session import OrtCudaSegment
+from runtime.gpu.session import OrtCudaSegment, misaligned
 from runtime.segments import CutGraph
 
 if TYPE_CHECKING:
@@ -153,7 +153,11 @@ class GpuProgram(ProgramBase):
             for name in op.inputs:
                 src = self.producer.get(name)
                 only_reader = self.readers[name] == [pos] and op.inputs.count(name) == 1
-                if src is not None and self.steps[src][1] is not None and only_reader and name not in program_outputs:
+                # A slot off the alignment onnxruntime's kernels may need (the packed layout of a
+                # ReduceScatter bucket) is filled by a copy instead of bound as the output.
+                aligned = not any(misaligned(views[name]) for views in self.slots[pos].inputs)
+                if (src is not None and self.steps[src][1] is not None and only_reader and aligned
+                        and name not in program_outputs):
                     bound_into[name] = (pos, name)
                 else:
                     self.copy_in[pos].append(name)

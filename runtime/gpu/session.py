@@ -18,17 +18,18 @@ from runtime.specialize import NEVER_FOLDED, specialize
 if TYPE_CHECKING:
     from runtime.gpu.backend import GpuBackend
 
-# Every buffer onnxruntime allocates itself starts at a multiple of 256 bytes (cudaMalloc, its
-# arena), and some kernels it picks rely on that: cuDNN's Conv refuses a weight that is not
+# Buffers onnxruntime allocates itself start at a multiple of 256 bytes (cudaMalloc, its arena),
+# and some kernels it picks need at least 16: cuDNN's Conv refuses a weight that is not
 # (CUDNN_STATUS_BAD_PARAM_MISALIGNED_POINTER). A collective's outputs are views where its bucket's
 # layout puts them; the contract's packed layout of ReduceScatter/AllGather buckets (ZeRO) can put
-# a tensor at any element. Such an input is copied into a buffer of its own before a run.
-INPUT_ALIGN_BYTES = 256
+# a tensor at any element. Such an input is copied into a buffer of its own before a run (and
+# GpuProgram binds no output into a bucket slot that is misaligned).
+ALIGN_BYTES = 16
 
 
 def misaligned(value) -> bool:
-    """Whether a device array starts off the alignment onnxruntime's own buffers have."""
-    return value.data.ptr % INPUT_ALIGN_BYTES != 0
+    """Whether a device array starts off the alignment onnxruntime's kernels may need."""
+    return value.data.ptr % ALIGN_BYTES != 0
 
 
 class OrtCudaSegment(SegmentRunner):
@@ -63,10 +64,10 @@ class OrtCudaSegment(SegmentRunner):
         self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
         self.seen = [False, False]  # per parity: bound runs made with the current pointers
         self.captured = [False, False]  # per parity: whether its graph is captured (pointers frozen)
-        # Aligned copies of misaligned inputs (see INPUT_ALIGN_BYTES): per parity, and for the
-        # first-call path (kept until the next call, so no run reads a freed copy).
-        self.realigned: list[dict[str, Any]] = [{}, {}]
-        self.first_realigned: dict[str, Any] = {}
+        # Aligned copies of misaligned inputs (see ALIGN_BYTES), one per input for every call and
+        # parity: each is refilled on the compute stream right before the run that reads it, so
+        # its pointer stays fixed for bindings and captured graphs.
+        self.realigned: dict[str, Any] = {}
 
     def _compile(self, feeds) -> None:
         backend, ort = self.backend, self.backend.ort
@@ -156,14 +157,13 @@ class OrtCudaSegment(SegmentRunner):
     def _bind_input(self, io, name: str, value) -> None:
         io.bind_input(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
 
-    def _aligned(self, name: str, value, copies: dict[str, Any]):
-        """``value``, or its copy in ``copies[name]`` (made once, refilled on the compute stream
-        each call, so its pointer is stable for bindings and graphs) where it is misaligned."""
+    def _aligned(self, name: str, value):
+        """``value``, or where it is misaligned its copy in ``self.realigned[name]``."""
         if not misaligned(value):
             return value
-        copy = copies.get(name)
+        copy = self.realigned.get(name)
         if copy is None or copy.shape != value.shape or copy.dtype != value.dtype:
-            copy = copies[name] = self.backend.cp.empty(value.shape, dtype=value.dtype)
+            copy = self.realigned[name] = self.backend.cp.empty(value.shape, dtype=value.dtype)
         copy[...] = value
         return copy
 
@@ -178,7 +178,7 @@ class OrtCudaSegment(SegmentRunner):
             return [fixed[name] for name in self.outputs]
         io = self.session.io_binding()
         for name in self.session_inputs:
-            self._bind_input(io, name, self._aligned(name, feeds[name], self.first_realigned))
+            self._bind_input(io, name, self._aligned(name, feeds[name]))
         computed = [name for name in self.outputs if name not in fixed]
         for name in computed:
             io.bind_output(name, "cuda", self.backend.device_id)
@@ -208,7 +208,7 @@ class OrtCudaSegment(SegmentRunner):
         io, bound = self.bindings[parity], self.bound[parity]
         changed = False
         for name in self.session_inputs:
-            value = self._aligned(name, env[name], self.realigned[parity])
+            value = self._aligned(name, env[name])
             if bound.get(name) != value.data.ptr:
                 self._bind_input(io, name, value)
                 bound[name] = value.data.ptr
