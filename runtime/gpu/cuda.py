@@ -59,3 +59,30 @@ def load_onnxruntime():
         except Exception:  # nothing in the wheels: the session check below reports what is missing
             pass
     return ort
+
+
+# cudaStreamCaptureModeRelaxed / CU_STREAM_CAPTURE_MODE_RELAXED: this thread's CUDA calls never
+# invalidate a capture that another thread is making.
+_CAPTURE_MODE_RELAXED = 2
+
+
+def relax_capture_mode() -> bool:
+    """Put the calling thread in relaxed stream-capture mode (cudaThreadExchangeStreamCaptureMode),
+    so that its event queries do not invalidate a CUDA graph capture on another thread: the
+    watchdog's ``cudaEventQuery`` during onnxruntime's (global-mode) capture otherwise fails it
+    (PyTorch's NCCL watchdog does the same, pytorch/pytorch#148594). Best effort: False where no
+    CUDA runtime library exposes the call."""
+    import ctypes
+
+    # The driver's call sets the same per-thread mode as the runtime's, and libcuda is always there
+    # where a GPU is (CuPy links its CUDA runtime statically, so no libcudart may be loadable).
+    for name, call in (("libcuda.so.1", "cuThreadExchangeStreamCaptureMode"),
+                       ("libcudart.so.13", "cudaThreadExchangeStreamCaptureMode")):
+        try:
+            function = getattr(ctypes.CDLL(name), call)
+        except (OSError, AttributeError):
+            continue
+        mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+        return function(ctypes.byref(mode)) == 0
+    return False
+

@@ -35,7 +35,7 @@ from runtime.collectives.base import (
 )
 from runtime.collectives.op import FLAT_ALIGN
 from runtime.errors import RunError
-from runtime.gpu.cuda import import_cupy
+from runtime.gpu.cuda import import_cupy, relax_capture_mode
 
 DEFAULT_TIMEOUT_S = 45.0  # under the 60 s promise, with room for the abort and the exit
 ABORT_WAIT_S = 3.0  # how long a failing rank waits for ncclCommAbort before it exits regardless
@@ -87,6 +87,7 @@ class NcclCommunicator(Communicator):
         self._inflight: dict[int, tuple[float, object, str]] = {}
         self._stop = threading.Event()
         self._abort_lock = threading.Lock()
+        self.relaxed: bool | None = None  # whether the watchdog thread runs in relaxed capture mode
         self._aborted = False
         self._sync_calls = 0
 
@@ -107,6 +108,7 @@ class NcclCommunicator(Communicator):
         self._inflight[key] = (time.monotonic(), event, label)
 
     def _watch(self) -> None:
+        self.relaxed = relax_capture_mode()  # this thread's event queries must not break a capture
         while not self._stop.wait(1.0):
             now = time.monotonic()
             pending = []

@@ -74,7 +74,9 @@ class GpuProgram(ProgramBase):
         # during capture" at cudaStreamEndCapture; NCCL's proxy thread calls CUDA during the capture,
         # which invalidates a global-mode capture). Such programs keep the static-shape
         # specialization and run without capture.
-        if self.collective_pos and comm.size > 1:
+        # Opt-in, not yet run on GPUs: GRAPH_TRANSPILER_MULTIRANK_GRAPHS=1 captures them too, the
+        # watchdog's queries now being in relaxed capture mode (the lead in docs/gpu.md).
+        if self.collective_pos and comm.size > 1 and not backend.multirank_graphs:
             for _, runner in self.steps:
                 if isinstance(runner, OrtCudaSegment):
                     runner.capture_allowed = False
