@@ -144,3 +144,27 @@ def test_initializer_used_by_two_segments_is_copied_into_both():
     model.graph.initializer.append(k)
     s0, s1 = cut_graph(model, 0, "g.onnx").segments
     assert [t.name for t in s0.model.graph.initializer] == ["k"] == [t.name for t in s1.model.graph.initializer]
+
+
+def test_a_constant_node_read_on_both_sides_of_a_collective_is_a_constant_in_both_segments():
+    """A Constant's value never crosses a cut as a run-time input: the later segment holds it as an
+    initializer, so a reduction's axes stay constant there (and the GPU lowering can split it)."""
+    axes = helper.make_node("Constant", [], ["axes"], name="axes", value=numpy_helper.from_array(np.array([0], np.int64)))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])
+    nodes = [axes, helper.make_node("ReduceSum", ["x", "axes"], ["p"], name="p"), _allreduce("p", "q", 0),
+             helper.make_node("Mul", ["q", "x"], ["m"], name="m"),
+             helper.make_node("ReduceSum", ["m", "axes"], ["r"], name="r")]
+    model = _graph(nodes, [_f("r", (1, 3))], [_f("p", (1, 3)), _f("q", (1, 3)), _f("m", (4, 3))], inputs=[x])
+    s0, s1 = cut_graph(model, 0, "g.onnx").segments
+    for segment in (s0, s1):
+        assert "axes" not in segment.inputs
+        assert [t.name for t in segment.model.graph.initializer] == ["axes"]
+        assert not [n for n in segment.model.graph.node if n.op_type == "Constant"]
+    assert set(s1.inputs) == {"q", "x"}
+    # Values as before: the later segment on its own computes sum over rows of q * x.
+    import onnxruntime as ort
+
+    xv = np.arange(12, dtype=np.float32).reshape(4, 3)
+    qv = np.ones((1, 3), np.float32) * 2
+    session = ort.InferenceSession(s1.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(["r"], {"q": qv, "x": xv})[0], (qv * xv).sum(0, keepdims=True))
