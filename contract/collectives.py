@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 DOMAIN = "graph_transpiler"
 VERSION = 1
@@ -95,3 +97,40 @@ def consumed(node: onnx.NodeProto) -> list[str]:
             captured += [o.name for o in sub.output if o.name not in defined]
             names += captured
     return names
+
+
+# Constant attributes that hold one tensor's value (sparse and string forms stay nodes).
+_CONSTANT_FORMS = {"value": lambda a: a.t, "value_float": lambda a: np.array(a.f, np.float32),
+                   "value_floats": lambda a: np.array(a.floats, np.float32), "value_int": lambda a: np.array(a.i, np.int64),
+                   "value_ints": lambda a: np.array(a.ints, np.int64)}
+
+
+def constants_as_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its Constant nodes turned into initializers: the first step of the cut
+    (runtime/segments.py, and inspect, which must cut alike). A Constant node would live in one
+    segment, and its value would reach the other segments that read it as a run-time input: there
+    onnxruntime cannot fold it, so e.g. a reduction's axes stop being constant (cuDNN's slow
+    reduce-tensor path, and the GPU lowering cannot split it: ResNet-18's backward on 2 GPUs ran 90
+    of them under --strategy allreduce). An initializer is copied into every segment that reads it."""
+    graph = model.graph
+    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
+    kept, found = [], []
+    for node in graph.node:
+        attr = node.attribute[0] if len(node.attribute) == 1 else None
+        if (node.op_type == "Constant" and node.domain in ("", "ai.onnx") and attr is not None
+                and attr.name in _CONSTANT_FORMS and node.output[0] not in taken):
+            value = _CONSTANT_FORMS[attr.name](attr)
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(value if isinstance(value, onnx.TensorProto) else numpy_helper.from_array(value))
+            tensor.name = node.output[0]
+            found.append(tensor)
+        else:
+            kept.append(node)
+    if not found:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(kept)
+    out.graph.initializer.extend(found)
+    return out

@@ -18,7 +18,7 @@ from collections import Counter
 
 import onnx
 
-from contract.collectives import DOMAIN, CutError, consumed, place_alap
+from contract.collectives import DOMAIN, CutError, constants_as_initializers, consumed, place_alap
 from inspection.errors import InspectError
 from inspection.model import Types, attr, op_name
 
@@ -119,7 +119,7 @@ def cut_segments(model: onnx.ModelProto, rank: int, where: str, rows: int) -> li
     contract.collectives.place_alap) as plain dicts: per segment its nodes (by first output name),
     op counts, an estimated cost, and the collective after it. Segments whose results nobody reads
     are left out, as the runtime leaves them out."""
-    graph = model.graph
+    graph = constants_as_initializers(model).graph  # as the runtime cuts: constants in every segment
     nodes = list(graph.node)
     graph_inputs = {i.name for i in graph.input}
     initializers = {t.name for t in graph.initializer if t.name not in graph_inputs}

@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from contract.collectives import CutError, consumed, place_alap
+from contract.collectives import CutError, constants_as_initializers, consumed, place_alap
 from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
 from runtime.errors import RunError
 
@@ -113,7 +113,7 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
               native_domains: Iterable[str] = ()) -> CutGraph:
     """Cut ``model`` (rank ``rank``'s step or init graph; ``where`` names its file) into segments
     (and native groups of the nodes of ``native_domains``)."""
-    model = _constants_as_initializers(_with_inferred_types(model))
+    model = constants_as_initializers(_with_inferred_types(model))
     graph = model.graph
     types = _value_types(graph)
     nodes = list(graph.node)
@@ -189,42 +189,6 @@ def _with_inferred_types(model: onnx.ModelProto) -> onnx.ModelProto:
         return onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:  # e.g. a model over 2 GB; boundary types must then all be in value_info already
         return model
-
-
-# Constant attributes that hold one tensor's value (sparse and string forms stay nodes).
-_CONSTANT_FORMS = {"value": lambda a: a.t, "value_float": lambda a: np.array(a.f, np.float32),
-                   "value_floats": lambda a: np.array(a.floats, np.float32), "value_int": lambda a: np.array(a.i, np.int64),
-                   "value_ints": lambda a: np.array(a.ints, np.int64)}
-
-
-def _constants_as_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with its Constant nodes turned into initializers. A Constant node lives in one
-    segment, and its value would reach the other segments that read it as a run-time input: there
-    onnxruntime cannot fold it, so e.g. a reduction's axes stop being constant (cuDNN's slow
-    reduce-tensor path, and the GPU lowering cannot split it: ResNet-18's backward on 2 GPUs ran 90
-    of them under --strategy allreduce). An initializer is copied into every segment that reads it."""
-    graph = model.graph
-    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
-    kept, found = [], []
-    for node in graph.node:
-        attr = node.attribute[0] if len(node.attribute) == 1 else None
-        if (node.op_type == "Constant" and node.domain in ("", "ai.onnx") and attr is not None
-                and attr.name in _CONSTANT_FORMS and node.output[0] not in taken):
-            value = _CONSTANT_FORMS[attr.name](attr)
-            tensor = onnx.TensorProto()
-            tensor.CopyFrom(value if isinstance(value, onnx.TensorProto) else numpy_helper.from_array(value))
-            tensor.name = node.output[0]
-            found.append(tensor)
-        else:
-            kept.append(node)
-    if not found:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(kept)
-    out.graph.initializer.extend(found)
-    return out
 
 
 def _value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
