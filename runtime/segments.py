@@ -26,6 +26,10 @@ into stages, alternately onnxruntime nodes (even stages) and native nodes (odd s
 not before the stages of its producers in the same segment (ASAP), so independent native nodes, such
 as the updates of one bucket, share one stage: the nodes before them, one group, the nodes after.
 Producers are in the same or an earlier stage, so the stages in order are a topological order.
+
+Before the cut, Constant nodes become initializers (``contract.collectives.constants_as_initializers``,
+which inspect applies too): an initializer is copied into every segment that reads it, so a constant
+never crosses a cut as a run-time input that onnxruntime could not fold.
 """
 
 from __future__ import annotations
