@@ -105,14 +105,14 @@ _CONSTANT_FORMS = {"value": lambda a: a.t, "value_float": lambda a: np.array(a.f
                    "value_ints": lambda a: np.array(a.ints, np.int64)}
 
 
-def constants_as_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with its Constant nodes turned into initializers: the first step of the cut
+def constants_as_initializers(graph: onnx.GraphProto) -> None:
+    """Turn ``graph``'s Constant nodes into initializers, in place: the first step of the cut
     (runtime/segments.py, and inspect, which must cut alike). A Constant node would live in one
     segment, and its value would reach the other segments that read it as a run-time input: there
     onnxruntime cannot fold it, so e.g. a reduction's axes stop being constant (cuDNN's slow
     reduce-tensor path, and the GPU lowering cannot split it: ResNet-18's backward on 2 GPUs ran 90
-    of them under --strategy allreduce). An initializer is copied into every segment that reads it."""
-    graph = model.graph
+    of them under --strategy allreduce). An initializer is copied into every segment that reads it.
+    In place because the runtime's graph holds the weights: a copy of it would copy them too."""
     taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
     kept, found = [], []
     for node in graph.node:
@@ -126,11 +126,9 @@ def constants_as_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
             found.append(tensor)
         else:
             kept.append(node)
-    if not found:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(kept)
-    out.graph.initializer.extend(found)
-    return out
+    if found:
+        held = onnx.GraphProto()
+        held.node.extend(kept)  # copies of the nodes (small), taken before the list is cleared
+        del graph.node[:]
+        graph.node.extend(held.node)
+        graph.initializer.extend(found)

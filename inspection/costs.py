@@ -119,7 +119,9 @@ def cut_segments(model: onnx.ModelProto, rank: int, where: str, rows: int) -> li
     contract.collectives.place_alap) as plain dicts: per segment its nodes (by first output name),
     op counts, an estimated cost, and the collective after it. Segments whose results nobody reads
     are left out, as the runtime leaves them out."""
-    graph = constants_as_initializers(model).graph  # as the runtime cuts: constants in every segment
+    graph = onnx.GraphProto()
+    graph.CopyFrom(model.graph)  # (no weights loaded here: a cheap copy, the caller's graph untouched)
+    constants_as_initializers(graph)  # as the runtime cuts: constants in every segment
     nodes = list(graph.node)
     graph_inputs = {i.name for i in graph.input}
     initializers = {t.name for t in graph.initializer if t.name not in graph_inputs}

@@ -116,8 +116,10 @@ def load_graph(path: Path) -> onnx.ModelProto:
 def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool = False,
               native_domains: Iterable[str] = ()) -> CutGraph:
     """Cut ``model`` (rank ``rank``'s step or init graph; ``where`` names its file) into segments
-    (and native groups of the nodes of ``native_domains``)."""
-    model = constants_as_initializers(_with_inferred_types(model))
+    (and native groups of the nodes of ``native_domains``). ``model`` may be rewritten in place
+    (its Constant nodes become initializers) where shape inference could not copy it."""
+    model = _with_inferred_types(model)
+    constants_as_initializers(model.graph)
     graph = model.graph
     types = _value_types(graph)
     nodes = list(graph.node)
