@@ -161,6 +161,9 @@ class OrtCudaSegment(SegmentRunner):
         """``value``, or where it is misaligned its copy in ``self.realigned[name]``."""
         if not misaligned(value):
             return value
+        return self._realign(name, value)
+
+    def _realign(self, name: str, value):
         copy = self.realigned.get(name)
         if copy is None or copy.shape != value.shape or copy.dtype != value.dtype:
             copy = self.realigned[name] = self.backend.cp.empty(value.shape, dtype=value.dtype)
@@ -207,11 +210,15 @@ class OrtCudaSegment(SegmentRunner):
             return
         io, bound = self.bindings[parity], self.bound[parity]
         changed = False
-        for name in self.session_inputs:
-            value = self._aligned(name, env[name])
-            if bound.get(name) != value.data.ptr:
+        for name in self.session_inputs:  # every step: the pointer is read once per input
+            value = env[name]
+            ptr = value.data.ptr
+            if ptr % ALIGN_BYTES:
+                value = self._realign(name, value)
+                ptr = value.data.ptr
+            if bound.get(name) != ptr:
                 self._bind_input(io, name, value)
-                bound[name] = value.data.ptr
+                bound[name] = ptr
                 changed = True
         if not self.graphs:
             # The first bound run of each parity gives the arena's free chunks back (the first
