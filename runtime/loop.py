@@ -52,11 +52,8 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
             trainer.load_state(checkpoint.load(config.resume, rank, meta.step), f"{config.resume}/rank{rank}.npz")
             start = meta.step
         except RunError as exc:
-            error = exc
-        if trainer.comm.allreduce_scalars([1.0 if error is not None else 0.0], "sum")[0]:
-            if error is None:
-                raise PeerFailed("--resume failed on another rank")
-            raise AgreedError(str(error)) from None
+            error = str(exc)
+        checkpoint.agree(trainer.comm, error)
     else:
         trainer.initialize()
     report = make_report(trainer, dataset, config, log)
