@@ -158,16 +158,19 @@ class Evaluator:
         """The mean loss over every row of the evaluation set, with the current parameters (the
         same value on every rank). ``progress()`` is called after each batch (the watchdog)."""
         state = self._state()
-        total, count = 0.0, 0
+        total, count = None, 0  # the row-weighted loss sum, kept where the loss is (float64)
         for k in range(math.ceil(self.dataset.rows / self.batch)):
             start, stop = self.shard_rows(k)
             if stop > start:
                 feeds = {name: self.backend.from_host(array)
                          for name, array in self.dataset.take(np.arange(start, stop)).items()}
                 outputs = self._program(stop - start).run({**feeds, **state})
-                total += float(np.asarray(self.backend.to_host(outputs[self.spec.loss]), dtype=np.float64)) * (stop - start)
+                # On the device: one transfer (and wait) per evaluation, not one per batch.
+                weighted = outputs[self.spec.loss].astype(np.float64) * (stop - start)
+                total = weighted if total is None else total + weighted
                 count += stop - start
             progress()
+        total = 0.0 if total is None else float(np.asarray(self.backend.to_host(total)))
         self.comm.current = "AllReduce of the eval loss"
         total, count = self.comm.allreduce_scalars([total, float(count)], "sum")
         self.comm.current = None
