@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+import pytest
 import torch
+from onnx import TensorProto, helper
 
 from transpiler import Options, build, transpile
+from transpiler.errors import TranspileError
+from transpiler.lazy_weights import read_lazy
 
 
 class SlicedPositions(torch.nn.Module):
@@ -60,3 +65,21 @@ def test_model_with_external_data(model_dir, tmp_path):
     trained = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(tmp_path / "trained.onnx").graph.initializer}
     for name, value in result.parameters[0].items():
         np.testing.assert_array_equal(trained[name], value)
+
+
+def test_external_int4_data_is_two_values_per_byte(tmp_path):
+    """The lazy loader checks an external tensor's length with the same byte rule as the raw-data
+    check: 10 INT4 values are 5 bytes (it used to ask for 10 and call the file truncated)."""
+    (tmp_path / "w.bin").write_bytes(b"\x11" * 5)
+    w = TensorProto(name="w", data_type=TensorProto.INT4, dims=[10], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "w.bin"), ("offset", "0"), ("length", "5")):
+        entry = w.external_data.add()
+        entry.key, entry.value = key, value
+    nodes = [helper.make_node("Cast", ["w"], ["wc"], to=TensorProto.FLOAT), helper.make_node("Add", ["x", "wc"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [10])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [10])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
+    read_lazy(tmp_path / "m.onnx", "model.onnx")  # no error
+    (tmp_path / "w.bin").write_bytes(b"\x11" * 4)
+    with pytest.raises(TranspileError, match=r"initializer 'w'.*truncated or damaged"):
+        read_lazy(tmp_path / "m.onnx", "model.onnx")

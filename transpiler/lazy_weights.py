@@ -26,13 +26,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import TensorProto
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from transpiler.errors import TranspileError
-from transpiler.weights import is_large_float
+from transpiler.weights import is_large_float, raw_bytes
 
 # Field numbers of onnx.proto: ModelProto.graph, GraphProto.initializer, TensorProto fields.
 _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
@@ -120,8 +119,7 @@ def _check_reference(tensor: TensorProto, path: Path) -> None:
         raise TranspileError(f"{where}: location '{location}' is not a file beside the model)")
     if not target.is_file():
         raise TranspileError(f"{where}: no file {location})")
-    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-    want = int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    want = raw_bytes(tensor) or 0
     offset, length = int(info.get("offset", 0)), int(info.get("length", want))
     if length != want or offset + length > target.stat().st_size:
         raise TranspileError(f"{where}: needs bytes [{offset}, {offset + want}) of {location}, which holds "
@@ -204,9 +202,7 @@ def _initializer(buf, start: int, end: int, location: str) -> bytes:
     tag, value, stop = raw
     tensor = TensorProto()
     tensor.ParseFromString(bytes(buf[start:tag]) + bytes(buf[stop:end]))  # everything but the bytes
-    itemsize = (np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-                if tensor.data_type in _FLOAT_TYPES else 0)
-    if not is_large_float(tensor) or int(np.prod(tensor.dims, dtype=np.int64)) * itemsize != stop - value:
+    if not is_large_float(tensor) or raw_bytes(tensor) != stop - value:
         return bytes(buf[start:end])  # kept whole: a short raw_data is reported by load's size check
     tensor.data_location = TensorProto.EXTERNAL
     for key, val in (("location", location), ("offset", value), ("length", stop - value)):
@@ -214,5 +210,3 @@ def _initializer(buf, start: int, end: int, location: str) -> bytes:
         entry.key, entry.value = key, str(val)
     return tensor.SerializeToString()
 
-
-_FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}

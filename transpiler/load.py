@@ -20,7 +20,7 @@ from transpiler.batchnorm import decompose_batchnorm
 from transpiler.errors import TranspileError, UnsupportedOpsError
 from transpiler.lazy_weights import LazyModel, read_lazy
 from transpiler.trainable import Selection, folded_batchnorm, merged_parameters, select, transposed_copies
-from transpiler.weights import attach_weights, detach_weights
+from transpiler.weights import attach_weights, detach_weights, raw_bytes
 
 # Graphs handed to autodiff and the optimizer are at least this opset, so every Reduce* op takes
 # its axes as an input and the rules need to know one form only.
@@ -103,16 +103,8 @@ def _check_raw_sizes(proto: onnx.ModelProto, path: Path) -> None:
     for tensor in proto.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL or not tensor.raw_data:
             continue
-        try:
-            itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-        except (KeyError, TypeError, ValueError):
-            continue
-        if tensor.data_type == onnx.TensorProto.STRING or itemsize == 0:
-            continue
-        count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
-        packed = {getattr(onnx.TensorProto, n, -1) for n in ("INT4", "UINT4", "FLOAT4E2M1")}  # two per byte
-        want = (count + 1) // 2 if tensor.data_type in packed else count * itemsize
-        if len(tensor.raw_data) != want:
+        want = raw_bytes(tensor)
+        if want is not None and len(tensor.raw_data) != want:
             raise TranspileError(f"{path}: initializer '{tensor.name}' holds {len(tensor.raw_data)} bytes of raw_data, "
                                  f"its shape {list(tensor.dims)} of {onnx.TensorProto.DataType.Name(tensor.data_type).lower()} "
                                  f"needs {want}; the file is truncated or damaged")

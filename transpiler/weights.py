@@ -8,6 +8,7 @@ graph input of the same type for the duration), ``attach_weights`` puts them bac
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -22,6 +23,22 @@ def _numel(tensor: TensorProto) -> int:
     for d in tensor.dims:
         n *= d
     return n
+
+
+# Types whose values are packed two to a byte.
+_PACKED = {getattr(TensorProto, n, -1) for n in ("INT4", "UINT4", "FLOAT4E2M1")}
+
+
+def raw_bytes(tensor: TensorProto) -> int | None:
+    """The bytes of raw data ``tensor``'s dims and type need; None for strings and unknown types."""
+    if tensor.data_type == TensorProto.STRING:
+        return None
+    try:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    except (KeyError, TypeError, ValueError):
+        return None
+    count = _numel(tensor)
+    return (count + 1) // 2 if tensor.data_type in _PACKED else count * itemsize or None
 
 
 def is_large_float(tensor: TensorProto) -> bool:
