@@ -21,6 +21,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
+from contract.collectives import consumed
 from contract.plan import EVAL_FILE
 from transpiler.load import Problem
 
@@ -87,16 +88,5 @@ def _needed(nodes: list[onnx.NodeProto], constants: list[onnx.TensorProto], loss
     for node in reversed(nodes):
         if any(o in live for o in node.output):
             kept.append(node)
-            live.update(node.input)
-            live.update(_subgraph_reads(node))
+            live.update(consumed(node))
     return kept[::-1], [t for t in constants if t.name in live]
-
-
-def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
-    names: set[str] = set()
-    for attr in node.attribute:
-        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-            for inner in sub.node:
-                names.update(inner.input)
-                names.update(_subgraph_reads(inner))
-    return names

@@ -49,10 +49,10 @@ def _attention_row_dot(ctx: RuleContext, y: ir.Value, axis: ir.Value) -> ir.Valu
     product = ctx.backward_producer(ctx.dy)
     if product is None or product.op_type != "MatMul" or len(product.inputs) != 2:
         return None
-    swapped = product.inputs[1].producer() if product.inputs[1] is not None else None
+    swapped = producer_of(product.inputs[1], "Transpose")
     perm = [*range(rank - 2), rank - 1, rank - 2]
     v, out = matmul.inputs[1], matmul.outputs[0]
-    if (swapped is None or swapped.op_type != "Transpose" or swapped.inputs[0] is not v
+    if (swapped is None or swapped.inputs[0] is not v
             or v.shape is None or v.shape.rank() != rank
             or list(swapped.attributes.get_ints("perm", [])) != perm):
         return None
