@@ -98,8 +98,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
             losses.extend(new)
             _check_losses(new, first, rank, last_checkpoint, trainer)
             _check_grad_norms(trainer.grad_norms, first, rank, last_checkpoint, trainer)
-        if rank == 0:
-            report.advance(done)
+        report.advance(done)  # (a silent Report on the other ranks)
         evaluated = {}  # this step's global eval loss, where it evaluates: in its record
         if evaluator is not None and (done == config.steps or (config.eval_every and done % config.eval_every == 0)):
             loss, seconds = _evaluate(evaluator, done, progress)
@@ -119,9 +118,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
             progress(done, "checkpoint")
             state = trainer.state_dict()
             _check_state(state, done, trainer.comm, last_checkpoint)
-            meta = checkpoint.Meta(step=done, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=world_size,
-                                   batch=config.batch, shuffle=config.shuffle, seed=config.seed, lr=config.lr,
-                                   schedule=dataclasses.asdict(config.schedule), steps=config.steps)
+            meta = _meta(trainer, config, done)
             last_checkpoint = checkpoint.save(config.checkpoint, state, meta, rank=rank, comm=trainer.comm,
                                               keep=config.keep_checkpoints)
             progress(done, "step")
@@ -183,15 +180,20 @@ def _evaluate(evaluator: Evaluator, step: int, progress: Callable[[int, str], No
     return loss, time.perf_counter() - started
 
 
+def _meta(trainer: Trainer, config: RunConfig, step: int) -> checkpoint.Meta:
+    """What a checkpoint of this run at ``step`` records besides the state."""
+    return checkpoint.Meta(step=step, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=trainer.comm.size,
+                           batch=config.batch, shuffle=config.shuffle, seed=config.seed, lr=config.lr,
+                           schedule=dataclasses.asdict(config.schedule), steps=config.steps)
+
+
 def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
     """--export failed and no checkpoint holds the final state: save one into the temporary
     directory (another file system than the export's, as a rule), for 'transpile export'."""
     comm = trainer.comm
     key = hashlib.sha256(f"{config.out}|{config.export}|{config.steps}".encode()).hexdigest()[:12]
     store = Path(tempfile.gettempdir()) / f"transpile-rescue-{key}"
-    meta = checkpoint.Meta(step=config.steps, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=comm.size,
-                           batch=config.batch, shuffle=config.shuffle, seed=config.seed, lr=config.lr,
-                           schedule=dataclasses.asdict(config.schedule), steps=config.steps)
+    meta = _meta(trainer, config, config.steps)
     try:
         return checkpoint.save(store, trainer.state_dict(), meta, rank=comm.rank, comm=comm, keep=1)
     except PeerFailed:

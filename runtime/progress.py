@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,11 +216,9 @@ class Report:
     def __init__(self, view: View, metrics: MetricsFile | None, *, steps: int, batch: int, rows: int):
         self.view, self.metrics = view, metrics
         self.steps, self.batch, self.rows = steps, batch, rows
-        self.started = time.perf_counter()
 
     def start(self, info: RunInfo) -> None:
         self.view.start(info)
-        self.started = time.perf_counter()
 
     def advance(self, done: int) -> None:
         self.view.advance(done)
