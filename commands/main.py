@@ -106,8 +106,10 @@ def _help(topic: str | None) -> int:
     if name not in COMMANDS:
         print(f"transpile: error: help: no command {topic!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    parser = build_parser(name)
-    parser._subparsers._group_actions[0].choices[name].print_help()  # noqa: SLF001 - argparse keeps them there
+    try:
+        parse([name, "--help"])
+    except SystemExit as exc:  # argparse prints the command's help and exits 0
+        return int(exc.code or 0)
     return 0
 
 
