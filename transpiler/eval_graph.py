@@ -34,7 +34,7 @@ def eval_entry(problem: Problem) -> dict:
     return {"graph": EVAL_FILE, "loss": problem.loss, "state": [*problem.params, *problem.buffers]}
 
 
-def build_eval_graph(problem: Problem) -> ir.Model:
+def build_eval_graph(problem: Problem) -> onnx.ModelProto:
     """The evaluation graph of ``problem`` (see the module docstring)."""
     model = problem.model
     graph = model.graph
@@ -51,13 +51,12 @@ def build_eval_graph(problem: Problem) -> ir.Model:
     outputs = [ir.serde.serialize_value(v) for v in graph.outputs if v.name == problem.loss]
     nodes = _inference_mode(nodes)
     nodes, constants = _needed(nodes, constants, problem.loss)
-    proto = helper.make_model(
+    return helper.make_model(
         helper.make_graph(nodes, "eval", inputs, outputs, constants),
         opset_imports=[helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()],
         functions=[ir.serde.serialize_function(f) for f in model.functions.values()],
         ir_version=model.ir_version,
     )
-    return ir.serde.deserialize_model(proto)
 
 
 def _inference_mode(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:

@@ -50,10 +50,10 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _checked(model: ir.Model, name: str, locations: dict[str, str]) -> onnx.ModelProto:
-    """``model`` serialized and checked; ``locations``: the weight references' files -> their
-    names in OUT."""
-    proto = ir.serde.serialize_model(model)
+def _checked(model: ir.Model | onnx.ModelProto, name: str, locations: dict[str, str]) -> onnx.ModelProto:
+    """``model`` serialized (a proto as it is) and checked; ``locations``: the weight references'
+    files -> their names in OUT."""
+    proto = model if isinstance(model, onnx.ModelProto) else ir.serde.serialize_model(model)
     for tensor in proto.graph.initializer:  # large weights stay where OUT's model.onnx holds them
         for entry in tensor.external_data:
             if entry.key == "location":
@@ -85,7 +85,7 @@ class _GraphWriter:
         self.by_object: dict[int, str] = {}
         self.by_content: dict[str, str] = {}
 
-    def write(self, model: ir.Model, name: str) -> str:
+    def write(self, model: ir.Model | onnx.ModelProto, name: str) -> str:
         """The file that holds ``model``: ``name``, or the one an identical graph was written to."""
         if id(model) in self.by_object:
             return self.by_object[id(model)]
