@@ -59,9 +59,10 @@ def classify(model: onnx.ModelProto, user: onnx.ModelProto | None, params: list[
     return kind
 
 
-def diff_report(out: Path, plan: dict, ranks: list[int]) -> dict:
+def diff_report(out: Path, plan: dict, ranks: list[int], load=load_model) -> dict:
+    """``load``: how a graph file is read (the report passes its cache: each file is read once)."""
     user_path = out / plan["source_model"]["file"]
-    user = load_model(user_path) if user_path.is_file() else None
+    user = load(user_path) if user_path.is_file() else None
     user_ops = Counter(op_name(n) for n in user.graph.node) if user is not None else Counter()
     params = [p["name"] for p in plan["parameters"]]
     user_inputs = {i.name for i in user.graph.input} if user is not None else set()
@@ -71,7 +72,7 @@ def diff_report(out: Path, plan: dict, ranks: list[int]) -> dict:
               "user_nodes": sum(user_ops.values()), "ranks": []}
     for r in ranks:
         entry = plan["graphs"]["ranks"][r]
-        model = load_model(out / entry["step"])
+        model = load(out / entry["step"])
         kind = classify(model, user, params)
         per_op: dict[str, Counter] = {}
         for n in model.graph.node:

@@ -99,8 +99,11 @@ def build_report(path: Path, ranks: list[int] | None = None, *, rows_per_rank: i
     world = plan["world_size"]
     selected = check_ranks(ranks, world)
     report["kind"] = "out"
+    # Ranks may share a graph file (docs/contracts.md), and the diff reads the source and the rank
+    # graphs again: each file is read once.
+    load = functools.lru_cache(maxsize=None)(load_model)
     src = path / plan["source_model"]["file"]
-    report["model"] = model_summary(load_model(src), src.name) if src.is_file() else None
+    report["model"] = model_summary(load(src), src.name) if src.is_file() else None
     params = plan["parameters"]
     report["plan"] = {
         "world_size": world, "strategy": plan["strategy"], "optimizer": plan["optimizer"]["name"],
@@ -133,9 +136,7 @@ def build_report(path: Path, ranks: list[int] | None = None, *, rows_per_rank: i
         "node_overhead_s": NODE_OVERHEAD_S, "link_bytes_per_s": LINK_BYTES_PER_S,
         "collective_latency_s": COLLECTIVE_LATENCY_S,
     }
-    # Ranks may share a graph file (docs/contracts.md): each file is read once.
-    load = functools.lru_cache(maxsize=None)(load_model)
     report["ranks"] = [_rank_report(path, plan, r, rows_per_rank, segments, load) for r in selected]
     if diff:
-        report["diff"] = diff_report(path, plan, selected)
+        report["diff"] = diff_report(path, plan, selected, load)
     return report
