@@ -23,6 +23,7 @@ import pytest
 from transpiler.autodiff import build_gradients
 from transpiler.autodiff.rules import conv as conv_rules
 from transpiler.batchnorm import decompose_batchnorm
+from transpiler.conv_grad import WEIGHT_GRAD_OP, add_conv_grad_function
 
 
 def _session(proto: onnx.ModelProto) -> ort.InferenceSession:
@@ -39,6 +40,7 @@ def _differentiate(proto: onnx.ModelProto, wrt: list[str], *, bn: str | None = N
     forward = set(graph)
     result = build_gradients(graph, graph.outputs[0], [values[n] for n in wrt])
     graph.outputs.extend(result.grads[values[n]] for n in wrt)
+    add_conv_grad_function(model)
     backward = Counter(node.op_type for node in graph if node not in forward)
     out = ir.serde.serialize_model(model)
     onnx.checker.check_model(out)
@@ -216,7 +218,7 @@ def test_conv_weight_gradient_gemm_equals_conv(x_shape, w_shape, attrs, monkeypa
     feeds = {"x": rng.standard_normal(x_shape, dtype=np.float32), "w": rng.standard_normal(w_shape, dtype=np.float32),
              "c": rng.standard_normal(y_shape, dtype=np.float32)}
     results = {}
-    for formulation in ("conv", "gemm"):
+    for formulation in ("conv", "gemm", "auto"):
         monkeypatch.setattr(conv_rules, "WEIGHT_GRAD", formulation)
         out, backward, _ = _differentiate(proto, ["w"])
         results[formulation] = (_session(out).run(["grad.w"], feeds)[0], backward)
@@ -224,14 +226,21 @@ def test_conv_weight_gradient_gemm_equals_conv(x_shape, w_shape, attrs, monkeypa
     taps = int(np.prod(w_shape[2:]))
     assert results["gemm"][1]["Gemm"] == (0 if grouped else taps)
     assert results["conv"][1]["Gemm"] == 0
+    assert results["conv"][1][WEIGHT_GRAD_OP] == results["gemm"][1][WEIGHT_GRAD_OP] == 0
+    # The node where cuDNN can run it: group 1, two spatial axes, pads that fit symmetric ones (the
+    # asymmetric [2, 0, 1, 1] case does not); onnxruntime computes it through its function here.
+    fits = not grouped and len(x_shape) == 4 and attrs.get("pads", [0, 0, 0, 0])[:2] == attrs.get("pads", [0] * 4)[2:]
+    assert results["auto"][1][WEIGHT_GRAD_OP] == (1 if fits else 0)
     np.testing.assert_allclose(results["gemm"][0], results["conv"][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results["auto"][0], results["conv"][0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("size, gemms", [(10, 9), (7, 0)])
-def test_conv_weight_gradient_form_follows_the_output_size(size, gemms):
+def test_conv_weight_gradient_form_follows_the_output_size(size, gemms, monkeypatch):
     """By default the per-tap GEMMs are used from GEMM_MIN_OUTPUT_POSITIONS output positions on
     (10x10 = 100 here: nine taps, nine Gemms), the Conv form below (7x7 = 49)."""
     assert conv_rules.WEIGHT_GRAD == "auto" and 49 < conv_rules.GEMM_MIN_OUTPUT_POSITIONS <= 100
+    monkeypatch.setattr(conv_rules, "WEIGHT_GRAD_NODE", False)  # the inline forms (default: the node)
     f32 = onnx.TensorProto.FLOAT
     nodes = [onnx.helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
              onnx.helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]

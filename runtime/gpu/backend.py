@@ -15,6 +15,8 @@ import numpy as np
 from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner
 from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
+from runtime.gpu.conv_grad import DOMAIN as CONV_GRAD_DOMAIN
+from runtime.gpu.conv_grad import ConvGradRunner
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
 from runtime.gpu.elementwise import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise import ElementwiseRunner, fuse_elementwise
@@ -26,8 +28,11 @@ from runtime.segments import NativeGroup
 LOSS_RING = 4096  # device slots for losses not yet read; Trainer flushes long before it wraps
 
 
-# Native domain -> its runner, in the order a NativeGroup holding several runs them.
-_NATIVE_RUNNERS = ((ELEMENTWISE_DOMAIN, ElementwiseRunner), (FUSED_UPDATE_DOMAIN, FusedUpdateRunner))
+# Native domain -> its runner, in the order a NativeGroup holding several runs them: elementwise
+# chains may compute a Conv's output gradient, weight gradients feed the optimizer updates
+# (``compile`` checks that no runner reads a later one's outputs).
+_NATIVE_RUNNERS = ((ELEMENTWISE_DOMAIN, ElementwiseRunner), (CONV_GRAD_DOMAIN, ConvGradRunner),
+                   (FUSED_UPDATE_DOMAIN, FusedUpdateRunner))
 
 
 class NativeSequence(SegmentRunner):
@@ -132,7 +137,11 @@ class GpuBackend(Backend):
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
         # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
         # GRAPH_TRANSPILER_FUSED_UPDATE=0 leaves them to onnxruntime (their function bodies), to compare.
+        # Conv weight gradients by cuDNN (runtime/gpu/conv_grad.py); GRAPH_TRANSPILER_NATIVE_CONV_GRAD=0
+        # leaves them to onnxruntime (their function: the Conv form), to compare.
         native = set()
+        if os.environ.get("GRAPH_TRANSPILER_NATIVE_CONV_GRAD", "1") != "0":
+            native.add(CONV_GRAD_DOMAIN)
         if os.environ.get("GRAPH_TRANSPILER_FUSED_UPDATE", "1") != "0":
             native.add(FUSED_UPDATE_DOMAIN)
         # Chains of elementwise nodes as one CuPy kernel each (runtime/gpu/elementwise.py): opt in
@@ -176,8 +185,13 @@ class GpuBackend(Backend):
             return OrtCudaSegment(segment, where, self)
         # One runner per domain; a group may hold both (independent nodes share a stage), and
         # elementwise nodes never read an update's output within a step, so they run first.
-        runners = [runner(sub, where, self) for domain, runner in _NATIVE_RUNNERS
-                   if (sub := segment.only(domain)) is not None]
+        subgroups = [(runner, sub) for domain, runner in _NATIVE_RUNNERS if (sub := segment.only(domain)) is not None]
+        for i, (_, sub) in enumerate(subgroups):
+            later = {name for _, after in subgroups[i + 1:] for name in after.outputs}
+            if later & set(sub.inputs):
+                raise RunError(f"{where}: segment {segment.index}: native nodes of {sub.nodes[0].domain} read "
+                               f"{sorted(later & set(sub.inputs))[0]!r}, which a native node run after them computes")
+        runners = [runner(sub, where, self) for runner, sub in subgroups]
         return runners[0] if len(runners) == 1 else NativeSequence(runners, segment.outputs)
 
     def prepare_step_graph(self, model):

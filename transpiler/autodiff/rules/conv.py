@@ -3,9 +3,12 @@
 - Conv input gradient: ConvTranspose of dY with the same weight. With static spatial dims the pads
   and ``output_padding`` make it land exactly on the input shape; otherwise the full transposed
   convolution is cropped with one Pad (negative pads crop) computed at run time.
-- Conv weight gradient: a Conv whose "batch" is the input channels and whose "channels" are the
-  batch (input transposed to (C/g, g*N, ...)), with dY transposed to (M, N, ...) as the kernel,
-  strides and dilations swapped, then cropped to the kernel size and transposed back.
+- Conv weight gradient: where it applies (group 1, 2 spatial axes, static sizes), one
+  ``ConvWeightGrad`` node (transpiler/conv_grad.py: cuDNN's backward-filter on the GPU, its function
+  elsewhere); otherwise inline, by the per-tap GEMMs or a Conv whose "batch" is the input channels
+  and whose "channels" are the batch (input transposed to (C/g, g*N, ...)), with dY transposed to
+  (M, N, ...) as the kernel, strides and dilations swapped, then cropped to the kernel size and
+  transposed back.
 - ConvTranspose: the adjoint of the above (input gradient = Conv, weight gradient = the same
   weight-gradient Conv with input and output roles swapped).
 - MaxPool: its Indices output (added when absent) + ScatterElements(reduction="add").
@@ -24,8 +27,9 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from transpiler.autodiff._context import RuleContext
+from transpiler.autodiff._context import RuleContext, annotate
 from transpiler.autodiff._registry import register
+from transpiler.conv_grad import CONV_GRAD_DOMAIN, WEIGHT_GRAD_OP
 
 
 def _static(dims: Sequence[Any] | None) -> list[int] | None:
@@ -147,6 +151,10 @@ class _Window:
 
 def _weight_grad(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, window: _Window) -> ir.Value:
     """dW of Y = Conv(X, W): X (N, Cin, ...), dY (N, Cout, ...), W (Cout, Cin/g, k...)."""
+    if WEIGHT_GRAD == "auto" and WEIGHT_GRAD_NODE:
+        node = _weight_grad_node(ctx, x, dy, w, window)
+        if node is not None:
+            return node
     if WEIGHT_GRAD == "gemm" or (WEIGHT_GRAD == "auto" and _output_positions(dy) >= GEMM_MIN_OUTPUT_POSITIONS):
         by_gemm = _weight_grad_by_gemm(ctx, x, dy, w, window)
         if by_gemm is not None:
@@ -162,6 +170,34 @@ def _weight_grad(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, windo
 # per-tap copies of X are not. A module setting, so the benchmark can build every form.
 WEIGHT_GRAD = "auto"
 GEMM_MIN_OUTPUT_POSITIONS = 64
+# With "auto": where it applies (group 1, two spatial axes, static pads and kernel), one
+# ConvWeightGrad node (transpiler/conv_grad.py), which the GPU backend runs as cuDNN's backward-filter
+# and everything else as its function (the Conv form). False: the standard-op forms above inline.
+WEIGHT_GRAD_NODE = True
+
+
+def _weight_grad_node(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, window: _Window) -> ir.Value | None:
+    """One ``graph_transpiler.conv::ConvWeightGrad`` node, or None where it does not apply. The model
+    needs its function: whoever builds the backward calls ``add_conv_grad_function`` on the model."""
+    begin, end = window.pads
+    kernel = None if w.shape is None else _static(list(w.shape)[2:])
+    if window.group != 1 or kernel is None or len(kernel) != 2 or ctx.rank(x) != 4:
+        return None
+    if not (isinstance(begin, list) and isinstance(end, list)):
+        return None
+    # cuDNN pads symmetrically: the node applies where padding both sides by ``begin`` gives dY's
+    # size (any extra end padding would be unread rows), which needs static spatial sizes.
+    ins, outs = _spatial(x), _spatial(dy)
+    if ins is None or outs is None:
+        return None
+    for i, o, b, kk, s, d in zip(ins, outs, begin, kernel, window.strides, window.dilations):
+        if (i + 2 * b - d * (kk - 1) - 1) // s + 1 != o:
+            return None
+    attributes = {"kernel_shape": kernel, "strides": window.strides, "dilations": window.dilations,
+                  "pads": [*begin, *end]}
+    (dw,) = ctx.op_multi(WEIGHT_GRAD_OP, [x, dy], attributes, num_outputs=1, domain=CONV_GRAD_DOMAIN)
+    annotate(dw, w)
+    return dw
 
 
 def _output_positions(dy: ir.Value) -> int:

@@ -1,0 +1,150 @@
+"""The Conv weight gradient on the GPU: ``graph_transpiler.conv::ConvWeightGrad`` nodes
+(transpiler/conv_grad.py, docs/contracts.md) run as cuDNN's ``cudnnConvolutionBackwardFilter``.
+
+Why: onnxruntime has no weight-gradient op; the node's function (a Conv whose kernel is the whole
+output gradient) or the per-tap GEMMs cost several times what cuDNN's backward-filter costs (ResNet-18,
+batch 256, one H100: ~8.7 against ~1.9 ms per step), which is what PyTorch runs.
+
+Algorithm: chosen once per node on its first call by ``cudnnFindConvolutionBackwardFilterAlgorithmEx``
+(cuDNN times every algorithm on the real buffers, as onnxruntime's default EXHAUSTIVE search and
+``torch.backends.cudnn.benchmark`` do), among those needing at most WORKSPACE_LIMIT bytes. One
+workspace per runner, the largest its chosen algorithms need. TF32 follows the backend (tensor-core
+math allowed with ``tf32``, FMA-only math without it, as onnxruntime's ``use_tf32`` does for its
+Convs), so the equality tests (TF32 off) compare exact float32 products; the summation order is
+cuDNN's, within the tests' 1e-5 of the CPU backend.
+
+Interface: OrtCudaSegment's (``run`` on the first call, allocating dW; then ``prepare`` per parity
+and ``run_bound``), so GpuProgram binds its outputs into buffers and collective slots like any
+segment's. Descriptors depend on the shapes only, which a program fixes at its first call; a call
+with other shapes rebuilds them (and searches again).
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import RunError
+from runtime.executor import SegmentRunner
+from runtime.gpu import cudnn
+
+DOMAIN = "graph_transpiler.conv"
+WEIGHT_GRAD = "ConvWeightGrad"
+WORKSPACE_LIMIT = 256 << 20  # bytes an algorithm may need; cuDNN's fastest ResNet ones need far less
+
+
+@dataclass
+class _WeightGrad:
+    """One node: names, attributes, and (once shapes are known) its descriptors and algorithm."""
+
+    name: str
+    x: str
+    dy: str
+    dw: str
+    kernel: list[int]
+    strides: list[int]
+    dilations: list[int]
+    pads: list[int]  # begin pads; the transpiler emits the node only where cuDNN's symmetric ones fit
+    shapes: tuple = ()
+    descriptors: tuple = ()
+    algo: int = 0
+    workspace_bytes: int = 0
+    dw_shape: tuple = field(default=())
+
+    @classmethod
+    def from_node(cls, node, where: str) -> _WeightGrad:
+        if node.op_type != WEIGHT_GRAD or len(node.input) != 2 or len(node.output) != 1:
+            raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a "
+                           f"{DOMAIN}::{WEIGHT_GRAD}(X, dY) -> dW node")
+        attrs = {a.name: list(a.ints) for a in node.attribute}
+        missing = [key for key in ("kernel_shape", "strides", "dilations", "pads") if key not in attrs]
+        if missing:
+            raise RunError(f"{where}: node '{node.name}' ({WEIGHT_GRAD}) lacks attribute(s) {', '.join(missing)}")
+        k = len(attrs["kernel_shape"])
+        if not (len(attrs["strides"]) == len(attrs["dilations"]) == k and len(attrs["pads"]) == 2 * k):
+            raise RunError(f"{where}: node '{node.name}' ({WEIGHT_GRAD}): kernel_shape, strides, dilations and pads "
+                           "disagree on the number of spatial axes")
+        return cls(node.name, node.input[0], node.input[1], node.output[0], attrs["kernel_shape"],
+                   attrs["strides"], attrs["dilations"], attrs["pads"][:k])
+
+
+class ConvGradRunner(SegmentRunner):
+    """A NativeGroup of ConvWeightGrad nodes, run by cuDNN on the backend's compute stream."""
+
+    def __init__(self, group, where: str, backend):
+        self.cp = backend.cp
+        self.tf32 = backend.tf32
+        self.stream = backend.compute
+        self.where = f"{where}: Conv weight gradients in segment {group.index}" + (f" part {group.part}" if group.part else "")
+        self.ops = [_WeightGrad.from_node(node, self.where) for node in group.nodes]
+        self.outputs = list(group.outputs)
+        self.prepared: list[dict[str, Any] | None] = [None, None]
+        self.handle: cudnn.Handle | None = None
+        self.workspace = None
+        self.workspace_bytes = 0
+
+    def _check(self, op: _WeightGrad, x, dy) -> None:
+        for label, value in (("X", x), ("dY", dy)):
+            if value.dtype != np.float32 or value.ndim != 2 + len(op.kernel) or not value.flags.c_contiguous:
+                raise RunError(f"{self.where}: '{op.name}': {label} must be a contiguous float32 tensor of rank "
+                               f"{2 + len(op.kernel)}, got {value.dtype} {tuple(value.shape)}")
+
+    def _configure(self, op: _WeightGrad, x, dy, dw) -> None:
+        """Descriptors for these shapes, and the fastest algorithm on these buffers."""
+        if self.handle is None:
+            self.handle = cudnn.Handle(self.stream.ptr)
+        x_desc, dy_desc = cudnn.tensor_descriptor(x.shape), cudnn.tensor_descriptor(dy.shape)
+        dw_desc = cudnn.filter_descriptor(dw.shape)
+        conv = cudnn.convolution_descriptor(op.pads, op.strides, op.dilations, tf32=self.tf32)
+        expected = cudnn.forward_output_dims(conv, x_desc, dw_desc, x.ndim)
+        if expected != list(dy.shape):
+            raise RunError(f"{self.where}: '{op.name}': dY is {tuple(dy.shape)}, but a Conv of X {tuple(x.shape)} "
+                           f"with these attributes gives {tuple(expected)}")
+        sizes = [cudnn.backward_filter_workspace(self.handle, x_desc, dy_desc, conv, dw_desc, algo)
+                 for algo in range(cudnn.BWD_FILTER_ALGOS)]
+        trial = max([size for size in sizes if size is not None and size <= WORKSPACE_LIMIT], default=0)
+        scratch = self.cp.empty(max(trial, 1), dtype=np.uint8)
+        found = cudnn.find_backward_filter(self.handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, dw_desc,
+                                           dw.data.ptr, scratch.data.ptr, trial)
+        if not found:
+            raise RunError(f"{self.where}: '{op.name}': cuDNN has no backward-filter algorithm for X {tuple(x.shape)}, "
+                           f"dY {tuple(dy.shape)} within {WORKSPACE_LIMIT >> 20} MiB of workspace")
+        best = found[0]
+        # The math type cuDNN timed the winner with (tensor-op math only where tf32 allowed it).
+        cudnn.call("cudnnSetConvolutionMathType", conv, best.mathType)
+        op.shapes = (tuple(x.shape), tuple(dy.shape))
+        op.descriptors = (x_desc, dy_desc, conv, dw_desc)
+        op.algo, op.workspace_bytes, op.dw_shape = int(best.algo), int(best.memory), tuple(dw.shape)
+        if op.workspace_bytes > self.workspace_bytes:
+            self.workspace_bytes = op.workspace_bytes
+            self.workspace = self.cp.empty(self.workspace_bytes, dtype=np.uint8)
+
+    def _launch(self, values, allocate: bool) -> None:
+        cp = self.cp
+        with self.stream:
+            for op in self.ops:
+                x, dy = values[op.x], values[op.dy]
+                if allocate:
+                    self._check(op, x, dy)
+                    values[op.dw] = cp.empty((dy.shape[1], x.shape[1], *op.kernel), dtype=np.float32)
+                dw = values[op.dw]
+                if op.shapes != (tuple(x.shape), tuple(dy.shape)):
+                    self._configure(op, x, dy, dw)
+                x_desc, dy_desc, conv, dw_desc = op.descriptors
+                workspace = self.workspace.data.ptr if self.workspace is not None else 0
+                cudnn.backward_filter(self.handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, op.algo,
+                                      workspace, op.workspace_bytes, dw_desc, dw.data.ptr)
+
+    def run(self, feeds):
+        values = dict(feeds)
+        self._launch(values, allocate=True)
+        return [values[name] for name in self.outputs]
+
+    def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
+        self.prepared[parity] = dict(outputs)
+
+    def run_bound(self, parity: int, env: dict[str, Any]) -> None:
+        self._launch(ChainMap(self.prepared[parity], env), allocate=False)

@@ -1,0 +1,147 @@
+"""cuDNN through ctypes: the few calls of its (legacy, still shipped in cuDNN 9) convolution API the
+native gradient nodes use, on the cuDNN library onnxruntime-gpu itself loads.
+
+Why ctypes: CuPy no longer wraps cuDNN, and the library is already in the process (onnxruntime's CUDA
+EP links it; ``onnxruntime.preload_dlls`` loads it from the nvidia-cudnn wheel), so binding the calls
+we need costs no dependency. Every call's status is checked; a failure names the call and cuDNN's
+message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+from runtime.errors import RunError
+
+# cudnnDataType_t, cudnnTensorFormat_t, cudnnConvolutionMode_t, cudnnMathType_t (cudnn_graph.h).
+DATA_FLOAT = 0
+TENSOR_NCHW = 0
+CROSS_CORRELATION = 1
+DEFAULT_MATH = 0  # tensor cores allowed: TF32 for float32 data
+FMA_MATH = 3  # no tensor cores: exact float32 FMAs
+BWD_FILTER_ALGOS = 7  # cudnnConvolutionBwdFilterAlgo_t values 0..6
+STATUS_SUCCESS = 0
+
+
+class BwdFilterAlgoPerf(ctypes.Structure):
+    """cudnnConvolutionBwdFilterAlgoPerf_t."""
+
+    _fields_ = [("algo", ctypes.c_int), ("status", ctypes.c_int), ("time", ctypes.c_float),
+                ("memory", ctypes.c_size_t), ("determinism", ctypes.c_int), ("mathType", ctypes.c_int),
+                ("reserved", ctypes.c_int * 3)]
+
+
+_LIBRARY: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """libcudnn.so.9: the copy already loaded (onnxruntime's), else one from an nvidia-cudnn wheel."""
+    global _LIBRARY
+    if _LIBRARY is None:
+        candidates = ["libcudnn.so.9"]
+        for base in sys.path:
+            candidates += sorted(glob.glob(os.path.join(base, "nvidia", "cudnn*", "lib", "libcudnn.so.9")))
+        errors = []
+        for name in candidates:
+            try:
+                _LIBRARY = ctypes.CDLL(name)
+                break
+            except OSError as exc:
+                errors.append(str(exc))
+        else:
+            raise RunError("the GPU backend's native Conv gradient needs cuDNN 9 (libcudnn.so.9), which onnxruntime-gpu "
+                           f"uses too; not found ({errors[0] if errors else 'no candidates'})")
+    return _LIBRARY
+
+
+def check(status: int, call: str) -> None:
+    if status != STATUS_SUCCESS:
+        lib = library()
+        lib.cudnnGetErrorString.restype = ctypes.c_char_p
+        raise RunError(f"cuDNN {call} failed: {lib.cudnnGetErrorString(status).decode()} (status {status})")
+
+
+def call(name: str, *args) -> None:
+    check(getattr(library(), name)(*args), name)
+
+
+def _ints(values) -> ctypes.Array:
+    return (ctypes.c_int * len(values))(*[int(v) for v in values])
+
+
+class Handle:
+    """A cuDNN handle bound to one CUDA stream (the backend's compute stream)."""
+
+    def __init__(self, stream_ptr: int):
+        self.ptr = ctypes.c_void_p()
+        call("cudnnCreate", ctypes.byref(self.ptr))
+        call("cudnnSetStream", self.ptr, ctypes.c_void_p(stream_ptr))
+
+
+def tensor_descriptor(dims) -> ctypes.c_void_p:
+    """A packed (C-contiguous) float32 tensor of ``dims`` (4 or 5 of them)."""
+    desc = ctypes.c_void_p()
+    call("cudnnCreateTensorDescriptor", ctypes.byref(desc))
+    strides, running = [], 1
+    for dim in reversed(dims):
+        strides.insert(0, running)
+        running *= int(dim)
+    call("cudnnSetTensorNdDescriptor", desc, DATA_FLOAT, len(dims), _ints(dims), _ints(strides))
+    return desc
+
+
+def filter_descriptor(dims) -> ctypes.c_void_p:
+    desc = ctypes.c_void_p()
+    call("cudnnCreateFilterDescriptor", ctypes.byref(desc))
+    call("cudnnSetFilterNdDescriptor", desc, DATA_FLOAT, TENSOR_NCHW, len(dims), _ints(dims))
+    return desc
+
+
+def convolution_descriptor(pads, strides, dilations, *, tf32: bool) -> ctypes.c_void_p:
+    desc = ctypes.c_void_p()
+    call("cudnnCreateConvolutionDescriptor", ctypes.byref(desc))
+    call("cudnnSetConvolutionNdDescriptor", desc, len(pads), _ints(pads), _ints(strides), _ints(dilations),
+         CROSS_CORRELATION, DATA_FLOAT)
+    call("cudnnSetConvolutionMathType", desc, DEFAULT_MATH if tf32 else FMA_MATH)
+    return desc
+
+
+def forward_output_dims(conv, x_desc, w_desc, rank: int) -> list[int]:
+    dims = (ctypes.c_int * rank)()
+    call("cudnnGetConvolutionNdForwardOutputDim", conv, x_desc, w_desc, rank, dims)
+    return list(dims)
+
+
+def backward_filter_workspace(handle: Handle, x_desc, dy_desc, conv, dw_desc, algo: int) -> int | None:
+    """Bytes of workspace ``algo`` needs here, or None where it does not support the case."""
+    size = ctypes.c_size_t()
+    status = library().cudnnGetConvolutionBackwardFilterWorkspaceSize(handle.ptr, x_desc, dy_desc, conv, dw_desc,
+                                                                       algo, ctypes.byref(size))
+    return int(size.value) if status == STATUS_SUCCESS else None
+
+
+def find_backward_filter(handle: Handle, x_desc, x: int, dy_desc, dy: int, conv, dw_desc, dw: int,
+                         workspace: int, workspace_bytes: int) -> list[BwdFilterAlgoPerf]:
+    """Every algorithm that ran within ``workspace_bytes``, fastest first (cuDNN times them on these
+    buffers; ``dw`` is overwritten)."""
+    results = (BwdFilterAlgoPerf * BWD_FILTER_ALGOS)()
+    returned = ctypes.c_int()
+    call("cudnnFindConvolutionBackwardFilterAlgorithmEx", handle.ptr, x_desc, ctypes.c_void_p(x), dy_desc,
+         ctypes.c_void_p(dy), conv, dw_desc, ctypes.c_void_p(dw), BWD_FILTER_ALGOS, ctypes.byref(returned), results,
+         ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes))
+    return [results[i] for i in range(returned.value) if results[i].status == STATUS_SUCCESS]
+
+
+_ONE = ctypes.c_float(1.0)
+_ZERO = ctypes.c_float(0.0)
+
+
+def backward_filter(handle: Handle, x_desc, x: int, dy_desc, dy: int, conv, algo: int, workspace: int,
+                    workspace_bytes: int, dw_desc, dw: int) -> None:
+    """dw = the weight gradient (beta 0: overwritten), enqueued on the handle's stream."""
+    call("cudnnConvolutionBackwardFilter", handle.ptr, ctypes.byref(_ONE), x_desc, ctypes.c_void_p(x), dy_desc,
+         ctypes.c_void_p(dy), conv, algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
+         ctypes.byref(_ZERO), dw_desc, ctypes.c_void_p(dw))
