@@ -30,7 +30,7 @@ STRATEGIES = ("allreduce", "sharded", "zero")
 # on one H200 (TF32 off) the error vs the CPU backend went 2.3e-6 at step 8 to 2.7e-5 at step 9,
 # from 2.7e-7 after step 1 (so no TF32 there: that would be ~1e-3). 1e-4 is flashlight's own rate for
 # this example; the loss falls steadily and the comparison measures the implementations again.
-LR = {"perceptron": 1e-4, "gpt": 0.01}
+LR = {"perceptron": 1e-4, "gpt": 0.01, "cnn": 0.01}
 
 
 def _gpus() -> int:
@@ -58,6 +58,9 @@ def _model(name: str, tmp: Path) -> tuple[Path, int]:
     if name == "perceptron":
         models.generate("perceptron", directory, seed=0, rows=256)
         return directory, 64
+    if name == "cnn":  # Conv + BatchNorm: the GPU's cuDNN weight gradients (runtime/gpu/conv_grad.py)
+        models.generate("cnn_small", directory, seed=0, rows=128)
+        return directory, 16
     directory.mkdir()
     onnx.save(gpu_gpt.build(**gpu_gpt.TINY), directory / "model.onnx")
     np.savez(directory / "data.npz", **gpu_gpt.make_data(gpu_gpt.TINY["vocab"], gpu_gpt.TINY["seq"], 64))
@@ -78,7 +81,9 @@ def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path
     for strategy in STRATEGIES:
         out = tmp_path / f"{model}-{strategy}-{world}"
         # Small buckets: several collectives per step, so the overlap paths run.
+        # BatchNorm models with --sync-bn, so that N ranks equal one device (SyncBatchNorm).
         transpile(directory / "model.onnx", out, Options(world_size=world, strategy=strategy, bucket_mb=0.05,
+                                                         sync_bn=model == "cnn",
                                                          optimizer=OptimizerConfig("momentum", lr=LR[model])))
         outs.append(out)
     saved = tmp_path / "saved"
@@ -103,7 +108,7 @@ def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path
 
 
 @pytest.mark.parametrize("world", [pytest.param(w, marks=needs_gpu) for w in (1, 2, 4) if w <= max(GPUS, 1)])
-@pytest.mark.parametrize("model", ["perceptron", "gpt"])
+@pytest.mark.parametrize("model", ["perceptron", "gpt", "cnn"])
 def test_n_gpus_equal_the_cpu_backend(model, world, tmp_path):
     _check_ranks_equal_one_device(model, world, "nccl", tmp_path)
 

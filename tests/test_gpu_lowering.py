@@ -171,3 +171,20 @@ def test_outputs_onnxruntime_would_copy_at_run_start_are_taken_out_of_the_sessio
     fixed = segment._fixed_values(feeds)
     np.testing.assert_array_equal(fixed["same"], feeds["x"])
     assert not np.shares_memory(fixed["same"], feeds["x"])
+
+
+@pytest.mark.parametrize("count, concats", [(32, 1), (33, 3), (69, 4), (1100, 38)])
+def test_a_concat_wider_than_capture_allows_becomes_a_tree_with_the_same_values(count, concats):
+    """onnxruntime's CUDA Concat takes at most 32 inputs under CUDA-graph capture (ZeRO wrote 69)."""
+    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [i % 3 + 1, 2]) for i in range(count)]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    node = helper.make_node("Concat", [v.name for v in inputs], ["y"], name="pack", axis=0)
+    model = helper.make_model(helper.make_graph([node], "g", inputs, [y]), opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    lowered = lower_for_cuda(specialize(model, {}))
+    assert [n.op_type for n in lowered.graph.node] == ["Concat"] * concats
+    assert max(len(n.input) for n in lowered.graph.node) <= 32
+    assert lowered.graph.node[-1].output[0] == "y"
+    rng = np.random.default_rng(count)
+    feeds = {f"x{i}": rng.normal(size=(i % 3 + 1, 2)).astype(np.float32) for i in range(count)}
+    np.testing.assert_array_equal(_run(lowered, feeds)[0], np.concatenate(list(feeds.values())))

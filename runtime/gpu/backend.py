@@ -122,8 +122,9 @@ class GpuBackend(Backend):
         env_flag = lambda name: os.environ.get(name, "1") != "0"  # noqa: E731
         self.static_shapes = env_flag("GRAPH_TRANSPILER_STATIC_SHAPES") if static_shapes is None else static_shapes
         self.cuda_graphs = env_flag("GRAPH_TRANSPILER_CUDA_GRAPHS") if cuda_graphs is None else cuda_graphs
-        # Programs with collectives on several ranks are captured only on request (GpuProgram).
-        self.multirank_graphs = os.environ.get("GRAPH_TRANSPILER_MULTIRANK_GRAPHS", "0") == "1"
+        # Programs with collectives on several ranks are captured too (GpuProgram);
+        # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0 runs them uncaptured (the former default).
+        self.multirank_graphs = env_flag("GRAPH_TRANSPILER_MULTIRANK_GRAPHS")
         self.shrink_arena = env_flag("GRAPH_TRANSPILER_SHRINK_ARENA")
         self.mem_pattern = env_flag("GRAPH_TRANSPILER_MEM_PATTERN")
         # Extra CUDA EP options, "key=value,key=value" (onnxruntime's names: prefer_nhwc,

@@ -20,6 +20,11 @@ of float32 sums.
   wherever the mask filled (exp of a fill at or below -1e30 underflows to 0 in float32), so S * g
   already is 0 there (for finite g). Two passes over the scores per layer fewer (0.07 ms each for
   GPT-2-small at batch 8).
+- **Wide Concats as a tree.** onnxruntime's CUDA Concat refuses more than 32 inputs while a CUDA
+  graph is captured ("supports at most 32 inputs during CUDA Graph capture"): ZeRO's packing of a
+  bucket's slices wrote 49-69 (2 H100s, run `h100x2-s4`). A Concat of more inputs becomes Concats of
+  at most CONCAT_MAX_INPUTS consecutive inputs each, then one of their results (concatenation along
+  one axis is associative: the same values; one extra copy of the data).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 _SPLIT_REDUCTIONS = ("ReduceSum", "ReduceMean")
+CONCAT_MAX_INPUTS = 32  # onnxruntime's CUDA Concat under CUDA-graph capture (concat.cc)
 # A mask fill at or below this makes exp(fill - row max) exactly 0 in float32 (exp underflows below
 # about -104), for any row max a real score reaches.
 _MASK_FILL_AT_MOST = -1e30
@@ -45,7 +51,8 @@ def lower_for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
     nodes: list[onnx.NodeProto] = []
     changed = False
     for index, node in enumerate(graph.node):
-        split = _empty_reduction(node, constants) or _split_reduction(node, ranks, constants, opset, index, graph)
+        split = (_empty_reduction(node, constants) or _split_reduction(node, ranks, constants, opset, index, graph)
+                 or _concat_tree(node))
         if split is None:
             nodes.append(node)
         else:
@@ -117,6 +124,25 @@ def _split_reduction(node: onnx.NodeProto, ranks: dict[str, int], constants: dic
     # the (now size-1) trailing axes, keeping dims as the original did. Its input is tiny (N, C, 1...).
     return [reduce(node.input[0], trailing, 1, inner, "trailing"),
             reduce(inner, [0, *trailing], keepdims, node.output[0], "batch")]
+
+
+def _concat_tree(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """A Concat of more than CONCAT_MAX_INPUTS inputs as a tree of Concats of at most that many."""
+    if node.domain not in ("", "ai.onnx") or node.op_type != "Concat" or len(node.input) <= CONCAT_MAX_INPUTS:
+        return None
+    axis = next(a.i for a in node.attribute if a.name == "axis")
+    nodes: list[onnx.NodeProto] = []
+    inputs, level = list(node.input), 0
+    while len(inputs) > CONCAT_MAX_INPUTS:
+        groups = [inputs[i:i + CONCAT_MAX_INPUTS] for i in range(0, len(inputs), CONCAT_MAX_INPUTS)]
+        inputs = []
+        for k, group in enumerate(groups):
+            name = f"{node.output[0]}.lowered.concat{level}_{k}"
+            nodes.append(helper.make_node("Concat", group, [name], name=f"{node.name}/lowered{level}_{k}", axis=axis))
+            inputs.append(name)
+        level += 1
+    nodes.append(helper.make_node("Concat", inputs, list(node.output), name=node.name, axis=axis))
+    return nodes
 
 
 def _scalar(constants: dict[str, onnx.TensorProto], name: str) -> float | None:

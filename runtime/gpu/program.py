@@ -69,13 +69,12 @@ class GpuProgram(ProgramBase):
                       for pos, (item, runner) in enumerate(self.steps) if runner is not None}
         self.collective_pos = [pos for pos, (_, runner) in enumerate(self.steps) if runner is None]
         self.labels = {pos: f"{self.steps[pos][0].label} of {cut.where}" for pos in self.collective_pos}
-        # CUDA graphs only where no collective runs: on 2 H200s, onnxruntime's capture of a segment
-        # while NCCL works on the comm stream failed ("operation failed due to a previous error
-        # during capture" at cudaStreamEndCapture; NCCL's proxy thread calls CUDA during the capture,
-        # which invalidates a global-mode capture). Such programs keep the static-shape
-        # specialization and run without capture.
-        # Opt-in, not yet run on GPUs: GRAPH_TRANSPILER_MULTIRANK_GRAPHS=1 captures them too, the
-        # watchdog's queries now being in relaxed capture mode (the lead in docs/gpu.md).
+        # Programs with collectives on several ranks are captured like one-rank ones. It once failed
+        # on 2 H200s ("operation failed due to a previous error during capture" at
+        # cudaStreamEndCapture): the watchdog thread's event queries invalidated onnxruntime's
+        # global-mode capture; that thread now runs in relaxed capture mode (watchdog, cuda.py).
+        # Checked on 2 H100s (every strategy; ResNet-18 22.1 -> 19.2 ms per step, docs/gpu.md).
+        # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0 runs them uncaptured, with the static shapes kept.
         if self.collective_pos and comm.size > 1 and not backend.multirank_graphs:
             for _, runner in self.steps:
                 if isinstance(runner, OrtCudaSegment):
