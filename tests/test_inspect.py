@@ -413,3 +413,22 @@ if __name__ == "__main__":  # python tests/test_inspect.py DIR: write DIR/model.
     target.mkdir(parents=True, exist_ok=True)
     onnx.save(tiny_gpt(), target / "model.onnx")
     print(target / "model.onnx")
+
+
+def test_a_conv_weight_gradient_node_costs_what_its_forward_conv_costs():
+    """Estimated FLOPs of ``ConvWeightGrad`` (the backward's weight gradients, one node each) equal
+    the forward Conv's: the same products, summed over another index."""
+    from inspection.costs import node_flops
+    from inspection.model import Types
+
+    f32 = TensorProto.FLOAT
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], strides=[2, 2], pads=[1, 1, 1, 1])
+    wgrad = helper.make_node("ConvWeightGrad", ["x", "y"], ["dw"], domain="graph_transpiler.conv",
+                             kernel_shape=[3, 3], strides=[2, 2], dilations=[1, 1], pads=[1, 1, 1, 1])
+    graph = helper.make_graph(
+        [conv, wgrad], "g",
+        [helper.make_tensor_value_info("x", f32, [4, 6, 16, 16]), helper.make_tensor_value_info("w", f32, [8, 6, 3, 3])],
+        [helper.make_tensor_value_info("dw", f32, [8, 6, 3, 3])],
+        value_info=[helper.make_tensor_value_info("y", f32, [4, 8, 8, 8])])
+    types = Types(graph)
+    assert node_flops(wgrad, types) == node_flops(conv, types) == 2 * (4 * 8 * 8 * 8) * (6 * 3 * 3)
