@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import ChainMap
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,32 @@ class SegmentRunner(ABC):
     @abstractmethod
     def run(self, feeds: dict[str, Any]) -> list[Any]:
         """The segment's outputs, in ``segment.outputs`` order."""
+
+
+class LaunchRunner(SegmentRunner):
+    """A backend-native runner whose whole work is ``_launch(values, allocate)`` on a mapping of
+    values: the first call (``run``) allocates the outputs into it; from then on the program gives
+    fixed output buffers per step parity (``prepare``) and ``run_bound`` writes into those. The GPU
+    program treats it like an onnxruntime segment."""
+
+    def __init__(self, outputs):
+        self.outputs = list(outputs)
+        self.prepared: list[dict[str, Any] | None] = [None, None]
+
+    @abstractmethod
+    def _launch(self, values, allocate: bool) -> None: ...
+
+    def run(self, feeds):
+        values = dict(feeds)
+        self._launch(values, allocate=True)
+        return [values[name] for name in self.outputs]
+
+    def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
+        self.prepared[parity] = dict(outputs)
+
+    def run_bound(self, parity: int, env: dict[str, Any]) -> None:
+        # A view, not a merged copy: the program's env holds every value of the step.
+        self._launch(ChainMap(self.prepared[parity], env), allocate=False)
 
 
 class Backend(ABC):

@@ -21,14 +21,12 @@ with other shapes rebuilds them (and searches again).
 
 from __future__ import annotations
 
-from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from runtime.errors import RunError
-from runtime.executor import SegmentRunner
+from runtime.executor import LaunchRunner
 from runtime.gpu import cudnn
 
 DOMAIN = "graph_transpiler.conv"
@@ -71,17 +69,16 @@ class _WeightGrad:
                    attrs["strides"], attrs["dilations"], attrs["pads"][:k])
 
 
-class ConvGradRunner(SegmentRunner):
+class ConvGradRunner(LaunchRunner):
     """A NativeGroup of ConvWeightGrad nodes, run by cuDNN on the backend's compute stream."""
 
     def __init__(self, group, where: str, backend):
+        super().__init__(group.outputs)
         self.cp = backend.cp
         self.tf32 = backend.tf32
         self.stream = backend.compute
         self.where = f"{where}: Conv weight gradients in segment {group.index}" + (f" part {group.part}" if group.part else "")
         self.ops = [_WeightGrad.from_node(node, self.where) for node in group.nodes]
-        self.outputs = list(group.outputs)
-        self.prepared: list[dict[str, Any] | None] = [None, None]
         self.handle: cudnn.Handle | None = None
         self.workspace = None
         self.workspace_bytes = 0
@@ -138,13 +135,3 @@ class ConvGradRunner(SegmentRunner):
                 cudnn.backward_filter(self.handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, op.algo,
                                       workspace, op.workspace_bytes, dw_desc, dw.data.ptr)
 
-    def run(self, feeds):
-        values = dict(feeds)
-        self._launch(values, allocate=True)
-        return [values[name] for name in self.outputs]
-
-    def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
-        self.prepared[parity] = dict(outputs)
-
-    def run_bound(self, parity: int, env: dict[str, Any]) -> None:
-        self._launch(ChainMap(self.prepared[parity], env), allocate=False)

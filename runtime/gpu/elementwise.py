@@ -31,7 +31,6 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from collections import ChainMap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime.errors import RunError
-from runtime.executor import SegmentRunner
+from runtime.executor import LaunchRunner
 
 DOMAIN = "graph_transpiler.elementwise"
 OP_TYPE = "Fused"
@@ -291,16 +290,16 @@ def evaluate_numpy(node: onnx.NodeProto, inputs: list[np.ndarray]) -> list[np.nd
 
 # -- the runner --------------------------------------------------------------------------------
 
-class ElementwiseRunner(SegmentRunner):
+class ElementwiseRunner(LaunchRunner):
     """A NativeGroup of fused elementwise nodes: one CuPy ElementwiseKernel launch per node on the
     backend's compute stream; the interface of OrtCudaSegment (``run`` on the first call, then
     ``prepare`` per parity and ``run_bound``)."""
 
     def __init__(self, group, where: str, backend):
+        super().__init__(group.outputs)
         self.cp = backend.cp
         self.stream = backend.compute
         self.where = f"{where}: fused elementwise nodes in segment {group.index}"
-        self.outputs = list(group.outputs)
         self.kernels: list[tuple[onnx.NodeProto, Any]] = []
         cache: dict[tuple, Any] = {}
         for node in group.nodes:
@@ -313,7 +312,6 @@ class ElementwiseRunner(SegmentRunner):
                 params_out = ", ".join(f"float32 y{j}" for j in range(len(node.output)))
                 cache[key] = self.cp.ElementwiseKernel(params_in, params_out, code, f"fused_elementwise_{len(cache)}")
             self.kernels.append((node, cache[key]))
-        self.prepared: list[dict[str, Any] | None] = [None, None]
 
     def _launch(self, values, allocate: bool) -> None:
         with self.stream:
@@ -328,13 +326,3 @@ class ElementwiseRunner(SegmentRunner):
                 except Exception as exc:  # CuPy's broadcast/dtype errors name no node
                     raise RunError(f"{self.where}: '{node.name}': {str(exc).splitlines()[0]}") from None
 
-    def run(self, feeds):
-        values = dict(feeds)
-        self._launch(values, allocate=True)
-        return [values[name] for name in self.outputs]
-
-    def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
-        self.prepared[parity] = dict(outputs)
-
-    def run_bound(self, parity: int, env: dict[str, Any]) -> None:
-        self._launch(ChainMap(self.prepared[parity], env), allocate=False)
