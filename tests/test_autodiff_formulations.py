@@ -251,3 +251,50 @@ def test_conv_weight_gradient_form_follows_the_output_size(size, gemms, monkeypa
     proto = onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)])
     _, backward, _ = _differentiate(proto, ["w"])
     assert backward["Gemm"] == gemms
+
+
+def test_a_conv_weight_gradient_node_is_emitted_only_where_symmetric_pads_give_it(monkeypatch):
+    """The GPU runs ConvWeightGrad with cuDNN, which pads both sides by the begin pads: wherever the
+    rule emits the node, that symmetric computation (torch's ``conv2d_weight``, padding = begin)
+    equals the node's function on onnxruntime; random windows, asymmetric pads included."""
+    torch = pytest.importorskip("torch")
+    f32 = onnx.TensorProto.FLOAT
+    rng = np.random.default_rng(7)
+    emitted = 0
+    for _ in range(60):
+        kernel = [int(k) for k in rng.integers(1, 4, 2)]
+        strides = [int(s) for s in rng.integers(1, 3, 2)]
+        dilations = [int(d) for d in rng.integers(1, 3, 2)]
+        pads = [int(p) for p in rng.integers(0, 3, 4)]
+        x_shape = [2, 3, *(int(v) for v in rng.integers(6, 10, 2))]
+        w_shape = [4, 3, *kernel]
+        node = onnx.helper.make_node("Conv", ["x", "w"], ["y"], strides=strides, dilations=dilations, pads=pads)
+        probe = onnx.shape_inference.infer_shapes(onnx.helper.make_model(
+            onnx.helper.make_graph([node], "p", [onnx.helper.make_tensor_value_info("x", f32, x_shape),
+                                                 onnx.helper.make_tensor_value_info("w", f32, w_shape)],
+                                   [onnx.helper.make_tensor_value_info("y", f32, None)]),
+            opset_imports=[onnx.helper.make_opsetid("", 18)]))
+        y_shape = [d.dim_value for d in probe.graph.output[0].type.tensor_type.shape.dim]
+        if min(y_shape[2:]) < 1:
+            continue
+        graph = onnx.helper.make_graph(
+            [node, onnx.helper.make_node("Mul", ["y", "c"], ["yc"]),
+             onnx.helper.make_node("ReduceSum", ["yc"], ["loss"], keepdims=0)], "conv",
+            [onnx.helper.make_tensor_value_info("x", f32, x_shape), onnx.helper.make_tensor_value_info("w", f32, w_shape),
+             onnx.helper.make_tensor_value_info("c", f32, y_shape)],
+            [onnx.helper.make_tensor_value_info("loss", f32, [])])
+        proto = onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)])
+        out, backward, _ = _differentiate(proto, ["w"])
+        if not backward[WEIGHT_GRAD_OP]:
+            continue
+        emitted += 1
+        (wgrad,) = [n for n in out.graph.node if n.op_type == WEIGHT_GRAD_OP]
+        attrs = {a.name: list(a.ints) for a in wgrad.attribute}
+        feeds = {"x": rng.standard_normal(x_shape, dtype=np.float32), "w": rng.standard_normal(w_shape, dtype=np.float32),
+                 "c": rng.standard_normal(y_shape, dtype=np.float32)}
+        actual = _session(out).run(["grad.w"], feeds)[0]
+        symmetric = torch.nn.grad.conv2d_weight(
+            torch.from_numpy(feeds["x"]).double(), w_shape, torch.from_numpy(feeds["c"]).double(),
+            stride=attrs["strides"], padding=attrs["pads"][:2], dilation=attrs["dilations"]).numpy()
+        np.testing.assert_allclose(actual, symmetric, rtol=1e-4, atol=1e-4, err_msg=str((x_shape, kernel, attrs)))
+    assert emitted >= 10  # the draw covers the node, not only the fallbacks

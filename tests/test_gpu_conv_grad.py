@@ -50,11 +50,11 @@ def _float64(x, dy, kernel, strides, dilations, pads) -> np.ndarray:
     return dw
 
 
-def _assert_close(actual, x, dy, attrs) -> None:
-    """Within float32 summation error: 1e-5 of the sum of the terms' magnitudes (the output can be
-    a near-cancelling sum of thousands of terms, so a bound relative to it would test luck)."""
+def _assert_close(actual, x, dy, attrs, tolerance: float = 1e-5) -> None:
+    """Within float32 summation error: ``tolerance`` of the sum of the terms' magnitudes (the output
+    can be a near-cancelling sum of thousands of terms, so a bound relative to it would test luck)."""
     exact, scale = _float64(x, dy, *attrs), _float64(np.abs(x), np.abs(dy), *attrs)
-    assert np.all(np.abs(actual - exact) <= 1e-5 * scale), float(np.max(np.abs(actual - exact) / scale))
+    assert np.all(np.abs(actual - exact) <= tolerance * scale), float(np.max(np.abs(actual - exact) / scale))
 
 
 def _expected(x, dy, kernel, strides, dilations, pads) -> np.ndarray:
@@ -116,3 +116,44 @@ def test_a_node_without_its_attributes_is_refused_naming_it():
 
     with pytest.raises(RunError, match=r"segment 2: node 'layer1/wgrad'.*lacks attribute\(s\) dilations"):
         ConvGradRunner(group, "rank0.onnx", _Backend())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
+@pytest.mark.parametrize("tf32", [False, True])
+def test_nodes_of_several_runners_share_one_handle_and_a_workspace_that_fits_them_all(tf32):
+    """Every case as one node of one runner, and a second runner on the same backend: one cuDNN
+    context, its workspace as large as the largest chosen algorithm needs; with TF32 (inputs rounded
+    to 10 mantissa bits, 2^-11 relative each) the products are within 2e-3 of the exact ones."""
+    import cupy as cp
+
+    from runtime.gpu import GpuBackend
+
+    backend = GpuBackend(0, tf32=tf32)
+    rng = np.random.default_rng(11)
+    nodes, feeds, cases = [], {}, []
+    for i, (x_shape, kernel, strides, dilations, pads) in enumerate(CASES):
+        outs = [_out_size(size, kk, s, d, p) for size, kk, s, d, p in zip(x_shape[2:], kernel, strides, dilations, pads)]
+        x = rng.normal(size=x_shape).astype(np.float32)
+        dy = rng.normal(size=(x_shape[0], 12, *outs)).astype(np.float32)
+        node = _node(kernel, strides, dilations, pads, name=f"wgrad{i}")
+        node.input[:] = [f"x{i}", f"dy{i}"]
+        node.output[:] = [f"dw{i}"]
+        nodes.append(node)
+        feeds.update({f"x{i}": cp.asarray(x), f"dy{i}": cp.asarray(dy)})
+        cases.append((x, dy, (kernel, strides, dilations, pads)))
+    names = tuple(feeds)
+    runner = ConvGradRunner(NativeGroup(0, 0, 1, tuple(nodes), names, tuple(f"dw{i}" for i in range(len(CASES)))),
+                            "test", backend)
+    results = runner.run(feeds)
+    backend.compute.synchronize()
+    for result, (x, dy, attrs) in zip(results, cases):
+        _assert_close(cp.asnumpy(result), x, dy, attrs, 2e-3 if tf32 else 1e-5)
+    context = backend.cudnn()
+    assert runner.context is context
+    assert context.workspace_bytes >= max(op.workspace_bytes for op in runner.ops)
+    other = ConvGradRunner(NativeGroup(1, 0, 1, (nodes[0],), ("x0", "dy0"), ("dw0",)), "test", backend)
+    (again,) = other.run({"x0": feeds["x0"], "dy0": feeds["dy0"]})
+    backend.compute.synchronize()
+    assert other.context is context
+    _assert_close(cp.asnumpy(again), *cases[0][:2], cases[0][2], 2e-3 if tf32 else 1e-5)

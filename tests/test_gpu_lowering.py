@@ -178,13 +178,18 @@ def test_a_concat_wider_than_capture_allows_becomes_a_tree_with_the_same_values(
     """onnxruntime's CUDA Concat takes at most 32 inputs under CUDA-graph capture (ZeRO wrote 69)."""
     inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [i % 3 + 1, 2]) for i in range(count)]
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    node = helper.make_node("Concat", [v.name for v in inputs], ["y"], name="pack", axis=0)
-    model = helper.make_model(helper.make_graph([node], "g", inputs, [y]), opset_imports=[helper.make_opsetid("", 18)])
+    # Two unnamed Concats of the same inputs: the tree's node names must still be unique.
+    nodes = [helper.make_node("Concat", [v.name for v in inputs], [out], axis=0) for out in ("y", "z")]
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, None)
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, [y, z]), opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     lowered = lower_for_cuda(specialize(model, {}))
-    assert [n.op_type for n in lowered.graph.node] == ["Concat"] * concats
+    assert [n.op_type for n in lowered.graph.node] == ["Concat"] * (2 * concats)
     assert max(len(n.input) for n in lowered.graph.node) <= 32
-    assert lowered.graph.node[-1].output[0] == "y"
+    named = [n.name for n in lowered.graph.node if n.name]
+    assert len(named) == len(set(named))
+    assert {n.output[0] for n in lowered.graph.node} >= {"y", "z"}
     rng = np.random.default_rng(count)
     feeds = {f"x{i}": rng.normal(size=(i % 3 + 1, 2)).astype(np.float32) for i in range(count)}
-    np.testing.assert_array_equal(_run(lowered, feeds)[0], np.concatenate(list(feeds.values())))
+    for result in _run(lowered, feeds):
+        np.testing.assert_array_equal(result, np.concatenate(list(feeds.values())))

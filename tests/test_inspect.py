@@ -408,13 +408,6 @@ def test_inspect_rank_out_of_range_for_pictures(outs, tmp_path):
                     "needs an OUT directory")
 
 
-if __name__ == "__main__":  # python tests/test_inspect.py DIR: write DIR/model.onnx (the tiny GPT) for the docs
-    target = Path(sys.argv[1])
-    target.mkdir(parents=True, exist_ok=True)
-    onnx.save(tiny_gpt(), target / "model.onnx")
-    print(target / "model.onnx")
-
-
 def test_a_conv_weight_gradient_node_costs_what_its_forward_conv_costs():
     """Estimated FLOPs of ``ConvWeightGrad`` (the backward's weight gradients, one node each) equal
     the forward Conv's: the same products, summed over another index."""
@@ -432,3 +425,11 @@ def test_a_conv_weight_gradient_node_costs_what_its_forward_conv_costs():
         value_info=[helper.make_tensor_value_info("y", f32, [4, 8, 8, 8])])
     types = Types(graph)
     assert node_flops(wgrad, types) == node_flops(conv, types) == 2 * (4 * 8 * 8 * 8) * (6 * 3 * 3)
+
+
+if __name__ == "__main__":  # python tests/test_inspect.py DIR: write DIR/model.onnx (the tiny GPT) for the docs
+    target = Path(sys.argv[1])
+    target.mkdir(parents=True, exist_ok=True)
+    onnx.save(tiny_gpt(), target / "model.onnx")
+    print(target / "model.onnx")
+

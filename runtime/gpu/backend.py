@@ -16,7 +16,7 @@ from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner
 from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
 from runtime.gpu.conv_grad import DOMAIN as CONV_GRAD_DOMAIN
-from runtime.gpu.conv_grad import ConvGradRunner
+from runtime.gpu.conv_grad import ConvGradRunner, CudnnContext
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
 from runtime.gpu.elementwise import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise import ElementwiseRunner, fuse_elementwise
@@ -153,6 +153,7 @@ class GpuBackend(Backend):
         if self.fuse_elementwise:
             native.add(ELEMENTWISE_DOMAIN)
         self.native_domains = frozenset(native)
+        self._cudnn: CudnnContext | None = None
         self._staging: dict[str, tuple[Any, np.ndarray, Any]] = {}
         self._ring = cp.zeros(LOSS_RING, dtype=np.float64)
         self._ring_next = 0
@@ -194,6 +195,12 @@ class GpuBackend(Backend):
                                f"{sorted(later & set(sub.inputs))[0]!r}, which a native node run after them computes")
         runners = [runner(sub, where, self) for runner, sub in subgroups]
         return runners[0] if len(runners) == 1 else NativeSequence(runners, segment.outputs)
+
+    def cudnn(self) -> CudnnContext:
+        """The cuDNN handle and workspace every Conv-gradient runner shares, made on first use."""
+        if self._cudnn is None:
+            self._cudnn = CudnnContext(self.cp, self.compute)
+        return self._cudnn
 
     def prepare_step_graph(self, model):
         return fuse_elementwise(model) if self.fuse_elementwise else model

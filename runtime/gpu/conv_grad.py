@@ -7,8 +7,10 @@ batch 256, one H100: ~8.7 against ~1.9 ms per step), which is what PyTorch runs.
 
 Algorithm: chosen once per node on its first call by ``cudnnFindConvolutionBackwardFilterAlgorithmEx``
 (cuDNN times every algorithm on the real buffers, as onnxruntime's default EXHAUSTIVE search and
-``torch.backends.cudnn.benchmark`` do), among those needing at most WORKSPACE_LIMIT bytes. One
-workspace per runner, the largest its chosen algorithms need. TF32 follows the backend (tensor-core
+``torch.backends.cudnn.benchmark`` do), among those needing at most WORKSPACE_LIMIT bytes. Every
+runner of a backend shares one cuDNN handle and one workspace (``CudnnContext``): they all run in
+turn on the backend's compute stream. The workspace only grows, and each launch reads its current
+pointer, so a node's chosen algorithm always fits it. TF32 follows the backend (tensor-core
 math allowed with ``tf32``, FMA-only math without it, as onnxruntime's ``use_tf32`` does for its
 Convs), so the equality tests (TF32 off) compare exact float32 products; the summation order is
 cuDNN's, within the tests' 1e-5 of the CPU backend.
@@ -69,6 +71,27 @@ class _WeightGrad:
                    attrs["strides"], attrs["dilations"], attrs["pads"][:k])
 
 
+class CudnnContext:
+    """The cuDNN handle (bound to the backend's compute stream) and the workspace that every
+    ConvGradRunner of one backend shares (GpuBackend.cudnn)."""
+
+    def __init__(self, cp, stream):
+        self.cp = cp
+        self.handle = cudnn.Handle(stream.ptr)
+        self.workspace = None
+        self.workspace_bytes = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """A workspace of at least ``nbytes``; the old one is freed in stream order (CuPy's pool
+        reuses a block only on the stream that freed it)."""
+        if nbytes > self.workspace_bytes:
+            self.workspace = self.cp.empty(nbytes, dtype=np.uint8)
+            self.workspace_bytes = nbytes
+
+    def pointer(self) -> int:
+        return self.workspace.data.ptr if self.workspace is not None else 0
+
+
 class ConvGradRunner(LaunchRunner):
     """A NativeGroup of ConvWeightGrad nodes, run by cuDNN on the backend's compute stream."""
 
@@ -79,9 +102,8 @@ class ConvGradRunner(LaunchRunner):
         self.stream = backend.compute
         self.where = f"{where}: Conv weight gradients in segment {group.index}" + (f" part {group.part}" if group.part else "")
         self.ops = [_WeightGrad.from_node(node, self.where) for node in group.nodes]
-        self.handle: cudnn.Handle | None = None
-        self.workspace = None
-        self.workspace_bytes = 0
+        self.backend = backend
+        self.context: CudnnContext | None = None  # the backend's, from the first call on
 
     def _check(self, op: _WeightGrad, x, dy) -> None:
         for label, value in (("X", x), ("dY", dy)):
@@ -91,8 +113,12 @@ class ConvGradRunner(LaunchRunner):
 
     def _configure(self, op: _WeightGrad, x, dy, dw) -> None:
         """Descriptors for these shapes, and the fastest algorithm on these buffers."""
-        if self.handle is None:
-            self.handle = cudnn.Handle(self.stream.ptr)
+        if self.context is None:
+            self.context = self.backend.cudnn()
+        handle = self.context.handle
+        if op.descriptors:
+            cudnn.destroy(*op.descriptors)
+            op.descriptors = ()
         x_desc, dy_desc = cudnn.tensor_descriptor(x.shape), cudnn.tensor_descriptor(dy.shape)
         dw_desc = cudnn.filter_descriptor(dw.shape)
         conv = cudnn.convolution_descriptor(op.pads, op.strides, op.dilations, tf32=self.tf32)
@@ -100,11 +126,11 @@ class ConvGradRunner(LaunchRunner):
         if expected != list(dy.shape):
             raise RunError(f"{self.where}: '{op.name}': dY is {tuple(dy.shape)}, but a Conv of X {tuple(x.shape)} "
                            f"with these attributes gives {tuple(expected)}")
-        sizes = [cudnn.backward_filter_workspace(self.handle, x_desc, dy_desc, conv, dw_desc, algo)
+        sizes = [cudnn.backward_filter_workspace(handle, x_desc, dy_desc, conv, dw_desc, algo)
                  for algo in range(cudnn.BWD_FILTER_ALGOS)]
         trial = max([size for size in sizes if size is not None and size <= WORKSPACE_LIMIT], default=0)
         scratch = self.cp.empty(max(trial, 1), dtype=np.uint8)
-        found = cudnn.find_backward_filter(self.handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, dw_desc,
+        found = cudnn.find_backward_filter(handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, dw_desc,
                                            dw.data.ptr, scratch.data.ptr, trial)
         if not found:
             raise RunError(f"{self.where}: '{op.name}': cuDNN has no backward-filter algorithm for X {tuple(x.shape)}, "
@@ -115,9 +141,8 @@ class ConvGradRunner(LaunchRunner):
         op.shapes = (tuple(x.shape), tuple(dy.shape))
         op.descriptors = (x_desc, dy_desc, conv, dw_desc)
         op.algo, op.workspace_bytes, op.dw_shape = int(best.algo), int(best.memory), tuple(dw.shape)
-        if op.workspace_bytes > self.workspace_bytes:
-            self.workspace_bytes = op.workspace_bytes
-            self.workspace = self.cp.empty(self.workspace_bytes, dtype=np.uint8)
+        del scratch
+        self.context.reserve(op.workspace_bytes)
 
     def _launch(self, values, allocate: bool) -> None:
         cp = self.cp
@@ -131,7 +156,7 @@ class ConvGradRunner(LaunchRunner):
                 if op.shapes != (tuple(x.shape), tuple(dy.shape)):
                     self._configure(op, x, dy, dw)
                 x_desc, dy_desc, conv, dw_desc = op.descriptors
-                workspace = self.workspace.data.ptr if self.workspace is not None else 0
-                cudnn.backward_filter(self.handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, op.algo,
-                                      workspace, op.workspace_bytes, dw_desc, dw.data.ptr)
+                context = self.context
+                cudnn.backward_filter(context.handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, op.algo,
+                                      context.pointer(), op.workspace_bytes, dw_desc, dw.data.ptr)
 

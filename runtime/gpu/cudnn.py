@@ -109,6 +109,14 @@ def convolution_descriptor(pads, strides, dilations, *, tf32: bool) -> ctypes.c_
     return desc
 
 
+def destroy(x_desc, dy_desc, conv, dw_desc) -> None:
+    """Free the descriptors ``tensor_descriptor``/``filter_descriptor``/``convolution_descriptor`` made."""
+    call("cudnnDestroyTensorDescriptor", x_desc)
+    call("cudnnDestroyTensorDescriptor", dy_desc)
+    call("cudnnDestroyConvolutionDescriptor", conv)
+    call("cudnnDestroyFilterDescriptor", dw_desc)
+
+
 def forward_output_dims(conv, x_desc, w_desc, rank: int) -> list[int]:
     dims = (ctypes.c_int * rank)()
     call("cudnnGetConvolutionNdForwardOutputDim", conv, x_desc, w_desc, rank, dims)

@@ -138,7 +138,7 @@ def _concat_tree(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         inputs = []
         for k, group in enumerate(groups):
             name = f"{node.output[0]}.lowered.concat{level}_{k}"
-            nodes.append(helper.make_node("Concat", group, [name], name=f"{node.name}/lowered{level}_{k}", axis=axis))
+            nodes.append(helper.make_node("Concat", group, [name], name=name, axis=axis))  # output names are unique
             inputs.append(name)
         level += 1
     nodes.append(helper.make_node("Concat", inputs, list(node.output), name=node.name, axis=axis))

@@ -88,6 +88,7 @@ class NcclCommunicator(Communicator):
         self._stop = threading.Event()
         self._abort_lock = threading.Lock()
         self.relaxed: bool | None = None  # whether the watchdog thread runs in relaxed capture mode
+        self._relaxed_known = threading.Event()
         self._aborted = False
         self._sync_calls = 0
 
@@ -98,6 +99,8 @@ class NcclCommunicator(Communicator):
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         self.comm = join_nccl(self._nccl, self.host, self.rank, self.size, self.device)
         threading.Thread(target=self._watch, name="nccl-watchdog", daemon=True).start()
+        # Programs decide whether to capture CUDA graphs from ``relaxed`` (GpuProgram): know it first.
+        self._relaxed_known.wait(5.0)
 
     def close(self) -> None:
         self._stop.set()
@@ -109,6 +112,7 @@ class NcclCommunicator(Communicator):
 
     def _watch(self) -> None:
         self.relaxed = relax_capture_mode()  # this thread's event queries must not break a capture
+        self._relaxed_known.set()
         while not self._stop.wait(1.0):
             now = time.monotonic()
             pending = []

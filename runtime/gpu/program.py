@@ -74,8 +74,10 @@ class GpuProgram(ProgramBase):
         # cudaStreamEndCapture): the watchdog thread's event queries invalidated onnxruntime's
         # global-mode capture; that thread now runs in relaxed capture mode (watchdog, cuda.py).
         # Checked on 2 H100s (every strategy; ResNet-18 22.1 -> 19.2 ms per step, docs/gpu.md).
-        # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0 runs them uncaptured, with the static shapes kept.
-        if self.collective_pos and comm.size > 1 and not backend.multirank_graphs:
+        # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0 runs them uncaptured, with the static shapes kept; so
+        # does a communicator whose watchdog could not be put in relaxed capture mode.
+        watchdog_safe = getattr(comm, "relaxed", True) is True
+        if self.collective_pos and comm.size > 1 and not (backend.multirank_graphs and watchdog_safe):
             for _, runner in self.steps:
                 if isinstance(runner, OrtCudaSegment):
                     runner.capture_allowed = False

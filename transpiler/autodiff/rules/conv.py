@@ -181,7 +181,8 @@ def _weight_grad_node(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, 
     needs its function: whoever builds the backward calls ``add_conv_grad_function`` on the model."""
     begin, end = window.pads
     kernel = None if w.shape is None else _static(list(w.shape)[2:])
-    if window.group != 1 or kernel is None or len(kernel) != 2 or ctx.rank(x) != 4:
+    # float32 only: the GPU runner's cuDNN descriptors are float32 (other types keep the inline forms).
+    if window.group != 1 or kernel is None or len(kernel) != 2 or ctx.rank(x) != 4 or x.dtype != ir.DataType.FLOAT:
         return None
     if not (isinstance(begin, list) and isinstance(end, list)):
         return None
