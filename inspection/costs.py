@@ -19,6 +19,7 @@ from collections import Counter
 import onnx
 
 from contract.collectives import DOMAIN, CutError, constants_as_initializers, consumed, place_alap
+from contract.ops import CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD
 from inspection.errors import InspectError
 from inspection.model import Types, attr, op_name
 
@@ -83,9 +84,6 @@ def graph_collectives(model: onnx.ModelProto, rank: int, world: int, plan_seq: l
     return out
 
 
-CONV_GRAD_DOMAIN = "graph_transpiler.conv"  # the Conv weight-gradient op (docs/contracts.md)
-
-
 def node_flops(node: onnx.NodeProto, types: Types) -> int:
     """A rough FLOP count: 2*M*N*K for MatMul/Gemm/Conv, one per output element otherwise."""
     if node.op_type in ("Constant", "Shape", "Size", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"):
@@ -100,7 +98,7 @@ def node_flops(node: onnx.NodeProto, types: Types) -> int:
         trans_a = attr(node, "transA", 0)
         k = a[0 if trans_a else -1] if a and len(a) == 2 and isinstance(a[0 if trans_a else -1], int) else 1
         return 2 * out * k
-    if node.domain == CONV_GRAD_DOMAIN and node.op_type == "ConvWeightGrad" and len(node.input) == 2:
+    if node.domain == CONV_GRAD_DOMAIN and node.op_type == CONV_WEIGHT_GRAD and len(node.input) == 2:
         # dW(M, C, k...) = sum over every dY element of C*prod(k) products with X's window.
         x = types.shape(node.input[0]) or []
         k = x[1] if len(x) > 1 and isinstance(x[1], int) else 1

@@ -26,9 +26,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime.errors import RunError
 
-DOMAIN = "graph_transpiler.optimizer"
+DOMAIN = FUSED_UPDATE_DOMAIN
 
 # op type -> (state slots in input/output order, whether it reads the step counter)
 OPS: dict[str, tuple[tuple[str, ...], bool]] = {

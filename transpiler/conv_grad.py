@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from contract.ops import CONV_GRAD_DOMAIN, CONV_GRAD_VERSION, CONV_WEIGHT_GRAD, CONV_WEIGHT_GRAD_ATTRIBUTES
+
 __all__ = ["CONV_GRAD_DOMAIN", "CONV_GRAD_VERSION", "WEIGHT_GRAD_OP", "add_conv_grad_function"]
 
-CONV_GRAD_DOMAIN = "graph_transpiler.conv"
-CONV_GRAD_VERSION = 1
-WEIGHT_GRAD_OP = "ConvWeightGrad"
+WEIGHT_GRAD_OP = CONV_WEIGHT_GRAD
 _INTS = ir.AttributeType.INTS
-_ATTRIBUTES = ("kernel_shape", "strides", "dilations", "pads")
 
 
 def add_conv_grad_function(model: ir.Model) -> bool:
@@ -72,7 +71,7 @@ def _function(opset: int) -> ir.Function:
     dw = op("Transpose", [cropped], [ints("perm", swap)])
     dw.name = "dW"
     body = ir.Graph([x, dy], [dw], nodes=nodes, opset_imports={"": opset}, name=WEIGHT_GRAD_OP)
-    declared = [ir.Attr(name, _INTS, None) for name in _ATTRIBUTES]
+    declared = [ir.Attr(name, _INTS, None) for name in CONV_WEIGHT_GRAD_ATTRIBUTES]
     function = ir.Function(CONV_GRAD_DOMAIN, WEIGHT_GRAD_OP, graph=body, attributes=declared)
     function.doc_string = "Conv weight gradient (group 1, 2 spatial axes); see transpiler/conv_grad.py"
     return function

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from contract.ops import FUSED_UPDATE_DOMAIN, FUSED_UPDATE_VERSION
 from transpiler.optimizer import Emitter, check_update_arguments, emit_update, unique_name
 from transpiler.optimizer_table import OptimizerConfig
 
@@ -20,8 +21,8 @@ _FLOAT = ir.DataType.FLOAT
 
 # The fused update ops (emit_fused_update): one op per optimizer, in their own domain so that the
 # runtime can tell them from the collectives (domain "graph_transpiler").
-FUSED_DOMAIN = "graph_transpiler.optimizer"
-FUSED_VERSION = 1
+FUSED_DOMAIN = FUSED_UPDATE_DOMAIN
+FUSED_VERSION = FUSED_UPDATE_VERSION
 _FUSED_OP = {"sgd": "SGD", "momentum": "Momentum", "adam": "Adam", "adamw": "AdamW"}
 
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from contract.ops import CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD, CONV_WEIGHT_GRAD_ATTRIBUTES
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
 from runtime.gpu import cudnn
 
-DOMAIN = "graph_transpiler.conv"
-WEIGHT_GRAD = "ConvWeightGrad"
+DOMAIN, WEIGHT_GRAD = CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD
 WORKSPACE_LIMIT = 256 << 20  # bytes an algorithm may need; cuDNN's fastest ResNet ones need far less
 
 
@@ -60,7 +60,7 @@ class _WeightGrad:
             raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a "
                            f"{DOMAIN}::{WEIGHT_GRAD}(X, dY) -> dW node")
         attrs = {a.name: list(a.ints) for a in node.attribute}
-        missing = [key for key in ("kernel_shape", "strides", "dilations", "pads") if key not in attrs]
+        missing = [key for key in CONV_WEIGHT_GRAD_ATTRIBUTES if key not in attrs]
         if missing:
             raise RunError(f"{where}: node '{node.name}' ({WEIGHT_GRAD}) lacks attribute(s) {', '.join(missing)}")
         k = len(attrs["kernel_shape"])
