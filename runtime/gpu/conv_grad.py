@@ -17,13 +17,14 @@ cuDNN's, within the tests' 1e-5 of the CPU backend.
 
 Interface: OrtCudaSegment's (``run`` on the first call, allocating dW; then ``prepare`` per parity
 and ``run_bound``), so GpuProgram binds its outputs into buffers and collective slots like any
-segment's. Descriptors depend on the shapes only, which a program fixes at its first call; a call
-with other shapes rebuilds them (and searches again).
+segment's. Descriptors and algorithms are made in ``run`` (again only if its shapes changed), whose
+shapes the program keeps for every bound call (its buffers are allocated from them), so a step only
+enqueues the cuDNN calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,11 +49,10 @@ class _WeightGrad:
     strides: list[int]
     dilations: list[int]
     pads: list[int]  # begin pads; the transpiler emits the node only where cuDNN's symmetric ones fit
-    shapes: tuple = ()
-    descriptors: tuple = ()
+    shapes: tuple = ()  # (X's, dY's) of the call that made the descriptors
+    descriptors: tuple = ()  # (x, dy, conv, dw)
     algo: int = 0
     workspace_bytes: int = 0
-    dw_shape: tuple = field(default=())
 
     @classmethod
     def from_node(cls, node, where: str) -> _WeightGrad:
@@ -118,7 +118,6 @@ class ConvGradRunner(LaunchRunner):
         handle = self.context.handle
         if op.descriptors:
             cudnn.destroy(*op.descriptors)
-            op.descriptors = ()
         x_desc, dy_desc = cudnn.tensor_descriptor(x.shape), cudnn.tensor_descriptor(dy.shape)
         dw_desc = cudnn.filter_descriptor(dw.shape)
         conv = cudnn.convolution_descriptor(op.pads, op.strides, op.dilations, tf32=self.tf32)
@@ -138,9 +137,8 @@ class ConvGradRunner(LaunchRunner):
         best = found[0]
         # The math type cuDNN timed the winner with (tensor-op math only where tf32 allowed it).
         cudnn.call("cudnnSetConvolutionMathType", conv, best.mathType)
-        op.shapes = (tuple(x.shape), tuple(dy.shape))
-        op.descriptors = (x_desc, dy_desc, conv, dw_desc)
-        op.algo, op.workspace_bytes, op.dw_shape = int(best.algo), int(best.memory), tuple(dw.shape)
+        op.shapes, op.descriptors = (x.shape, dy.shape), (x_desc, dy_desc, conv, dw_desc)
+        op.algo, op.workspace_bytes = int(best.algo), int(best.memory)
         del scratch
         self.context.reserve(op.workspace_bytes)
 
@@ -149,12 +147,12 @@ class ConvGradRunner(LaunchRunner):
         with self.stream:
             for op in self.ops:
                 x, dy = values[op.x], values[op.dy]
-                if allocate:
+                if allocate:  # a first call: its shapes are every bound call's (the module docstring)
                     self._check(op, x, dy)
                     values[op.dw] = cp.empty((dy.shape[1], x.shape[1], *op.kernel), dtype=np.float32)
+                    if op.shapes != (x.shape, dy.shape):
+                        self._configure(op, x, dy, values[op.dw])
                 dw = values[op.dw]
-                if op.shapes != (tuple(x.shape), tuple(dy.shape)):
-                    self._configure(op, x, dy, dw)
                 x_desc, dy_desc, conv, dw_desc = op.descriptors
                 context = self.context
                 cudnn.backward_filter(context.handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, op.algo,
