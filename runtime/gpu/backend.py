@@ -185,8 +185,8 @@ class GpuBackend(Backend):
     def compile(self, segment, where):
         if not isinstance(segment, NativeGroup):
             return OrtCudaSegment(segment, where, self)
-        # One runner per domain; a group may hold both (independent nodes share a stage), and
-        # elementwise nodes never read an update's output within a step, so they run first.
+        # One runner per domain, in _NATIVE_RUNNERS' order (a group may hold several domains:
+        # independent nodes share a stage).
         subgroups = [(runner, sub) for domain, runner in _NATIVE_RUNNERS if (sub := segment.only(domain)) is not None]
         for i, (_, sub) in enumerate(subgroups):
             later = {name for _, after in subgroups[i + 1:] for name in after.outputs}

@@ -223,8 +223,8 @@ class OrtCudaSegment(SegmentRunner):
         if not self.graphs:
             # The first bound run of each parity gives the arena's free chunks back (the first
             # call's outputs, which onnxruntime allocated and the program no longer reads); later
-            # runs keep what they use. Multi-rank programs are never captured, and without this
-            # each segment's arena kept its first call's outputs for good.
+            # runs keep what they use. Uncaptured sessions (GRAPH_TRANSPILER_CUDA_GRAPHS=0 or
+            # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0) otherwise kept their first call's outputs for good.
             warm = self.seen[parity]
             self.seen[parity] = True
             self._run(io, self.backend.run_options if warm else self.backend.run_options_uncaptured)
