@@ -195,8 +195,8 @@ CONVS = [
 ]
 
 
-@pytest.mark.parametrize("x_shape,w_shape,attrs", CONVS, ids=[str(i) for i in range(len(CONVS))])
-def test_conv_weight_gradient_gemm_equals_conv(x_shape, w_shape, attrs, monkeypatch):
+def _conv_loss(x_shape, w_shape, attrs) -> tuple[onnx.ModelProto, list[int]]:
+    """(the model loss = sum(Conv(x, w) * c), the shape of Conv's output and c)."""
     f32 = onnx.TensorProto.FLOAT
     nodes = [onnx.helper.make_node("Conv", ["x", "w"], ["y"], **attrs),
              onnx.helper.make_node("Mul", ["y", "c"], ["yc"]),
@@ -213,7 +213,12 @@ def test_conv_weight_gradient_gemm_equals_conv(x_shape, w_shape, attrs, monkeypa
          onnx.helper.make_tensor_value_info("c", f32, y_shape)],
         [onnx.helper.make_tensor_value_info("loss", f32, [])],
     )
-    proto = onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    return onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)]), y_shape
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CONVS, ids=[str(i) for i in range(len(CONVS))])
+def test_conv_weight_gradient_gemm_equals_conv(x_shape, w_shape, attrs, monkeypatch):
+    proto, y_shape = _conv_loss(x_shape, w_shape, attrs)
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal(x_shape, dtype=np.float32), "w": rng.standard_normal(w_shape, dtype=np.float32),
              "c": rng.standard_normal(y_shape, dtype=np.float32)}
@@ -258,7 +263,6 @@ def test_a_conv_weight_gradient_node_is_emitted_only_where_symmetric_pads_give_i
     rule emits the node, that symmetric computation (torch's ``conv2d_weight``, padding = begin)
     equals the node's function on onnxruntime; random windows, asymmetric pads included."""
     torch = pytest.importorskip("torch")
-    f32 = onnx.TensorProto.FLOAT
     rng = np.random.default_rng(7)
     emitted = 0
     for _ in range(60):
@@ -268,22 +272,9 @@ def test_a_conv_weight_gradient_node_is_emitted_only_where_symmetric_pads_give_i
         pads = [int(p) for p in rng.integers(0, 3, 4)]
         x_shape = [2, 3, *(int(v) for v in rng.integers(6, 10, 2))]
         w_shape = [4, 3, *kernel]
-        node = onnx.helper.make_node("Conv", ["x", "w"], ["y"], strides=strides, dilations=dilations, pads=pads)
-        probe = onnx.shape_inference.infer_shapes(onnx.helper.make_model(
-            onnx.helper.make_graph([node], "p", [onnx.helper.make_tensor_value_info("x", f32, x_shape),
-                                                 onnx.helper.make_tensor_value_info("w", f32, w_shape)],
-                                   [onnx.helper.make_tensor_value_info("y", f32, None)]),
-            opset_imports=[onnx.helper.make_opsetid("", 18)]))
-        y_shape = [d.dim_value for d in probe.graph.output[0].type.tensor_type.shape.dim]
+        proto, y_shape = _conv_loss(x_shape, w_shape, {"strides": strides, "dilations": dilations, "pads": pads})
         if min(y_shape[2:]) < 1:
             continue
-        graph = onnx.helper.make_graph(
-            [node, onnx.helper.make_node("Mul", ["y", "c"], ["yc"]),
-             onnx.helper.make_node("ReduceSum", ["yc"], ["loss"], keepdims=0)], "conv",
-            [onnx.helper.make_tensor_value_info("x", f32, x_shape), onnx.helper.make_tensor_value_info("w", f32, w_shape),
-             onnx.helper.make_tensor_value_info("c", f32, y_shape)],
-            [onnx.helper.make_tensor_value_info("loss", f32, [])])
-        proto = onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18)])
         out, backward, _ = _differentiate(proto, ["w"])
         if not backward[WEIGHT_GRAD_OP]:
             continue

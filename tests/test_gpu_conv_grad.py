@@ -36,6 +36,15 @@ def _out_size(size, kernel, stride, dilation, pad):
     return (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
 
 
+def _arrays(case: int, rng, m: int = 12) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Random X and dY of CASES[case] (dY with ``m`` channels), and its (kernel, strides, dilations, pads)."""
+    x_shape, kernel, strides, dilations, pads = CASES[case]
+    outs = [_out_size(size, kk, s, d, p) for size, kk, s, d, p in zip(x_shape[2:], kernel, strides, dilations, pads)]
+    x = rng.normal(size=x_shape).astype(np.float32)
+    dy = rng.normal(size=(x_shape[0], m, *outs)).astype(np.float32)
+    return x, dy, (kernel, strides, dilations, pads)
+
+
 def _float64(x, dy, kernel, strides, dilations, pads) -> np.ndarray:
     """dW[m, c, t] = sum over (n, p) of dY[n, m, p] * Xpad[n, c, p*s + t*d], in float64."""
     x = np.pad(x.astype(np.float64), [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])])
@@ -78,20 +87,13 @@ def test_cudnn_weight_gradient_equals_the_function(case):
 
     from runtime.gpu import GpuBackend
 
-    x_shape, kernel, strides, dilations, pads = CASES[case]
-    n, c, h, w = x_shape
-    m = 12
-    outs = [_out_size(size, kk, s, d, p) for size, kk, s, d, p in zip((h, w), kernel, strides, dilations, pads)]
-    rng = np.random.default_rng(case)
-    x = rng.normal(size=x_shape).astype(np.float32)
-    dy = rng.normal(size=(n, m, *outs)).astype(np.float32)
-    attrs = (kernel, strides, dilations, pads)
+    x, dy, attrs = _arrays(case, np.random.default_rng(case))
     expected = _expected(x, dy, *attrs)
-    assert expected.shape == (m, c, *kernel)
+    assert expected.shape == (dy.shape[1], x.shape[1], *attrs[0])
     _assert_close(expected, x, dy, attrs)  # the function (onnxruntime, CPU) is right
 
     backend = GpuBackend(0, tf32=False)
-    group = NativeGroup(0, 0, 1, (_node(kernel, strides, dilations, pads),), ("x", "dy"), ("dw",))
+    group = NativeGroup(0, 0, 1, (_node(*attrs),), ("x", "dy"), ("dw",))
     runner = ConvGradRunner(group, "test", backend)
     feeds = {"x": cp.asarray(x), "dy": cp.asarray(dy)}
     (first,) = runner.run(feeds)
@@ -132,16 +134,14 @@ def test_nodes_of_several_runners_share_one_handle_and_a_workspace_that_fits_the
     backend = GpuBackend(0, tf32=tf32)
     rng = np.random.default_rng(11)
     nodes, feeds, cases = [], {}, []
-    for i, (x_shape, kernel, strides, dilations, pads) in enumerate(CASES):
-        outs = [_out_size(size, kk, s, d, p) for size, kk, s, d, p in zip(x_shape[2:], kernel, strides, dilations, pads)]
-        x = rng.normal(size=x_shape).astype(np.float32)
-        dy = rng.normal(size=(x_shape[0], 12, *outs)).astype(np.float32)
-        node = _node(kernel, strides, dilations, pads, name=f"wgrad{i}")
+    for i in range(len(CASES)):
+        x, dy, attrs = _arrays(i, rng)
+        node = _node(*attrs, name=f"wgrad{i}")
         node.input[:] = [f"x{i}", f"dy{i}"]
         node.output[:] = [f"dw{i}"]
         nodes.append(node)
         feeds.update({f"x{i}": cp.asarray(x), f"dy{i}": cp.asarray(dy)})
-        cases.append((x, dy, (kernel, strides, dilations, pads)))
+        cases.append((x, dy, attrs))
     names = tuple(feeds)
     runner = ConvGradRunner(NativeGroup(0, 0, 1, tuple(nodes), names, tuple(f"dw{i}" for i in range(len(CASES)))),
                             "test", backend)
