@@ -15,3 +15,12 @@ CONV_GRAD_DOMAIN = "graph_transpiler.conv"
 CONV_GRAD_VERSION = 1
 CONV_WEIGHT_GRAD = "ConvWeightGrad"
 CONV_WEIGHT_GRAD_ATTRIBUTES = ("kernel_shape", "strides", "dilations", "pads")
+
+# BatchNormalization in training mode, as two nodes (docs/contracts.md), rank-4 (N, C, H, W) float32:
+#   BatchNormTraining(X, scale, B, running_mean, running_var) -> (Y, running_mean_next,
+#       running_var_next, saved_mean, saved_inv_std)        attributes epsilon, momentum
+#   BatchNormTrainingGrad(dY, X, scale, saved_mean, saved_inv_std) -> (dX, dscale, dB)   epsilon
+BATCHNORM_DOMAIN = "graph_transpiler.batchnorm"
+BATCHNORM_VERSION = 1
+BATCHNORM_TRAINING = "BatchNormTraining"
+BATCHNORM_TRAINING_GRAD = "BatchNormTrainingGrad"

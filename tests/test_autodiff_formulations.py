@@ -23,7 +23,8 @@ import pytest
 from transpiler.autodiff import build_gradients
 from transpiler.autodiff.rules import conv as conv_rules
 from transpiler.batchnorm import decompose_batchnorm
-from transpiler.conv_grad import WEIGHT_GRAD_OP, add_conv_grad_function
+from transpiler.conv_grad import WEIGHT_GRAD_OP
+from transpiler.native_ops import add_op_functions
 
 
 def _session(proto: onnx.ModelProto) -> ort.InferenceSession:
@@ -40,7 +41,7 @@ def _differentiate(proto: onnx.ModelProto, wrt: list[str], *, bn: str | None = N
     forward = set(graph)
     result = build_gradients(graph, graph.outputs[0], [values[n] for n in wrt])
     graph.outputs.extend(result.grads[values[n]] for n in wrt)
-    add_conv_grad_function(model)
+    add_op_functions(model)
     backward = Counter(node.op_type for node in graph if node not in forward)
     out = ir.serde.serialize_model(model)
     onnx.checker.check_model(out)
@@ -155,6 +156,27 @@ def test_batchnorm_fused_gradient_equals_primitive_and_finite_differences(shape)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
     _check_vjp(fused, feeds, wrt, got[1:], 1e-6, 1e-7)
+
+
+def test_batchnorm_node_form_equals_the_fused_form():
+    """The default form of a rank-4 float32 BatchNorm: one BatchNormTraining node and one
+    BatchNormTrainingGrad (no primitive statistics left), computing through their functions what
+    the fused form computes (float32: the same formulas, the variance's inverse squared instead of
+    divided by)."""
+    shape = (4, 3, 5, 6)
+    proto = _bn_model(shape, onnx.TensorProto.FLOAT)
+    wrt = ["x", "scale", "bias"]
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal(shape) * 2 + 1, "scale": rng.uniform(0.5, 2, shape[1]),
+             "bias": rng.standard_normal(shape[1]), "c": rng.standard_normal(shape)}
+    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+    node, backward, everything = _differentiate(proto, wrt, bn="node")
+    fused, _, _ = _differentiate(proto, wrt, bn="fused")
+    assert everything["BatchNormTraining"] == 1 and backward["BatchNormTrainingGrad"] == 1
+    assert everything["ReduceMean"] == 0 and everything["BatchNormalization"] == 0
+    names = ["loss"] + [f"grad.{n}" for n in wrt]
+    for got, want in zip(_session(node).run(names, feeds), _session(fused).run(names, feeds)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.max(np.abs(want))))
 
 
 def test_batchnorm_small_epsilon_keeps_primitives():

@@ -11,8 +11,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from transpiler.autodiff import GradientError, build_gradients, check_supported, differentiable_values
-from transpiler.conv_grad import add_conv_grad_function
 from transpiler.errors import TranspileError, UnsupportedOpsError
+from transpiler.native_ops import add_op_functions
 
 OPSET = 18
 
@@ -31,7 +31,7 @@ def _differentiate(model: onnx.ModelProto, wrt: list[str]):
     values = {v.name: v for v in (*graph.inputs, *graph.initializers.values())}
     result = build_gradients(graph, graph.outputs[0], [values[n] for n in wrt])
     graph.outputs.extend(result.grads[values[n]] for n in wrt)
-    add_conv_grad_function(ir_model)
+    add_op_functions(ir_model)
     proto = ir.serde.serialize_model(ir_model)
     onnx.checker.check_model(proto, full_check=True)
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -21,8 +21,8 @@ import pytest
 
 from transpiler.autodiff import build_gradients, check_supported
 from transpiler.autodiff._registry import non_differentiable_ops, registered_ops
-from transpiler.conv_grad import add_conv_grad_function
 from transpiler.errors import UnsupportedOpsError
+from transpiler.native_ops import add_op_functions
 
 Shape = tuple[int, ...]
 
@@ -545,7 +545,7 @@ def test_vjp_matches_finite_differences(spec: Spec, symbolic: bool):
     loss = graph.outputs[0]
     result = build_gradients(graph, loss, [values[n] for n in wrt_names])
     graph.outputs.extend(result.grads[values[n]] for n in wrt_names)
-    add_conv_grad_function(ir_model)
+    add_op_functions(ir_model)
     grad_model = ir.serde.serialize_model(ir_model)
     onnx.checker.check_model(grad_model, full_check=True)
     session = _session(grad_model)

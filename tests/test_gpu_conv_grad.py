@@ -15,7 +15,7 @@ from runtime.errors import RunError
 from runtime.gpu import cuda_available, gpu_count
 from runtime.gpu.conv_grad import DOMAIN, WEIGHT_GRAD, ConvGradRunner
 from runtime.segments import NativeGroup
-from transpiler.conv_grad import add_conv_grad_function
+from transpiler.native_ops import add_op_functions
 
 # (X shape, kernel, strides, dilations, pads): the ResNet shapes (3x3 same, 3x3 stride 2, 1x1
 # stride 2) and a dilated, rectangular one.
@@ -73,7 +73,7 @@ def _expected(x, dy, kernel, strides, dilations, pads) -> np.ndarray:
                                             helper.make_tensor_value_info("dy", TensorProto.FLOAT, dy.shape)],
                               [helper.make_tensor_value_info("dw", TensorProto.FLOAT, None)])
     model = ir.serde.deserialize_model(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]))
-    assert add_conv_grad_function(model)
+    assert add_op_functions(model)
     proto = ir.serde.serialize_model(model)
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {"x": x, "dy": dy})[0]

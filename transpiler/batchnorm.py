@@ -8,7 +8,13 @@ Why decompose rather than differentiate the BatchNormalization op:
   all-reduce-mean is an all-reduce-mean of the cotangents);
 - the gradient comes from the primitive rules, each finite-difference checked.
 
-The default ("fused") form keeps the statistics as primitives (ReduceMean of x; ReduceMean of the
+The default ("node") form is ONE node, ``graph_transpiler.batchnorm::BatchNormTraining``, for the
+common case (rank-4 float32 input, running statistics present, statistics not synchronized, epsilon
+at least cuDNN's minimum); its rule emits one ``BatchNormTrainingGrad``. The GPU backend runs both
+as cuDNN's training kernels; their functions (transpiler/batchnorm_ops.py) compute the "fused" form
+below everywhere else. Other BatchNorms fall back to the "fused" form.
+
+The "fused" form keeps the statistics as primitives (ReduceMean of x; ReduceMean of the
 squared centered x: the exact two-pass variance) and normalizes with ONE BatchNormalization node in
 inference mode fed those statistics, which onnxruntime runs as one kernel on CPU and CUDA (cuDNN)
 at any opset. Its gradient rule (autodiff/rules/normalization.py) recognizes that pattern and
@@ -40,8 +46,10 @@ import onnx
 import onnx.shape_inference
 import onnx_ir as ir
 
+from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING
 from transpiler.collectives import DOMAIN, VERSION
 from transpiler.errors import TranspileError
+from transpiler.native_ops import add_op_functions
 
 
 @dataclass
@@ -82,15 +90,16 @@ def _attr(node: ir.Node, name: str, default):
 # onnxruntime's CUDA BatchNormalization clamps epsilon up to cuDNN's minimum (CUDNN_BN_MIN_EPSILON):
 # a smaller epsilon keeps the primitive normalization, which computes it as given.
 CUDNN_MIN_EPSILON = 1e-5
-FORMULATIONS = ("fused", "primitive")
+FORMULATIONS = ("node", "fused", "primitive")
 
 
 def decompose_batchnorm(
-    model: ir.Model, *, world_size: int = 1, formulation: str = "fused"
+    model: ir.Model, *, world_size: int = 1, formulation: str = "node"
 ) -> tuple[ir.Model, list[Buffer]]:
     """Replace every BatchNormalization node by its training form; ``world_size > 1`` all-reduces the statistics.
 
-    ``formulation``: "fused" (default) computes the batch statistics with primitives and
+    ``formulation``: "node" (default) writes one BatchNormTraining node where it applies (see the
+    module docstring) and the "fused" form elsewhere; "fused" computes the batch statistics with primitives and
     normalizes with an inference-mode BatchNormalization node fed those statistics (one kernel;
     its gradient rule needs two reductions); "primitive" (the former form, kept for comparison
     and benchmarks/formulations_gpu.py) normalizes with primitives too.
@@ -111,6 +120,7 @@ def decompose_batchnorm(
         graph.opset_imports[DOMAIN] = VERSION
     for node in nodes:
         names.extend((b.name, b.update.name) for b in _decompose(graph, node, world_size, formulation))
+    add_op_functions(model)
     # Shape inference through a proto round trip; the collectives' outputs carry explicit types.
     proto = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(model), data_prop=True)
     model = ir.serde.deserialize_model(proto)
@@ -132,6 +142,8 @@ def _decompose(graph: ir.Graph, node: ir.Node, world_size: int, formulation: str
     eps = float(_attr(node, "epsilon", 1e-5))
     momentum = float(_attr(node, "momentum", 0.9))
     e = _Emitter(node)
+    if formulation == "node" and _node_applies(node, world_size, eps):
+        return _training_node(graph, node, e, eps, momentum)
 
     axes = e.const(np.array([0, *range(2, rank)], dtype=np.int64))
     stat_shape = [1, channels] + [1] * (rank - 2)
@@ -150,7 +162,7 @@ def _decompose(graph: ir.Graph, node: ir.Node, world_size: int, formulation: str
     centered = e.op("Sub", [x, mean])
     var = synced(e.op("ReduceMean", [e.op("Mul", [centered, centered]), axes], {"keepdims": 1}))
     # (Compared in float32: the attribute is a float32, and float32(1e-5) < 1e-5.)
-    if formulation == "fused" and np.float32(eps) >= np.float32(CUDNN_MIN_EPSILON):
+    if formulation in ("node", "fused") and np.float32(eps) >= np.float32(CUDNN_MIN_EPSILON):
         # Normalize and scale in one kernel: BatchNormalization in inference mode, fed the batch
         # statistics. Its gradient rule (autodiff/rules/normalization.py) recognizes this pattern
         # and differentiates through the statistics with two reductions (sum dy, sum dy*(x-mean)).
@@ -189,3 +201,36 @@ def _decompose(graph: ir.Graph, node: ir.Node, world_size: int, formulation: str
     node.outputs[0].replace_all_uses_with(y)
     graph.remove(node, safe=True)
     return buffers
+
+
+def _node_applies(node: ir.Node, world_size: int, eps: float) -> bool:
+    """Whether BatchNormTraining can stand for ``node``: statistics not synchronized (the node holds
+    no collective), a rank-4 float32 input (cuDNN's 2-D spatial kernels, float32 descriptors), both
+    running statistics given (cuDNN updates them) and epsilon at least cuDNN's minimum."""
+    x, running_mean, running_var = node.inputs[0], node.inputs[3], node.inputs[4]
+    return (world_size == 1 and x.dtype == ir.DataType.FLOAT and x.shape.rank() == 4
+            and running_mean is not None and running_var is not None
+            and np.float32(eps) >= np.float32(CUDNN_MIN_EPSILON))
+
+
+def _training_node(graph: ir.Graph, node: ir.Node, e: _Emitter, eps: float, momentum: float) -> list[Buffer]:
+    x, scale, _, running_mean, running_var = node.inputs[:5]
+    bn = ir.node(BATCHNORM_TRAINING, list(node.inputs[:5]), {"epsilon": eps, "momentum": momentum},
+                 domain=BATCHNORM_DOMAIN, num_outputs=5, name=f"{e.prefix}/{BATCHNORM_TRAINING}")
+    y, new_mean, new_var, saved_mean, saved_inv_std = bn.outputs
+    y.dtype, y.shape = x.dtype, ir.Shape(x.shape)
+    for value, stat, suffix in ((new_mean, running_mean, "mean"), (new_var, running_var, "var")):
+        value.dtype, value.shape = stat.dtype, ir.Shape(stat.shape)
+        value.name = f"{e.prefix}/running_{suffix}"
+    for value, suffix in ((saved_mean, "saved_mean"), (saved_inv_std, "saved_inv_std")):
+        value.dtype, value.shape = x.dtype, ir.Shape([x.shape[1]])
+        value.name = f"{e.prefix}/{suffix}"
+    graph.insert_before(node, [bn])
+    # Consumers of the node's own running-statistics outputs (rare) read the updates.
+    for old, new in zip(node.outputs[1:3], (new_mean, new_var)):
+        old.replace_all_uses_with(new)
+    node.outputs[0].replace_all_uses_with(y)
+    graph.remove(node, safe=True)
+    if running_mean.is_initializer() and running_var.is_initializer():
+        return [Buffer(running_mean.name, new_mean), Buffer(running_var.name, new_var)]
+    return []

@@ -21,26 +21,13 @@ import onnx_ir as ir
 
 from contract.ops import CONV_GRAD_DOMAIN, CONV_GRAD_VERSION, CONV_WEIGHT_GRAD, CONV_WEIGHT_GRAD_ATTRIBUTES
 
-__all__ = ["CONV_GRAD_DOMAIN", "CONV_GRAD_VERSION", "WEIGHT_GRAD_OP", "add_conv_grad_function"]
+__all__ = ["CONV_GRAD_DOMAIN", "CONV_GRAD_VERSION", "WEIGHT_GRAD_OP", "weight_grad_function"]
 
 WEIGHT_GRAD_OP = CONV_WEIGHT_GRAD
 _INTS = ir.AttributeType.INTS
 
 
-def add_conv_grad_function(model: ir.Model) -> bool:
-    """Give ``model`` the function of ``ConvWeightGrad`` (and its opset import) if its graph has such a
-    node and the model lacks it; True if the model has the node."""
-    if not any(node.domain == CONV_GRAD_DOMAIN for node in model.graph):
-        return False
-    key = (CONV_GRAD_DOMAIN, WEIGHT_GRAD_OP, "")
-    if key not in model.functions:
-        model.functions[key] = _function(model.graph.opset_imports.get("", 18))
-    model.graph.opset_imports[CONV_GRAD_DOMAIN] = CONV_GRAD_VERSION
-    model.ir_version = max(model.ir_version, 8)  # model-local functions need IR version 8
-    return True
-
-
-def _function(opset: int) -> ir.Function:
+def weight_grad_function(opset: int) -> ir.Function:
     """dW = Transpose(Conv(X^T, dY^T)) cropped to the kernel: a Conv whose "batch" is X's channels and
     whose "channels" are the batch (X transposed to (C, N, H, W)), with dY transposed to (M, N, Ho, Wo)
     as the kernel; the forward's strides become the dilations and its dilations the strides. The

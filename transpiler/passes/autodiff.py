@@ -7,9 +7,9 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError, PreconditionError
 
 from transpiler.autodiff import build_gradients
-from transpiler.conv_grad import add_conv_grad_function
 from transpiler.job import Job
 from transpiler.names import NEXT
+from transpiler.native_ops import add_op_functions
 
 
 def _nbytes(value: ir.Value) -> int:
@@ -44,7 +44,7 @@ class AutodiffPass(InPlacePass):
         loss = next(v for v in graph.outputs if v.name == job.problem.loss)
         wrt = [graph.initializers[p] for p in job.problem.params]
         grads = build_gradients(graph, loss, wrt)
-        add_conv_grad_function(model)  # the functions of backend-native gradient nodes the rules emitted
+        add_op_functions(model)  # the functions of backend-native gradient nodes the rules emitted
         job.grad_order = [v.name for v in grads.order]
         job.sizes = {v.name: _nbytes(v) for v in wrt}
         for value in wrt:

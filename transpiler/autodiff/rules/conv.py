@@ -178,7 +178,7 @@ WEIGHT_GRAD_NODE = True
 
 def _weight_grad_node(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, window: _Window) -> ir.Value | None:
     """One ``graph_transpiler.conv::ConvWeightGrad`` node, or None where it does not apply. The model
-    needs its function: whoever builds the backward calls ``add_conv_grad_function`` on the model."""
+    needs its function: whoever builds the backward calls ``native_ops.add_op_functions`` on the model."""
     begin, end = window.pads
     kernel = None if w.shape is None else _static(list(w.shape)[2:])
     # float32 only: the GPU runner's cuDNN descriptors are float32 (other types keep the inline forms).

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD
 from transpiler.autodiff._context import RuleContext, annotate, producer_of, unbroadcast
 from transpiler.autodiff._registry import register
 from transpiler.autodiff.rules.collectives import DOMAIN as COLLECTIVES_DOMAIN
@@ -308,6 +309,29 @@ def _batch_norm(ctx: RuleContext) -> list[ir.Value | None]:
         return flat(ctx.op("Mul", [ctx.op("Mul", [channel(scale), ctx.op("Mul", [cube, half])]), sum_dyc]), ctx.inputs[4])
 
     return ctx.wanted_grads(grad_x, grad_scale, grad_bias, grad_mean, grad_var)
+
+
+@register(f"{BATCHNORM_DOMAIN}::{BATCHNORM_TRAINING}", inputs=(0, 1, 2))
+def _batch_norm_training(ctx: RuleContext) -> list[ir.Value | None]:
+    # transpiler/batchnorm.py's node form: the training-mode gradient of X, scale and B as ONE
+    # BatchNormTrainingGrad node (transpiler/batchnorm_ops.py), fed the saved statistics. The running
+    # statistics (inputs 3, 4) are buffers: no gradient flows into or out of them.
+    if any(dy is not None for dy in ctx.dys[1:]):
+        raise ctx.error("gradients through the running or saved statistics are not supported")
+    x, scale, bias = ctx.inputs[:3]
+    saved_mean, saved_inv_std = ctx.node.outputs[3], ctx.node.outputs[4]
+    epsilon = ctx.node.attributes.get_float("epsilon", 1e-5)
+    cache: list[ir.Value] = []
+
+    def grads() -> list[ir.Value]:
+        if not cache:
+            cache.extend(ctx.op_multi(BATCHNORM_TRAINING_GRAD, [ctx.dy, x, scale, saved_mean, saved_inv_std],
+                                      {"epsilon": epsilon}, num_outputs=3, domain=BATCHNORM_DOMAIN))
+            for value, like in zip(cache, (x, scale, bias)):
+                annotate(value, like)
+        return cache
+
+    return ctx.wanted_grads(lambda: grads()[0], lambda: grads()[1], lambda: grads()[2])
 
 
 def _count_per_channel(ctx: RuleContext, x: ir.Value, stat: ir.Value) -> ir.Value:
