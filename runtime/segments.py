@@ -73,12 +73,23 @@ class NativeGroup:
     inputs: tuple[str, ...]  # read from graph inputs, constants, earlier items
     outputs: tuple[str, ...]  # every output of its nodes
 
-    def only(self, domain: str) -> NativeGroup | None:
-        """The group of this one's nodes of ``domain`` (None if it has none)."""
-        nodes = [node for node in self.nodes if node.domain == domain]
-        if len(nodes) == len(self.nodes):
-            return self
-        return _build_native(nodes, (self.index, self.part, self.stage)) if nodes else None
+    def by_domain(self) -> list[NativeGroup]:
+        """This group's nodes as groups of one domain each, to run in turn: a node joins the last
+        group of its domain unless a group after that one computes one of its inputs, else starts a
+        new group at the end. So each group reads only values of groups before it (nodes come in
+        graph order), and a stage of independent nodes of two domains makes two groups."""
+        runs: list[tuple[str, list[onnx.NodeProto], set[str]]] = []  # (domain, nodes, their outputs)
+        for node in self.nodes:
+            ins = set(_consumed(node))
+            last = next((i for i in range(len(runs) - 1, -1, -1) if runs[i][0] == node.domain), None)
+            if last is None or any(ins & produced for _, _, produced in runs[last + 1:]):
+                runs.append((node.domain, [], set()))
+                last = len(runs) - 1
+            runs[last][1].append(node)
+            runs[last][2].update(name for name in node.output if name)
+        if len(runs) == 1:
+            return [self]
+        return [_build_native(nodes, (self.index, self.part, self.stage)) for _, nodes, _ in runs]
 
 
 @dataclass

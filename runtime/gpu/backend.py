@@ -15,6 +15,8 @@ import numpy as np
 from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner
 from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
+from runtime.gpu.batchnorm import DOMAIN as BATCHNORM_DOMAIN
+from runtime.gpu.batchnorm import BatchNormRunner
 from runtime.gpu.conv_grad import DOMAIN as CONV_GRAD_DOMAIN
 from runtime.gpu.conv_grad import ConvGradRunner, CudnnContext
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
@@ -26,13 +28,15 @@ from runtime.gpu.session import OrtCudaSegment
 from runtime.segments import NativeGroup
 
 LOSS_RING = 4096  # device slots for losses not yet read; Trainer flushes long before it wraps
+MANY_SESSIONS = 8  # onnxruntime sessions in a program beyond which they share an arena (make_program)
+SMALL_CUBLAS_WORKSPACE = ":4096:1"  # one 4 MiB workspace per cuBLAS handle (cuBLAS's own syntax)
+_GEMM_OPS = frozenset({"MatMul", "Gemm", "Einsum"})
 
 
-# Native domain -> its runner, in the order a NativeGroup holding several runs them: elementwise
-# chains may compute a Conv's output gradient, weight gradients feed the optimizer updates
-# (``compile`` checks that no runner reads a later one's outputs).
-_NATIVE_RUNNERS = ((ELEMENTWISE_DOMAIN, ElementwiseRunner), (CONV_GRAD_DOMAIN, ConvGradRunner),
-                   (FUSED_UPDATE_DOMAIN, FusedUpdateRunner))
+# Native domain -> its runner. A NativeGroup holding several domains runs one runner per domain
+# group of NativeGroup.by_domain, in that order (each reads only what earlier ones computed).
+_NATIVE_RUNNERS = {ELEMENTWISE_DOMAIN: ElementwiseRunner, BATCHNORM_DOMAIN: BatchNormRunner,
+                   CONV_GRAD_DOMAIN: ConvGradRunner, FUSED_UPDATE_DOMAIN: FusedUpdateRunner}
 
 
 class NativeSequence(SegmentRunner):
@@ -86,6 +90,21 @@ def parse_provider_options(text: str) -> dict[str, str]:
     return options
 
 
+_SHARED_ARENAS: set[int] = set()  # devices whose arena is registered with onnxruntime's environment
+
+
+def _share_arena(ort, device_id: int) -> None:
+    """Register one CUDA arena for ``device_id`` with onnxruntime's (process-wide) environment, once;
+    sessions opt in with ``session.use_env_allocators``."""
+    if device_id in _SHARED_ARENAS:
+        return
+    info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_id, ort.OrtMemType.DEFAULT)
+    # arena_extend_strategy 1 (kSameAsRequested): grow by what is asked, as the sessions' own arenas do.
+    ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {"device_id": str(device_id)},
+                                         ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+    _SHARED_ARENAS.add(device_id)
+
+
 class GpuBackend(Backend):
     """onnxruntime CUDA EP on ``device_id``; ``tf32`` lets fp32 MatMul/Conv use TF32 (off for the
     equality tests); ``skip_collectives`` enqueues no NCCL call (a measurement aid that shows the
@@ -125,6 +144,9 @@ class GpuBackend(Backend):
         # Programs with collectives on several ranks are captured too (GpuProgram);
         # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0 runs them uncaptured (the former default).
         self.multirank_graphs = env_flag("GRAPH_TRANSPILER_MULTIRANK_GRAPHS")
+        # One onnxruntime arena shared by the sessions of a program cut into many (make_program);
+        # GRAPH_TRANSPILER_SHARED_ARENA=0 keeps one arena per session everywhere.
+        self.shared_arena = env_flag("GRAPH_TRANSPILER_SHARED_ARENA")
         self.shrink_arena = env_flag("GRAPH_TRANSPILER_SHRINK_ARENA")
         self.mem_pattern = env_flag("GRAPH_TRANSPILER_MEM_PATTERN")
         # Extra CUDA EP options, "key=value,key=value" (onnxruntime's names: prefer_nhwc,
@@ -135,14 +157,19 @@ class GpuBackend(Backend):
         # GRAPH_TRANSPILER_UPDATE_IN_PLACE=0 keeps a buffer pair per state value instead.
         self.update_in_place = env_flag("GRAPH_TRANSPILER_UPDATE_IN_PLACE")
         self.run_options_uncaptured = self._run_options(graph_id=-1)
+        self.run_options_unshrunk = self._run_options(graph_id=-1, shrink=False)  # sessions on the shared arena
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
         # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
         # GRAPH_TRANSPILER_FUSED_UPDATE=0 leaves them to onnxruntime (their function bodies), to compare.
         # Conv weight gradients by cuDNN (runtime/gpu/conv_grad.py); GRAPH_TRANSPILER_NATIVE_CONV_GRAD=0
         # leaves them to onnxruntime (their function: the Conv form), to compare.
+        # Training BatchNorms by cuDNN (runtime/gpu/batchnorm.py); GRAPH_TRANSPILER_NATIVE_BATCHNORM=0
+        # leaves them to onnxruntime (their functions), to compare.
         native = set()
         if os.environ.get("GRAPH_TRANSPILER_NATIVE_CONV_GRAD", "1") != "0":
             native.add(CONV_GRAD_DOMAIN)
+        if os.environ.get("GRAPH_TRANSPILER_NATIVE_BATCHNORM", "1") != "0":
+            native.add(BATCHNORM_DOMAIN)
         if os.environ.get("GRAPH_TRANSPILER_FUSED_UPDATE", "1") != "0":
             native.add(FUSED_UPDATE_DOMAIN)
         # Chains of elementwise nodes as one CuPy kernel each (runtime/gpu/elementwise.py): opt in
@@ -158,7 +185,7 @@ class GpuBackend(Backend):
         self._ring = cp.zeros(LOSS_RING, dtype=np.float64)
         self._ring_next = 0
 
-    def _run_options(self, *, graph_id: int):
+    def _run_options(self, *, graph_id: int, shrink: bool = True):
         """Run options for a CUDA-graph session: which captured graph a run uses (-1: none).
         A replay only enqueues work on the compute stream, so it never needs onnxruntime's
         synchronization after the run."""
@@ -166,7 +193,7 @@ class GpuBackend(Backend):
         options.add_run_config_entry("gpu_graph_id", str(graph_id))
         if self.async_runs or graph_id >= 0:
             options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        if graph_id < 0 and self.shrink_arena:
+        if graph_id < 0 and shrink and self.shrink_arena:
             # The first runs hold buffers no later step uses (the first call's outputs, then the
             # warm-up runs' intermediates); giving the arena's free chunks back after each keeps
             # them out of the steady state. Never on a captured run: its graph owns its chunks.
@@ -185,19 +212,11 @@ class GpuBackend(Backend):
     def compile(self, segment, where):
         if not isinstance(segment, NativeGroup):
             return OrtCudaSegment(segment, where, self)
-        # One runner per domain, in _NATIVE_RUNNERS' order (a group may hold several domains:
-        # independent nodes share a stage).
-        subgroups = [(runner, sub) for domain, runner in _NATIVE_RUNNERS if (sub := segment.only(domain)) is not None]
-        for i, (_, sub) in enumerate(subgroups):
-            later = {name for _, after in subgroups[i + 1:] for name in after.outputs}
-            if later & set(sub.inputs):
-                raise RunError(f"{where}: segment {segment.index}: native nodes of {sub.nodes[0].domain} read "
-                               f"{sorted(later & set(sub.inputs))[0]!r}, which a native node run after them computes")
-        runners = [runner(sub, where, self) for runner, sub in subgroups]
+        runners = [_NATIVE_RUNNERS[sub.nodes[0].domain](sub, where, self) for sub in segment.by_domain()]
         return runners[0] if len(runners) == 1 else NativeSequence(runners, segment.outputs)
 
     def cudnn(self) -> CudnnContext:
-        """The cuDNN handle and workspace every Conv-gradient runner shares, made on first use."""
+        """The cuDNN handle and workspace every cuDNN runner (Conv gradients, BatchNorms) shares, made on first use."""
         if self._cudnn is None:
             self._cudnn = CudnnContext(self.cp, self.compute)
         return self._cudnn
@@ -206,7 +225,29 @@ class GpuBackend(Backend):
         return fuse_elementwise(model) if self.fuse_elementwise else model
 
     def make_program(self, cut, comm):
-        return GpuProgram(cut, self, comm)
+        program = GpuProgram(cut, self, comm)
+        sessions = [runner for _, runner in program.steps if isinstance(runner, OrtCudaSegment)]
+        if len(sessions) > MANY_SESSIONS:
+            # A program cut into many sessions (native BatchNorms: ~35 for ResNet-18) would keep an
+            # arena per session, each holding its own intermediates and cuDNN workspaces: they
+            # share one instead (measured on an H200: ResNet-18 8.25 -> 6.53 GiB). Sessions run one
+            # at a time on the compute stream, so the chunks one leaves free another may use, even
+            # where a captured graph replays with them. But then the arena may never be shrunk
+            # (a shrink would free chunks another session's graph still writes), which a program of
+            # one large session needs after its first runs (GPT-2-small: 11.2 against 15.6 GiB).
+            if self.shared_arena:
+                _share_arena(self.ort, self.device_id)
+                for runner in sessions:
+                    runner.shared_arena = True
+            gemms = sum(any(n.op_type in _GEMM_OPS for n in runner.segment.model.graph.node) for runner in sessions)
+            if "CUBLAS_WORKSPACE_CONFIG" not in os.environ and 4 * gemms <= len(sessions):
+                # Every session has its own cuBLAS handle, and cuBLAS gives each a 64 MiB workspace
+                # on Hopper (an H200: 73 MiB per session, 9 without it): 2.2 GiB for 35 sessions.
+                # Where few of them multiply matrices (a CNN: its heavy work is cuDNN's), 4 MiB each.
+                # Set before the first session runs (cuBLAS reads it when a handle is made); a
+                # user's setting wins.
+                os.environ["CUBLAS_WORKSPACE_CONFIG"] = SMALL_CUBLAS_WORKSPACE
+        return program
 
     def split_tail(self) -> bool:
         return True
