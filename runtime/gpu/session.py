@@ -8,9 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import onnx
+import onnx.inliner
 
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner, _first_line
+from runtime.gpu.cuda import ORT_DTYPES
 from runtime.gpu.lowering import lower_for_cuda
 from runtime.segments import Segment
 from runtime.specialize import NEVER_FOLDED, specialize
@@ -52,6 +54,7 @@ class OrtCudaSegment(SegmentRunner):
         self.outputs = list(segment.outputs)
         self.session = None
         self.session_inputs: list[str] = []
+        self.output_specs: dict[str, tuple] = {}
         self.compiled = False
         self.constants: dict[str, Any] = {}  # outputs computed once from constants (see _take_fixed_outputs)
         self.copies: dict[str, str] = {}  # outputs that copy an input: output -> input
@@ -60,6 +63,8 @@ class OrtCudaSegment(SegmentRunner):
         self.graph_refused: str | None = None
         # Set by the program: capture only where no collective runs beside the capture (see GpuProgram).
         self.capture_allowed = True
+        # Set by the backend: allocate from the arena the program's sessions share (never shrunk).
+        self.shared_arena = False
         self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
         self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
         self.seen = [False, False]  # per parity: bound runs made with the current pointers
@@ -73,6 +78,10 @@ class OrtCudaSegment(SegmentRunner):
         backend, ort = self.backend, self.backend.ort
         model = self.segment.model
         if backend.static_shapes:
+            if model.functions:
+                # Nodes of a domain left to onnxruntime (a native runner switched off) run as their
+                # functions; inlined here, their channel reductions are split like the others.
+                model = onnx.inliner.inline_local_functions(model)
             model = lower_for_cuda(specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs}))
             model = self._take_fixed_outputs(model, ort)
             if not model.graph.output:
@@ -88,6 +97,8 @@ class OrtCudaSegment(SegmentRunner):
             options = ort.SessionOptions()
             options.log_severity_level = 3
             options.enable_mem_pattern = backend.mem_pattern
+            if self.shared_arena:
+                options.add_session_config_entry("session.use_env_allocators", "1")
             return ort.InferenceSession(serialized, options, providers=[
                 ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"])
 
@@ -102,6 +113,9 @@ class OrtCudaSegment(SegmentRunner):
             except Exception as exc:
                 raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
         self.session_inputs = [i.name for i in self.session.get_inputs()]
+        # (shape, dtype) of each output the session states statically (specialized: all of them).
+        self.output_specs = {o.name: (tuple(o.shape), ORT_DTYPES[o.type]) for o in self.session.get_outputs()
+                             if o.type in ORT_DTYPES and all(isinstance(d, int) for d in o.shape)}
         if self.session.get_providers()[0] != "CUDAExecutionProvider":
             raise RunError(f"{self.where}: onnxruntime did not enable the CUDA execution provider (CUDA or cuDNN "
                            "libraries not found? onnxruntime-gpu must match the installed CUDA major version)")
@@ -171,8 +185,12 @@ class OrtCudaSegment(SegmentRunner):
         return copy
 
     def run(self, feeds):
-        """First-call path: onnxruntime allocates the outputs; they are wrapped as CuPy arrays. Never
-        captured: these buffers are not the ones later runs use."""
+        """First-call path: outputs whose shape the specialized session states are allocated by
+        CuPy and bound (the rest onnxruntime allocates, wrapped as CuPy arrays). Never captured:
+        these buffers are not the ones later runs use. CuPy's pool, not onnxruntime's arena, then
+        holds what passes between items in the first call: the program allocates the same kind of
+        values from that pool from the second call on, and a shared arena never gives memory back
+        (GpuBackend.make_program)."""
         if not self.compiled:
             self._compile(feeds)
             self.compiled = True
@@ -183,10 +201,17 @@ class OrtCudaSegment(SegmentRunner):
         for name in self.session_inputs:
             self._bind_input(io, name, self._aligned(name, feeds[name]))
         computed = [name for name in self.outputs if name not in fixed]
+        allocated = {}
         for name in computed:
-            io.bind_output(name, "cuda", self.backend.device_id)
-        self._run(io, self.backend.run_options_uncaptured)
-        fixed.update(zip(computed, (self.backend.wrap(v) for v in io.get_outputs())))
+            spec = self.output_specs.get(name)
+            if spec is None:
+                io.bind_output(name, "cuda", self.backend.device_id)
+                continue
+            value = allocated[name] = self.backend.cp.empty(*spec)
+            io.bind_output(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+        self._run(io, self._uncaptured())
+        wrapped = iter([self.backend.wrap(v) for v in io.get_outputs()])
+        fixed.update((name, allocated[name] if name in allocated else next(wrapped)) for name in computed)
         return [fixed[name] for name in self.outputs]
 
     def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
@@ -227,7 +252,7 @@ class OrtCudaSegment(SegmentRunner):
             # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0) otherwise kept their first call's outputs for good.
             warm = self.seen[parity]
             self.seen[parity] = True
-            self._run(io, self.backend.run_options if warm else self.backend.run_options_uncaptured)
+            self._run(io, self.backend.run_options if warm else self._uncaptured())
             return
         # A captured graph replays with the pointers it was captured with. The first runs of a
         # parity still read buffers that later steps no longer use (the first call's outputs), so
@@ -236,10 +261,14 @@ class OrtCudaSegment(SegmentRunner):
             raise RunError(f"{self.where}: an input moved to another buffer after its CUDA graph was captured")
         if changed or not self.seen[parity]:
             self.seen[parity] = True
-            self._run(io, self.backend.run_options_uncaptured)
+            self._run(io, self._uncaptured())
             return
         self.captured[parity] = True
         self._run(io, self.backend.run_options_graph[parity])
+
+    def _uncaptured(self):
+        """Run options of an uncaptured run: the arena shrinks after it, unless it is shared."""
+        return self.backend.run_options_unshrunk if self.shared_arena else self.backend.run_options_uncaptured
 
     def _run(self, io, run_options) -> None:
         try:
