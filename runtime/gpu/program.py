@@ -24,7 +24,7 @@ everything is preallocated and bound once, in two IOBindings per segment (one pe
   native BatchNorms a ResNet step has ~80 items, and most of what passes between them (an
   activation on its way to the next layer, a gradient on its way to the previous one) lives for
   two or three items. A value a collective reads lives to the end of the step (NCCL reads it on
-  its own stream).
+  its own stream). A constant a session folded is written once, when bound, and keeps its buffer.
 A step then is: rebind the few inputs whose pointer changed, run each session, enqueue each NCCL
 call. No tensor goes to the host; the loss is copied on the device into a ring read when logging.
 onnxruntime synchronizes its stream at the end of each run unless GRAPH_TRANSPILER_ORT_ASYNC=1
@@ -210,13 +210,16 @@ class GpuProgram(ProgramBase):
         for pos, (item, runner) in enumerate(self.steps):
             if runner is None:
                 continue
+            # A value a session writes once, when bound (a constant it folded), must keep its buffer.
+            once = runner.written_once() if isinstance(runner, OrtCudaSegment) else set()
             for name in item.outputs:
                 if name in bound_into or name in aliased or name in program_outputs:
                     continue
                 readers = self.readers.get(name, [])
                 last = end if any(self.steps[r][1] is None for r in readers) else max(readers, default=pos)
+                first, last = (0, end) if name in once else (pos, last)
                 shape, dtype = self.shapes[name]
-                lifetimes.append((name, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize, pos, last))
+                lifetimes.append((name, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize, first, last))
         slot, sizes = share_buffers(lifetimes)
         blocks = [cp.empty(max(size, 1), dtype=np.uint8) for size in sizes]
         internal = {}

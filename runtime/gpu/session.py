@@ -214,6 +214,10 @@ class OrtCudaSegment(SegmentRunner):
         fixed.update((name, allocated[name] if name in allocated else next(wrapped)) for name in computed)
         return [fixed[name] for name in self.outputs]
 
+    def written_once(self) -> set[str]:
+        """Outputs ``prepare`` fills and no run writes again (constants): their buffers must be theirs alone."""
+        return set(self.constants)
+
     def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
         for name, value in self.constants.items():
             outputs[name][...] = value  # once: nothing writes these buffers again
