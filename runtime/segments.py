@@ -148,7 +148,7 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
     # Part of the last segment each of its nodes goes to (always 0 without split_tail).
     part_of = {i: (earliest[i] if split_tail and k == k_count else 0) for i, k in segment_of.items()}
 
-    stage_of = _stages(nodes, segment_of, part_of, frozenset(native_domains))
+    stage_of = _stages(nodes, segment_of, part_of, frozenset(native_domains), frozenset(graph_outputs))
 
     # Position in execution order, compared as tuples: segment k at (2k, part, stage), collective k
     # at (2k+1, 0, 0), graph outputs after all.
@@ -262,7 +262,7 @@ def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp
 
 
 def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],
-            native: frozenset[str]) -> dict[int, int]:
+            native: frozenset[str], outputs: frozenset[str] = frozenset()) -> dict[int, int]:
     """Stage of every compute node in its (segment, part): even for onnxruntime nodes, odd for nodes
     of ``native`` domains, the first of its parity not before its producers' (module docstring)."""
     stage: dict[int, int] = {}
@@ -275,6 +275,29 @@ def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: di
                    if j in stage and (segment_of[j], part_of[j]) == here), default=0)
         parity = 1 if nodes[i].domain in native else 0
         stage[i] = low + ((low - parity) % 2)
+    # Then onnxruntime nodes as late as their readers allow (reverse graph order: readers first), so
+    # that what the backward computes from forward values alone (ReLU's mask) is computed where it is
+    # read instead of being kept from the forward on; native nodes stay ASAP (a weight gradient
+    # frees its inputs early). A node whose value leaves the part may go to the part's last stage.
+    readers: dict[int, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in _consumed(node):
+            if (j := producer.get(name)) is not None:
+                readers.setdefault(j, []).append(i)
+    last: dict[tuple[int, int], int] = {}
+    for i in segment_of:
+        here = (segment_of[i], part_of[i])
+        last[here] = max(last.get(here, 0), stage[i])
+    for i in sorted(segment_of, reverse=True):
+        if nodes[i].domain in native or not (readers.get(i) or outputs & set(nodes[i].output)):
+            continue
+        here = (segment_of[i], part_of[i])
+        bounds = [stage[j] - stage[j] % 2 if (segment_of.get(j), part_of.get(j)) == here else last[here]
+                  for j in readers.get(i, [])]
+        if outputs & set(nodes[i].output):
+            bounds.append(last[here])
+        high = min(bounds)
+        stage[i] = max(stage[i], high - high % 2)
     return stage
 
 
