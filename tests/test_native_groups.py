@@ -1,5 +1,5 @@
-"""What the GPU program builds from a cut, checked on CPU: the buffers its items' values share
-(runtime/gpu/program.share_buffers) and the order in which a native group's domains run
+"""What the GPU program builds from a cut, checked on CPU: where its items' values lie in one block
+(runtime/gpu/program.pack_buffers) and the order in which a native group's domains run
 (runtime/segments.NativeGroup.by_domain)."""
 
 from __future__ import annotations
@@ -7,33 +7,34 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from runtime.gpu.program import share_buffers
+from runtime.gpu.program import pack_buffers
 from runtime.segments import NativeGroup
 
 
-def test_values_share_a_buffer_only_when_their_lifetimes_do_not_overlap():
+def test_values_overlap_in_bytes_only_when_their_lifetimes_do_not():
     rng = np.random.default_rng(0)
     for trial in range(200):
         lifetimes = []
         for i in range(int(rng.integers(1, 40))):
             first = int(rng.integers(0, 30))
             lifetimes.append((f"v{i}", int(rng.integers(0, 5000)), first, first + int(rng.integers(0, 6))))
-        slot, sizes = share_buffers(lifetimes)
-        assert set(slot) == {name for name, *_ in lifetimes}
+        offsets, total = pack_buffers(lifetimes, align=16)
+        assert set(offsets) == {name for name, *_ in lifetimes}
         for name, nbytes, first, last in lifetimes:
-            assert sizes[slot[name]] >= nbytes, (trial, name)
-            for other, _, first2, last2 in lifetimes:
-                if other != name and slot[other] == slot[name]:
+            assert offsets[name] % 16 == 0 and offsets[name] + nbytes <= total, (trial, name)
+            for other, nbytes2, first2, last2 in lifetimes:
+                apart = offsets[name] + nbytes <= offsets[other] or offsets[other] + nbytes2 <= offsets[name]
+                if other != name and not apart and nbytes and nbytes2:
                     assert last < first2 or last2 < first, (trial, name, other)
-        # Never more bytes than one buffer per value, nor fewer than the most bytes alive at once.
+        # At least the most bytes alive at once; at most one place per value.
         alive = max(sum(n for _, n, a, b in lifetimes if a <= p <= b) for p in range(40))
-        assert alive <= sum(sizes) <= sum(n for _, n, _, _ in lifetimes)
+        assert alive <= total <= sum(-(-max(n, 1) // 16) * 16 for _, n, _, _ in lifetimes)
 
 
-def test_a_chain_of_equal_values_reuses_two_buffers():
-    # An activation passed from item to item, each read only by the next: two buffers in turn.
-    slot, sizes = share_buffers([(f"a{i}", 64, i, i + 1) for i in range(10)])
-    assert len(sizes) == 2 and [slot[f"a{i}"] for i in range(4)] == [0, 1, 0, 1]
+def test_a_chain_of_equal_values_takes_two_places():
+    # An activation passed from item to item, each read only by the next: two places in turn.
+    offsets, total = pack_buffers([(f"a{i}", 256, i, i + 1) for i in range(10)])
+    assert total == 512 and [offsets[f"a{i}"] for i in range(4)] == [0, 256, 0, 256]
 
 
 def _node(domain: str, inputs: list[str], output: str) -> helper.NodeProto:

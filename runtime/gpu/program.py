@@ -19,8 +19,9 @@ everything is preallocated and bound once, in two IOBindings per segment (one pe
 - values that leave the program (state, loss) get two buffers, by parity: step t reads step t-1's
   values from one set while writing the other; except the state the fused optimizer update
   writes over its own input (``_in_place``): one buffer, updated in place;
-- values passed between segments of one step share buffers where their lifetimes (from the item
-  that computes one to the last item that reads it) do not overlap (``share_buffers``): with
+- values passed between segments of one step share one block, placed so that values whose
+  lifetimes (from the item that computes one to the last item that reads it) overlap never
+  overlap in bytes (``pack_buffers``): with
   native BatchNorms a ResNet step has ~80 items, and most of what passes between them (an
   activation on its way to the next layer, a gradient on its way to the previous one) lives for
   two or three items. A value a collective reads lives to the end of the step (NCCL reads it on
@@ -45,6 +46,8 @@ from runtime.segments import CutGraph
 
 if TYPE_CHECKING:
     from runtime.gpu.backend import GpuBackend
+
+BUFFER_ALIGN = 256  # bytes: where pack_buffers starts each value (cudaMalloc's own alignment)
 
 
 class _Slots:
@@ -220,12 +223,12 @@ class GpuProgram(ProgramBase):
                 first, last = (0, end) if name in once else (pos, last)
                 shape, dtype = self.shapes[name]
                 lifetimes.append((name, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize, first, last))
-        slot, sizes = share_buffers(lifetimes)
-        blocks = [cp.empty(max(size, 1), dtype=np.uint8) for size in sizes]
+        offsets, total = pack_buffers(lifetimes)
+        block = cp.empty(max(total, 1), dtype=np.uint8)
         internal = {}
         for name, nbytes, _, _ in lifetimes:
             shape, dtype = self.shapes[name]
-            internal[name] = blocks[slot[name]][:nbytes].view(dtype).reshape(shape)
+            internal[name] = block[offsets[name]:offsets[name] + nbytes].view(dtype).reshape(shape)
         return internal
 
     def _run_bound(self, feeds, parity: int):
@@ -268,30 +271,22 @@ class GpuProgram(ProgramBase):
         return {name: env[name] for name in self.cut.outputs}
 
 
-def share_buffers(lifetimes: list[tuple[str, int, int, int]]) -> tuple[dict[str, int], list[int]]:
-    """Buffers for values ``(name, nbytes, first, last)`` (the positions of the item that computes
-    one and of the last that reads it, inclusive): ``(name -> buffer index, each buffer's bytes)``,
-    two values sharing a buffer only if one's ``last`` is before the other's ``first``. Greedy in
-    order of ``first``: a value takes the smallest free buffer that holds it, else grows the largest
-    free one, else gets a new one."""
-    slot: dict[str, int] = {}
-    sizes: list[int] = []
-    busy: list[tuple[int, int]] = []  # (last, buffer)
-    free: list[int] = []
-    for name, nbytes, first, last in sorted(lifetimes, key=lambda v: (v[2], -v[1])):
-        free += [index for until, index in busy if until < first]
-        busy = [(until, index) for until, index in busy if until >= first]
-        fits = [i for i in free if sizes[i] >= nbytes]
-        if fits:
-            index = min(fits, key=lambda i: sizes[i])
-        elif free:
-            index = max(free, key=lambda i: sizes[i])
-            sizes[index] = nbytes
-        else:
-            index = len(sizes)
-            sizes.append(nbytes)
-        if index in free:
-            free.remove(index)
-        slot[name] = index
-        busy.append((last, index))
-    return slot, sizes
+def pack_buffers(lifetimes: list[tuple[str, int, int, int]], align: int = BUFFER_ALIGN) -> tuple[dict[str, int], int]:
+    """Places for values ``(name, nbytes, first, last)`` (the positions of the item that computes
+    one and of the last that reads it, inclusive) in one block: ``(name -> byte offset, the block's
+    bytes)``, two values overlapping in bytes only if one's ``last`` is before the other's
+    ``first``. Greedy by size, largest first, each at the lowest offset (a multiple of ``align``)
+    free of the values placed so far that live at the same time; for a step's activations this
+    comes within a few percent of the most bytes alive at once."""
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    offsets: dict[str, int] = {}
+    for name, nbytes, first, last in sorted(lifetimes, key=lambda v: (-v[1], v[2], v[0])):
+        size = -(-max(nbytes, 1) // align) * align
+        offset = 0
+        for begin, end in sorted((o, e) for o, e, f, la in placed if not (la < first or last < f)):
+            if offset + size <= begin:
+                break
+            offset = max(offset, end)
+        offsets[name] = offset
+        placed.append((offset, offset + size, first, last))
+    return offsets, max((end for _, end, _, _ in placed), default=0)
