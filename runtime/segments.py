@@ -22,10 +22,13 @@ consumers' upstream collectives, so the parts in increasing j are again a topolo
 ``native_domains`` (the backend's ``Backend.native_domains``, e.g. the fused optimizer updates on the
 GPU) takes the nodes of those domains out of the onnxruntime segments: each segment (or part) is cut
 into stages, alternately onnxruntime nodes (even stages) and native nodes (odd stages, one
-``NativeGroup`` item each, run by the backend itself). A node's stage is the first one of its kind
+``NativeGroup`` item each, run by the backend itself). A native node's stage is the first odd one
 not before the stages of its producers in the same segment (ASAP), so independent native nodes, such
-as the updates of one bucket, share one stage: the nodes before them, one group, the nodes after.
-Producers are in the same or an earlier stage, so the stages in order are a topological order.
+as the updates of one bucket, share one stage: the nodes before them, one group, the nodes after. An
+onnxruntime node then goes to the last even stage not after its readers in the part (ALAP), and not
+before its ASAP one: what the backward computes from forward values alone (ReLU's mask) is computed
+where it is read instead of being kept from the forward on. Producers are in the same or an earlier
+stage, so the stages in order are a topological order.
 
 Before the cut, Constant nodes become initializers (``contract.collectives.constants_as_initializers``,
 which inspect applies too): an initializer is copied into every segment that reads it, so a constant
@@ -75,18 +78,19 @@ class NativeGroup:
 
     def by_domain(self) -> list[NativeGroup]:
         """This group's nodes as groups of one domain each, to run in turn: a node joins the last
-        group of its domain unless a group after that one computes one of its inputs, else starts a
-        new group at the end. So each group reads only values of groups before it (nodes come in
-        graph order), and a stage of independent nodes of two domains makes two groups."""
-        runs: list[tuple[str, list[onnx.NodeProto], set[str]]] = []  # (domain, nodes, their outputs)
+        group of its domain unless a group after that one computes one of its inputs or reads one
+        (a node may write over its input in place: the fused optimizer update), else starts a new
+        group at the end. So each group reads only values of groups before it (nodes come in graph
+        order), and a stage of independent nodes of two domains makes two groups."""
+        runs: list[tuple[str, list[onnx.NodeProto], set[str]]] = []  # (domain, nodes, names they read or write)
         for node in self.nodes:
             ins = set(_consumed(node))
             last = next((i for i in range(len(runs) - 1, -1, -1) if runs[i][0] == node.domain), None)
-            if last is None or any(ins & produced for _, _, produced in runs[last + 1:]):
+            if last is None or any(ins & touched for _, _, touched in runs[last + 1:]):
                 runs.append((node.domain, [], set()))
                 last = len(runs) - 1
             runs[last][1].append(node)
-            runs[last][2].update(name for name in node.output if name)
+            runs[last][2].update(ins, (name for name in node.output if name))
         if len(runs) == 1:
             return [self]
         return [_build_native(nodes, (self.index, self.part, self.stage)) for _, nodes, _ in runs]
@@ -263,8 +267,9 @@ def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp
 
 def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],
             native: frozenset[str], outputs: frozenset[str] = frozenset()) -> dict[int, int]:
-    """Stage of every compute node in its (segment, part): even for onnxruntime nodes, odd for nodes
-    of ``native`` domains, the first of its parity not before its producers' (module docstring)."""
+    """Stage of every compute node in its (segment, part): odd for nodes of ``native`` domains, the
+    first not before its producers'; even for onnxruntime nodes, the last not after its readers'
+    (``outputs``: the graph's, which may go to the part's last stage) (module docstring)."""
     stage: dict[int, int] = {}
     if not native:
         return dict.fromkeys(segment_of, 0)

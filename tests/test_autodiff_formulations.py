@@ -179,6 +179,20 @@ def test_batchnorm_node_form_equals_the_fused_form():
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.max(np.abs(want))))
 
 
+@pytest.mark.parametrize(("shape", "dtype", "world", "node"), [
+    ((4, 3, 5, 6), onnx.TensorProto.FLOAT, 1, True),
+    ((6, 4), onnx.TensorProto.FLOAT, 1, False),  # not (N, C, H, W): cuDNN's 2-D spatial kernels only
+    ((4, 3, 5, 6), onnx.TensorProto.DOUBLE, 1, False),  # the GPU runner's descriptors are float32
+    ((4, 3, 5, 6), onnx.TensorProto.FLOAT, 2, False),  # --sync-bn: the statistics' AllReduce sits inside
+], ids=["node", "rank2", "float64", "sync-bn"])
+def test_batchnorm_node_form_only_where_it_applies(shape, dtype, world, node):
+    model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(_bn_model(shape, dtype)))
+    model, buffers = decompose_batchnorm(model, world_size=world)
+    ops = Counter(n.op_type for n in model.graph)
+    assert ops["BatchNormTraining"] == int(node) and ops["BatchNormalization"] == int(not node)
+    assert [b.name for b in buffers] == ["rm", "rv"]
+
+
 def test_batchnorm_small_epsilon_keeps_primitives():
     """onnxruntime's CUDA kernel clamps epsilon to cuDNN's 1e-5: a smaller one stays exact as primitives."""
     proto = _bn_model((4, 3, 2, 2))

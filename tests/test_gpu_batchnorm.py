@@ -132,3 +132,18 @@ def test_a_malformed_node_is_refused_naming_it():
 
     with pytest.raises(RunError, match=r"segment 2: node 'layer1/bn_grad'.*BatchNormTrainingGrad \(5 inputs, 3 outputs\)"):
         BatchNormRunner(NativeGroup(2, 0, 1, (node,), tuple(GRAD_IN[:4]), tuple(GRAD_OUT)), "rank0.onnx", _Backend())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
+def test_a_per_channel_input_of_the_wrong_size_is_refused_before_cudnn_reads_past_it():
+    import cupy as cp
+
+    from runtime.gpu import GpuBackend
+
+    arrays = _arrays(SHAPES[1], 2)
+    arrays["scale"] = arrays["scale"][:-1]
+    runner = BatchNormRunner(NativeGroup(4, 0, 1, (_nodes()[0],), tuple(FORWARD_IN), tuple(FORWARD_OUT)), "rank0.onnx",
+                             GpuBackend(0, tf32=False))
+    with pytest.raises(RunError, match=r"segment 4: 'bn': input 'scale' must be .* shape \(3,\), got float32 \(2,\)"):
+        runner.run({name: cp.asarray(value) for name, value in arrays.items()})

@@ -58,3 +58,34 @@ def test_a_node_reading_a_later_group_starts_a_new_group_after_it():
     assert _domains(group) == [("bn", ["b1"]), ("conv", ["w1"]), ("bn", ["b2"])]
     one = NativeGroup(0, 0, 1, nodes[:1], ("x",), ("b1",))
     assert one.by_domain() == [one]
+
+
+def test_a_node_does_not_move_before_a_reader_of_its_inputs():
+    # upd2 may write p2 in place (the fused update): it must not join upd1's group, which runs
+    # before elem reads p2.
+    nodes = (_node("upd", ["p1"], "q1"), _node("elem", ["p2"], "e"), _node("upd", ["p2"], "q2"))
+    group = NativeGroup(0, 0, 1, nodes, ("p1", "p2"), ("q1", "e", "q2"))
+    assert _domains(group) == [("upd", ["q1"]), ("elem", ["e"]), ("upd", ["q2"])]
+
+
+def test_an_onnxruntime_node_read_only_after_a_native_stage_is_computed_there():
+    """ReLU's mask (Greater) reads a forward value but only the backward (Where, after the native
+    stage) reads it: it goes to Where's segment, not Relu's, so no mask is kept across the stage."""
+    from onnx import TensorProto
+
+    from runtime.segments import Segment, cut_graph
+
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="relu"),
+             helper.make_node("Greater", ["y", "zero"], ["mask"], name="mask"),
+             helper.make_node("Op", ["y"], ["z"], name="native", domain="test.native"),
+             helper.make_node("Where", ["mask", "z", "zero"], ["out"], name="where")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [4])],
+                              [helper.make_tensor_value_info("out", f, [4])],
+                              [helper.make_tensor("zero", f, [], [0.0])],
+                              value_info=[helper.make_tensor_value_info("z", f, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("test.native", 1)])
+    cut = cut_graph(model, 0, "g.onnx", native_domains=["test.native"])
+    where = {name: i for i, item in enumerate(cut.items) if isinstance(item, Segment) for name in item.node_names}
+    assert [type(item).__name__ for item in cut.items] == ["Segment", "NativeGroup", "Segment"]
+    assert where["mask"] == where["where"] == 2 and where["relu"] == 0

@@ -87,8 +87,10 @@ def _attr(node: ir.Node, name: str, default):
     return default if attr is None else attr.value
 
 
-# onnxruntime's CUDA BatchNormalization clamps epsilon up to cuDNN's minimum (CUDNN_BN_MIN_EPSILON):
-# a smaller epsilon keeps the primitive normalization, which computes it as given.
+# onnxruntime's CUDA BatchNormalization clamps epsilon up to cuDNN's minimum (CUDNN_BN_MIN_EPSILON,
+# 1e-5 in cuDNN 7's headers; later headers may define it lower, not checked on a device): a smaller
+# epsilon keeps the primitive normalization, which computes it as given, and so does the node form
+# (the GPU's cuDNN call). A conservative bound: models with epsilon 1e-5 or more are unaffected.
 CUDNN_MIN_EPSILON = 1e-5
 FORMULATIONS = ("node", "fused", "primitive")
 
@@ -187,20 +189,32 @@ def _decompose(graph: ir.Graph, node: ir.Node, world_size: int, formulation: str
         new_mean = e.op("Add", [e.op("Mul", [running_mean, keep]), e.op("Mul", [e.op("Reshape", [mean, flat]), take])])
         batch_var = e.op("Mul", [e.op("Reshape", [var, flat]), unbiased])
         new_var = e.op("Add", [e.op("Mul", [running_var, keep]), e.op("Mul", [batch_var, take])])
-        for value, stat, suffix in ((new_mean, running_mean, "mean"), (new_var, running_var, "var")):
-            value.dtype, value.shape = stat.dtype, ir.Shape(stat.shape)
-            value.name = f"{e.prefix}/running_{suffix}"
-        if running_mean.is_initializer() and running_var.is_initializer():
-            buffers = [Buffer(running_mean.name, new_mean), Buffer(running_var.name, new_var)]
-        # Consumers of the node's own running-statistics outputs (rare) read the updates.
-        for old, new in zip(node.outputs[1:3], (new_mean, new_var)):
-            old.replace_all_uses_with(new)
+        buffers = _running_updates(node, e, new_mean, new_var)
+    _replace(graph, node, e.nodes, y)
+    return buffers
 
-    graph.insert_before(node, e.nodes)
+
+def _running_updates(node: ir.Node, e: _Emitter, new_mean: ir.Value, new_var: ir.Value) -> list[Buffer]:
+    """The running statistics' next values typed and named, read where the node's own
+    running-statistics outputs were (rare); the buffers they update where both are initializers."""
+    running_mean, running_var = node.inputs[3], node.inputs[4]
+    for value, stat, suffix in ((new_mean, running_mean, "mean"), (new_var, running_var, "var")):
+        value.dtype, value.shape = stat.dtype, ir.Shape(stat.shape)
+        value.name = f"{e.prefix}/running_{suffix}"
+    for old, new in zip(node.outputs[1:3], (new_mean, new_var)):
+        old.replace_all_uses_with(new)
+    if running_mean.is_initializer() and running_var.is_initializer():
+        return [Buffer(running_mean.name, new_mean), Buffer(running_var.name, new_var)]
+    return []
+
+
+def _replace(graph: ir.Graph, node: ir.Node, nodes: list[ir.Node], y: ir.Value) -> None:
+    """``nodes`` in place of ``node``, whose output ``y`` (typed like its input) now is."""
+    x = node.inputs[0]
+    graph.insert_before(node, nodes)
     y.dtype, y.shape = x.dtype, ir.Shape(x.shape)
     node.outputs[0].replace_all_uses_with(y)
     graph.remove(node, safe=True)
-    return buffers
 
 
 def _node_applies(node: ir.Node, world_size: int, eps: float) -> bool:
@@ -214,23 +228,13 @@ def _node_applies(node: ir.Node, world_size: int, eps: float) -> bool:
 
 
 def _training_node(graph: ir.Graph, node: ir.Node, e: _Emitter, eps: float, momentum: float) -> list[Buffer]:
-    x, scale, _, running_mean, running_var = node.inputs[:5]
+    x = node.inputs[0]
     bn = ir.node(BATCHNORM_TRAINING, list(node.inputs[:5]), {"epsilon": eps, "momentum": momentum},
                  domain=BATCHNORM_DOMAIN, num_outputs=5, name=f"{e.prefix}/{BATCHNORM_TRAINING}")
     y, new_mean, new_var, saved_mean, saved_inv_std = bn.outputs
-    y.dtype, y.shape = x.dtype, ir.Shape(x.shape)
-    for value, stat, suffix in ((new_mean, running_mean, "mean"), (new_var, running_var, "var")):
-        value.dtype, value.shape = stat.dtype, ir.Shape(stat.shape)
-        value.name = f"{e.prefix}/running_{suffix}"
     for value, suffix in ((saved_mean, "saved_mean"), (saved_inv_std, "saved_inv_std")):
         value.dtype, value.shape = x.dtype, ir.Shape([x.shape[1]])
         value.name = f"{e.prefix}/{suffix}"
-    graph.insert_before(node, [bn])
-    # Consumers of the node's own running-statistics outputs (rare) read the updates.
-    for old, new in zip(node.outputs[1:3], (new_mean, new_var)):
-        old.replace_all_uses_with(new)
-    node.outputs[0].replace_all_uses_with(y)
-    graph.remove(node, safe=True)
-    if running_mean.is_initializer() and running_var.is_initializer():
-        return [Buffer(running_mean.name, new_mean), Buffer(running_var.name, new_var)]
-    return []
+    buffers = _running_updates(node, e, new_mean, new_var)
+    _replace(graph, node, [bn], y)
+    return buffers

@@ -93,15 +93,18 @@ def parse_provider_options(text: str) -> dict[str, str]:
 _SHARED_ARENAS: set[int] = set()  # devices whose arena is registered with onnxruntime's environment
 
 
-def _share_arena(ort, device_id: int) -> None:
+def _share_arena(ort, device_id: int, provider_options: dict[str, str]) -> None:
     """Register one CUDA arena for ``device_id`` with onnxruntime's (process-wide) environment, once;
-    sessions opt in with ``session.use_env_allocators``."""
+    sessions opt in with ``session.use_env_allocators``. It lives as long as the process (onnxruntime
+    has no call to unregister it) and is never shrunk (GpuBackend.make_program)."""
     if device_id in _SHARED_ARENAS:
         return
     info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_id, ort.OrtMemType.DEFAULT)
+    options = {"device_id": str(device_id)}
+    if "gpu_mem_limit" in provider_options:  # a user's cap (GRAPH_TRANSPILER_CUDA_EP_OPTIONS) holds for it too
+        options["gpu_mem_limit"] = provider_options["gpu_mem_limit"]
     # arena_extend_strategy 1 (kSameAsRequested): grow by what is asked, as the sessions' own arenas do.
-    ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {"device_id": str(device_id)},
-                                         ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+    ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, options, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
     _SHARED_ARENAS.add(device_id)
 
 
@@ -236,7 +239,7 @@ class GpuBackend(Backend):
             # (a shrink would free chunks another session's graph still writes), which a program of
             # one large session needs after its first runs (GPT-2-small: 11.2 against 15.6 GiB).
             if self.shared_arena:
-                _share_arena(self.ort, self.device_id)
+                _share_arena(self.ort, self.device_id, self.provider_options)
                 for runner in sessions:
                     runner.shared_arena = True
             gemms = sum(any(n.op_type in _GEMM_OPS for n in runner.segment.model.graph.node) for runner in sessions)
@@ -244,9 +247,10 @@ class GpuBackend(Backend):
                 # Every session has its own cuBLAS handle, and cuBLAS gives each a 64 MiB workspace
                 # on Hopper (an H200: 73 MiB per session, 9 without it): 2.2 GiB for 35 sessions.
                 # Where few of them multiply matrices (a CNN: its heavy work is cuDNN's), 4 MiB each.
-                # Set before the first session runs (cuBLAS reads it when a handle is made); a
-                # user's setting wins.
+                # Set from here to the end of the program's first call, in which its sessions are
+                # made and first run (cuBLAS reads it when a handle is made); a user's setting wins.
                 os.environ["CUBLAS_WORKSPACE_CONFIG"] = SMALL_CUBLAS_WORKSPACE
+                program.after_first_call = lambda: os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         return program
 
     def split_tail(self) -> bool:

@@ -8,10 +8,10 @@ per step (nothing fused), cuDNN about 8 (ResNet-18, batch 256, one H100: ~7.6 ag
 
 Each node is one cuDNN call. The forward updates the running statistics in place, so its running
 outputs start as copies of the running inputs; the program makes them the same buffers where it can
-(``in_place_pairs``, as for the fused optimizer update), and the copy is then skipped. cuDNN's
-epsilon may not be below CUDNN_BN_MIN_EPSILON; the transpiler writes the node only for an epsilon
-that is at least that in float32, which in double can be a hair below (float32(1e-5)), so it is
-clamped as onnxruntime's own cuDNN BatchNorm does.
+(``in_place_pairs``, as for the fused optimizer update), and the copy is then skipped. The transpiler
+writes the node only for an epsilon of at least 1e-5 in float32 (cuDNN 7's CUDNN_BN_MIN_EPSILON),
+which in double can be a hair below (float32(1e-5) = 9.9999997e-6); it is raised to 1e-5, as
+onnxruntime's own cuDNN BatchNorm clamps it.
 
 Interface: OrtCudaSegment's (``run`` allocates the outputs on the first call; then ``prepare`` and
 ``run_bound``); descriptors are made on the first call, whose shapes every bound call keeps.
@@ -72,10 +72,21 @@ class BatchNormRunner(LaunchRunner):
         return {out: src for op in self.ops if op.op_type == BATCHNORM_TRAINING
                 for out, src in zip(op.outputs[1:3], op.inputs[3:5])}
 
-    def _configure(self, op: _Node, x) -> None:
-        if x.dtype != np.float32 or x.ndim != 4 or not x.flags.c_contiguous:
-            raise RunError(f"{self.where}: '{op.name}': X must be a contiguous float32 (N, C, H, W) tensor, "
+    def _check(self, op: _Node, x, values) -> None:
+        """Every input contiguous float32: X (N, C, H, W), dY X's shape, the rest (C,). cuDNN would
+        read past a smaller buffer without an error."""
+        if x.dtype != np.float32 or x.ndim != 4:
+            raise RunError(f"{self.where}: '{op.name}': X must be a float32 (N, C, H, W) tensor, "
                            f"got {x.dtype} {tuple(x.shape)}")
+        full = 1 if op.op_type == BATCHNORM_TRAINING else 2  # leading inputs shaped like X: X, or dY and X
+        for index, name in enumerate(op.inputs):
+            value = values[name]
+            shape = tuple(x.shape) if index < full else (x.shape[1],)
+            if value.dtype != np.float32 or not value.flags.c_contiguous or tuple(value.shape) != shape:
+                raise RunError(f"{self.where}: '{op.name}': input '{name}' must be a contiguous float32 tensor of "
+                               f"shape {shape}, got {value.dtype} {tuple(value.shape)}")
+
+    def _configure(self, op: _Node, x) -> None:
         for desc in op.descriptors:
             cudnn.call("cudnnDestroyTensorDescriptor", desc)
         op.descriptors = (cudnn.tensor_descriptor(x.shape), cudnn.tensor_descriptor((1, x.shape[1], 1, 1)))
@@ -89,25 +100,25 @@ class BatchNormRunner(LaunchRunner):
                 forward = op.op_type == BATCHNORM_TRAINING
                 x = values[op.inputs[0] if forward else op.inputs[1]]
                 if allocate:  # a first call: its shapes are every bound call's
+                    self._check(op, x, values)
                     if op.shape != tuple(x.shape):
                         self._configure(op, x)
-                    channels = x.shape[1]
-                    for name, value in zip(op.inputs, (values[n] for n in op.inputs)):
-                        if value.dtype != np.float32 or not value.flags.c_contiguous:
-                            raise RunError(f"{self.where}: '{op.name}': input '{name}' must be contiguous float32")
-                    shapes = [x.shape, (channels,), (channels,), (channels,), (channels,)]
-                    for name, shape in zip(op.outputs, shapes):
+                    channels = (x.shape[1],)
+                    for name, shape in zip(op.outputs, [x.shape, channels, channels, channels, channels]):
                         values[name] = cp.empty(shape, dtype=np.float32)
                 x_desc, stat_desc = op.descriptors
                 ptr = [values[name].data.ptr for name in op.inputs]
                 out = [values[name] for name in op.outputs]
-                if forward:
-                    for running, src in zip(out[1:3], op.inputs[3:5]):
-                        if running.data.ptr != values[src].data.ptr:
-                            running[...] = values[src]
-                    cudnn.batchnorm_forward_training(handle, x_desc, ptr[0], out[0].data.ptr, stat_desc, ptr[1], ptr[2],
-                                                     op.factor, out[1].data.ptr, out[2].data.ptr, op.epsilon,
-                                                     out[3].data.ptr, out[4].data.ptr)
-                else:
-                    cudnn.batchnorm_backward(handle, x_desc, ptr[1], ptr[0], out[0].data.ptr, stat_desc, ptr[2],
-                                             out[1].data.ptr, out[2].data.ptr, op.epsilon, ptr[3], ptr[4])
+                try:
+                    if forward:
+                        for running, src in zip(out[1:3], op.inputs[3:5]):
+                            if running.data.ptr != values[src].data.ptr:
+                                running[...] = values[src]
+                        cudnn.batchnorm_forward_training(handle, x_desc, ptr[0], out[0].data.ptr, stat_desc, ptr[1],
+                                                         ptr[2], op.factor, out[1].data.ptr, out[2].data.ptr,
+                                                         op.epsilon, out[3].data.ptr, out[4].data.ptr)
+                    else:
+                        cudnn.batchnorm_backward(handle, x_desc, ptr[1], ptr[0], out[0].data.ptr, stat_desc, ptr[2],
+                                                 out[1].data.ptr, out[2].data.ptr, op.epsilon, ptr[3], ptr[4])
+                except RunError as exc:
+                    raise RunError(f"{self.where}: '{op.name}': {exc}") from None

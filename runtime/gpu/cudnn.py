@@ -25,7 +25,7 @@ FMA_MATH = 3  # no tensor cores: exact float32 FMAs
 BWD_FILTER_ALGOS = 7  # cudnnConvolutionBwdFilterAlgo_t values 0..6
 STATUS_SUCCESS = 0
 BATCHNORM_SPATIAL = 1  # cudnnBatchNormMode_t: statistics per channel over (N, H, W); PyTorch's for NCHW
-BATCHNORM_MIN_EPSILON = 1e-5  # CUDNN_BN_MIN_EPSILON: cuDNN refuses a smaller epsilon
+BATCHNORM_MIN_EPSILON = 1e-5  # CUDNN_BN_MIN_EPSILON of cuDNN 7 (later headers may allow less); the nodes never ask less
 
 
 class BwdFilterAlgoPerf(ctypes.Structure):

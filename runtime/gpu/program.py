@@ -9,8 +9,10 @@ buckets computes, and (with ``split_tail``) the optimizer of bucket k runs as so
 At the end of a step the compute stream waits for every collective, so the next step never
 writes a buffer that NCCL still reads.
 
-Buffers. The first call of a program (the init graph's only one, and the first step) runs with
-onnxruntime allocating the outputs and records every value's shape. From the second call on,
+Buffers. The first call of a program (the init graph's only one, and the first step) runs on
+buffers allocated as it goes (CuPy's for the outputs of sessions whose shapes are static, which
+after specialization is all of them; onnxruntime's otherwise), each dropped after its last reader,
+and records every value's shape. From the second call on,
 everything is preallocated and bound once, in two IOBindings per segment (one per step parity):
 - each collective owns one flat buffer (two, by parity, if its outputs are state), laid out by its
   op class (CollectiveOp.flat_layout, runtime/collectives/); a gradient that only its collective
@@ -92,6 +94,7 @@ class GpuProgram(ProgramBase):
         self.ready = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
         self.done = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
         self.calls = 0
+        self.after_first_call = None  # set by the backend: undoes a setting its first call needed
         self.shapes: dict[str, tuple[tuple, Any]] = {}
         self.slots: dict[int, _Slots] = {}
         self.copy_in: dict[int, list[str]] = {}
@@ -100,7 +103,11 @@ class GpuProgram(ProgramBase):
     def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         if self.calls == 1:
-            return self._run_first(feeds)
+            try:
+                return self._run_first(feeds)
+            finally:
+                if self.after_first_call is not None:
+                    self.after_first_call()
         if self.calls == 2:
             self._allocate(feeds)
         elif self.calls == 3:
@@ -110,7 +117,7 @@ class GpuProgram(ProgramBase):
             self.cp.get_default_memory_pool().free_all_blocks()
         return self._run_bound(feeds, self.calls % 2)
 
-    # -- first call: onnxruntime allocates, collectives synchronous -----------------------------
+    # -- first call: allocated as it goes, collectives synchronous -----------------------------
     def _run_first(self, feeds):
         env = {**self.constants, **feeds}
         self.backend.compute.synchronize()  # constants and fed data are on the device before any run
@@ -132,7 +139,8 @@ class GpuProgram(ProgramBase):
                     del env[name]
         shapes.update((name, (tuple(v.shape), v.dtype)) for name, v in env.items())
         self.shapes = shapes
-        # Values onnxruntime allocated return to its arena when dropped; finish before that.
+        # The first call's work is done before its values (some in onnxruntime's arenas) are dropped
+        # and the second call allocates the program's own buffers.
         self.backend.compute.synchronize()
         return {name: env[name] for name in self.cut.outputs}
 

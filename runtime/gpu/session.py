@@ -210,8 +210,9 @@ class OrtCudaSegment(SegmentRunner):
             value = allocated[name] = self.backend.cp.empty(*spec)
             io.bind_output(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
         self._run(io, self._uncaptured())
-        wrapped = iter([self.backend.wrap(v) for v in io.get_outputs()])
-        fixed.update((name, allocated[name] if name in allocated else next(wrapped)) for name in computed)
+        # get_outputs lists every bound output in binding order, preallocated ones included.
+        for name, value in zip(computed, io.get_outputs()):
+            fixed[name] = allocated[name] if name in allocated else self.backend.wrap(value)
         return [fixed[name] for name in self.outputs]
 
     def written_once(self) -> set[str]:
