@@ -64,6 +64,11 @@ class Segment:
     stage: int = 0  # with native_domains, its stage in the part (even; see the module docstring)
 
 
+def place(item: Segment | NativeGroup) -> str:
+    """Where a segment or native group is, for messages: "segment K" or "segment K part J"."""
+    return f"segment {item.index}" + (f" part {item.part}" if item.part else "")
+
+
 @dataclass
 class NativeGroup:
     """Consecutive nodes of a backend-native domain, in graph order: stage ``stage`` (odd) of part

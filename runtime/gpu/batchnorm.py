@@ -27,6 +27,7 @@ from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAININ
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
 from runtime.gpu import cudnn
+from runtime.segments import place
 
 DOMAIN = BATCHNORM_DOMAIN
 _ARITY = {BATCHNORM_TRAINING: (5, 5), BATCHNORM_TRAINING_GRAD: (5, 3)}  # op -> (inputs, outputs)
@@ -64,7 +65,7 @@ class BatchNormRunner(LaunchRunner):
         self.cp = backend.cp
         self.stream = backend.compute
         self.backend = backend
-        self.where = f"{where}: BatchNorms in segment {group.index}" + (f" part {group.part}" if group.part else "")
+        self.where = f"{where}: BatchNorms in {place(group)}"
         self.ops = [_Node.from_node(node, self.where) for node in group.nodes]
 
     def in_place_pairs(self) -> dict[str, str]:

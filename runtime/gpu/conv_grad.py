@@ -32,6 +32,7 @@ from contract.ops import CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD, CONV_WEIGHT_GRAD_AT
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
 from runtime.gpu import cudnn
+from runtime.segments import place
 
 DOMAIN, WEIGHT_GRAD = CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD
 WORKSPACE_LIMIT = 256 << 20  # bytes an algorithm may need; cuDNN's fastest ResNet ones need far less
@@ -100,7 +101,7 @@ class ConvGradRunner(LaunchRunner):
         self.cp = backend.cp
         self.tf32 = backend.tf32
         self.stream = backend.compute
-        self.where = f"{where}: Conv weight gradients in segment {group.index}" + (f" part {group.part}" if group.part else "")
+        self.where = f"{where}: Conv weight gradients in {place(group)}"
         self.ops = [_WeightGrad.from_node(node, self.where) for node in group.nodes]
         self.backend = backend
         self.context: CudnnContext | None = None  # the backend's, from the first call on

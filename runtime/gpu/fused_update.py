@@ -30,6 +30,7 @@ import numpy as np
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner
 from runtime.fused_update import OPS, UpdateOp
+from runtime.segments import place
 
 CHUNK = 8192  # elements per block
 THREADS = 256
@@ -202,7 +203,7 @@ class FusedUpdateRunner(SegmentRunner):
 
     def __init__(self, group, where: str, backend):
         self.cp = backend.cp
-        self.where = f"{where}: fused updates in segment {group.index}" + (f" part {group.part}" if group.part else "")
+        self.where = f"{where}: fused updates in {place(group)}"
         ops = [UpdateOp.from_node(node, where) for node in group.nodes]
         runs: list[list[UpdateOp]] = []
         produced: set[str] = set()  # by the current run: a node reading one starts a new launch

@@ -14,7 +14,7 @@ from runtime.errors import RunError
 from runtime.executor import SegmentRunner, _first_line
 from runtime.gpu.cuda import ORT_DTYPES
 from runtime.gpu.lowering import lower_for_cuda
-from runtime.segments import Segment
+from runtime.segments import Segment, place
 from runtime.specialize import NEVER_FOLDED, specialize
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class OrtCudaSegment(SegmentRunner):
     def __init__(self, segment: Segment, where: str, backend: GpuBackend):
         self.backend = backend
         self.segment = segment
-        self.where = f"{where}: segment {segment.index}" + (f" part {segment.part}" if segment.part else "")
+        self.where = f"{where}: {place(segment)}"
         self.inputs = list(segment.inputs)
         self.outputs = list(segment.outputs)
         self.session = None
