@@ -29,8 +29,6 @@ from onnx import numpy_helper
 from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime.errors import RunError
 
-DOMAIN = FUSED_UPDATE_DOMAIN
-
 # op type -> (state slots in input/output order, whether it reads the step counter)
 OPS: dict[str, tuple[tuple[str, ...], bool]] = {
     "SGD": ((), False),
@@ -64,7 +62,7 @@ class UpdateOp:
     @classmethod
     def from_node(cls, node: onnx.NodeProto, where: str) -> UpdateOp:
         label = f"{where}: node '{node.name or node.op_type}'"
-        if node.domain != DOMAIN or node.op_type not in OPS:
+        if node.domain != FUSED_UPDATE_DOMAIN or node.op_type not in OPS:
             raise RunError(f"{label}: not a fused update op ({node.domain}::{node.op_type}; known: {', '.join(OPS)})")
         slots, uses_step = OPS[node.op_type]
         arity = 3 + uses_step + len(slots)

@@ -20,10 +20,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from contract.ops import CONV_WEIGHT_GRAD as WEIGHT_GRAD_OP
 from transpiler.autodiff import build_gradients
 from transpiler.autodiff.rules import conv as conv_rules
 from transpiler.batchnorm import decompose_batchnorm
-from transpiler.conv_grad import WEIGHT_GRAD_OP
 from transpiler.native_ops import add_op_functions
 
 

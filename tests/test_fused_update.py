@@ -23,13 +23,14 @@ from conftest import load_data
 from test_optimizer import CASES, PARAM_SHAPE, STEPS, correctly_rounded_sqrt, learning_rates, torch_optimizer
 
 import runtime.trainer
+from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime import simulate
 from runtime.collectives import CollectiveOp
 from runtime.executor import CpuBackend
-from runtime.fused_update import DOMAIN, ReferenceUpdateRunner, UpdateOp, reference_update
+from runtime.fused_update import ReferenceUpdateRunner, UpdateOp, reference_update
 from runtime.segments import NativeGroup, Segment, cut_graph
 from transpiler import OptimizerConfig, Options, transpile
-from transpiler.fused_update import FUSED_DOMAIN, emit_fused_update
+from transpiler.fused_update import emit_fused_update
 from transpiler.optimizer import emit_step_increment, emit_update
 
 
@@ -83,7 +84,7 @@ def _run_onnx(config: OptimizerConfig, fused: bool, seed: int = 0) -> list[list[
 
 
 def _fused_op(config: OptimizerConfig) -> UpdateOp:
-    node = next(n for n in _step_model(config, fused=True).graph.node if n.domain == DOMAIN)
+    node = next(n for n in _step_model(config, fused=True).graph.node if n.domain == FUSED_UPDATE_DOMAIN)
     return UpdateOp.from_node(node, "test")
 
 
@@ -133,14 +134,14 @@ def test_reference_is_torch_within_1e_6(case, monkeypatch):
 
 def test_fused_node_reads_as_its_optimizer():
     model = _step_model(OptimizerConfig("adamw", lr=1e-3, betas=(0.8, 0.99)), fused=True)
-    (node,) = [n for n in model.graph.node if n.domain == FUSED_DOMAIN]
+    (node,) = [n for n in model.graph.node if n.domain == FUSED_UPDATE_DOMAIN]
     assert node.op_type == "AdamW" and list(node.input) == ["w", "w.grad", "lr", "optimizer.step.next",
                                                             "w.exp_avg", "w.exp_avg_sq"]
     assert list(node.output) == ["w.next", "w.exp_avg.next", "w.exp_avg_sq.next"]
     assert UpdateOp.from_node(node, "test").h == {"beta1": 0.8, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.01}
     (function,) = model.functions
-    assert (function.domain, function.name) == (FUSED_DOMAIN, "AdamW")
-    assert {o.domain: o.version for o in model.opset_import}[FUSED_DOMAIN] == 1
+    assert (function.domain, function.name) == (FUSED_UPDATE_DOMAIN, "AdamW")
+    assert {o.domain: o.version for o in model.opset_import}[FUSED_UPDATE_DOMAIN] == 1
 
 
 def test_one_graph_holds_one_configuration():
@@ -173,14 +174,14 @@ def test_update_nodes_become_native_groups_in_order(strategy, model_dir, tmp_pat
     assert len(plan["buckets"]) > 1
     for rank in range(2):
         model = onnx.load(str(tmp_path / "out" / plan["graphs"]["ranks"][rank]["step"]))  # ranks may share a file
-        updates = sum(n.domain == DOMAIN for n in model.graph.node)
+        updates = sum(n.domain == FUSED_UPDATE_DOMAIN for n in model.graph.node)
         plain = cut_graph(model, rank, "rank.onnx", split_tail=True)
-        cut = cut_graph(model, rank, "rank.onnx", split_tail=True, native_domains={DOMAIN})
+        cut = cut_graph(model, rank, "rank.onnx", split_tail=True, native_domains={FUSED_UPDATE_DOMAIN})
         assert not plain.native_groups
         groups = cut.native_groups
         assert sum(len(g.nodes) for g in groups) == updates > 0
-        assert all(n.domain == DOMAIN for g in groups for n in g.nodes)
-        assert all(n.domain != DOMAIN for s in cut.segments for n in s.model.graph.node)
+        assert all(n.domain == FUSED_UPDATE_DOMAIN for g in groups for n in g.nodes)
+        assert all(n.domain != FUSED_UPDATE_DOMAIN for s in cut.segments for n in s.model.graph.node)
         assert [type(i) for i in cut.items if isinstance(i, CollectiveOp)] == [type(i) for i in plain.collectives]
         _check_topological(cut, [i.name for i in model.graph.input])
         for item in cut.items:
@@ -189,7 +190,7 @@ def test_update_nodes_become_native_groups_in_order(strategy, model_dir, tmp_pat
     # One device, no collectives: the whole step is one segment, then every update in one group.
     transpile(model_dir("perceptron") / "model.onnx", tmp_path / "single", Options(optimizer=OptimizerConfig("adamw")))
     model = onnx.load(str(tmp_path / "single" / "train.onnx"))
-    cut = cut_graph(model, 0, "train.onnx", split_tail=True, native_domains={DOMAIN})
+    cut = cut_graph(model, 0, "train.onnx", split_tail=True, native_domains={FUSED_UPDATE_DOMAIN})
     assert [type(i).__name__ for i in cut.items] == ["Segment", "NativeGroup"]
     assert len(cut.items[1].nodes) == 4
 
@@ -198,7 +199,7 @@ class ReferenceBackend(CpuBackend):
     """The CPU backend with the fused updates taken out of onnxruntime and run by the NumPy reference,
     as the GPU backend takes them out for its kernel."""
 
-    native_domains = frozenset({DOMAIN})
+    native_domains = frozenset({FUSED_UPDATE_DOMAIN})
 
     def __init__(self, threads: int | None = None):
         super().__init__(threads)

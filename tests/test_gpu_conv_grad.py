@@ -11,9 +11,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from contract.ops import CONV_GRAD_DOMAIN as DOMAIN
+from contract.ops import CONV_WEIGHT_GRAD as WEIGHT_GRAD
 from runtime.errors import RunError
 from runtime.gpu import cuda_available, gpu_count
-from runtime.gpu.conv_grad import DOMAIN, WEIGHT_GRAD, ConvGradRunner
+from runtime.gpu.conv_grad import ConvGradRunner
 from runtime.segments import NativeGroup
 from transpiler.native_ops import add_op_functions
 

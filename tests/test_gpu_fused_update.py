@@ -21,7 +21,8 @@ import pytest
 from conftest import load_data, max_rel_error
 from test_optimizer import CASES
 
-from runtime.fused_update import DOMAIN, UpdateOp, reference_update
+from contract.ops import FUSED_UPDATE_DOMAIN as DOMAIN
+from runtime.fused_update import UpdateOp, reference_update
 from runtime.gpu import cuda_available, gpu_count
 from runtime.gpu.fused_update import CHUNK
 from runtime.segments import NativeGroup

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from contract.ops import CONV_GRAD_DOMAIN, CONV_GRAD_VERSION, CONV_WEIGHT_GRAD, CONV_WEIGHT_GRAD_ATTRIBUTES
+from contract.ops import CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD, CONV_WEIGHT_GRAD_ATTRIBUTES
 
-__all__ = ["CONV_GRAD_DOMAIN", "CONV_GRAD_VERSION", "WEIGHT_GRAD_OP", "weight_grad_function"]
-
-WEIGHT_GRAD_OP = CONV_WEIGHT_GRAD
 _INTS = ir.AttributeType.INTS
 
 
@@ -57,8 +54,8 @@ def weight_grad_function(opset: int) -> ir.Function:
     cropped = op("Slice", [full, starts, ends, axes], [])
     dw = op("Transpose", [cropped], [ints("perm", swap)])
     dw.name = "dW"
-    body = ir.Graph([x, dy], [dw], nodes=nodes, opset_imports={"": opset}, name=WEIGHT_GRAD_OP)
+    body = ir.Graph([x, dy], [dw], nodes=nodes, opset_imports={"": opset}, name=CONV_WEIGHT_GRAD)
     declared = [ir.Attr(name, _INTS, None) for name in CONV_WEIGHT_GRAD_ATTRIBUTES]
-    function = ir.Function(CONV_GRAD_DOMAIN, WEIGHT_GRAD_OP, graph=body, attributes=declared)
+    function = ir.Function(CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD, graph=body, attributes=declared)
     function.doc_string = "Conv weight gradient (group 1, 2 spatial axes); see transpiler/conv_grad.py"
     return function

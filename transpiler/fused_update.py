@@ -15,14 +15,12 @@ from contract.ops import FUSED_UPDATE_DOMAIN, FUSED_UPDATE_VERSION
 from transpiler.optimizer import Emitter, check_update_arguments, emit_update, unique_name
 from transpiler.optimizer_table import OptimizerConfig
 
-__all__ = ["FUSED_DOMAIN", "FUSED_VERSION", "emit_fused_update", "fused_attributes"]
+__all__ = ["emit_fused_update", "fused_attributes"]
 
 _FLOAT = ir.DataType.FLOAT
 
-# The fused update ops (emit_fused_update): one op per optimizer, in their own domain so that the
-# runtime can tell them from the collectives (domain "graph_transpiler").
-FUSED_DOMAIN = FUSED_UPDATE_DOMAIN
-FUSED_VERSION = FUSED_UPDATE_VERSION
+# One op per optimizer, in the fused-update domain (contract/ops.py), apart from the collectives'
+# domain "graph_transpiler" so that the runtime tells them apart.
 _FUSED_OP = {"sgd": "SGD", "momentum": "Momentum", "adam": "Adam", "adamw": "AdamW"}
 
 
@@ -73,11 +71,11 @@ def emit_fused_update(
         for key, value in fused_attributes(config).items()
     ]  # fmt: skip
     node = ir.Node(
-        FUSED_DOMAIN, function.name, inputs, attributes, num_outputs=1 + len(config.slots()),
+        FUSED_UPDATE_DOMAIN, function.name, inputs, attributes, num_outputs=1 + len(config.slots()),
         name=unique_name(f"{name}.{config.name}", emitter.node_names),
     )
     graph.append(node)
-    graph.opset_imports[FUSED_DOMAIN] = FUSED_VERSION
+    graph.opset_imports[FUSED_UPDATE_DOMAIN] = FUSED_UPDATE_VERSION
     model.ir_version = max(model.ir_version, 8)  # model-local functions need IR version 8
     names = [f"{name}.next", *(f"{name}.{slot}.next" for slot in config.slots())]
     for value, wanted in zip(node.outputs, names):
@@ -90,11 +88,11 @@ def _update_function(model: ir.Model, config: OptimizerConfig) -> ir.Function:
     """The model-local function of ``config``'s fused op: created on first use, then reused."""
     op_type = _FUSED_OP[config.name]
     signature = f"torch.optim {config.name} update, {fused_attributes(config)}"
-    key = (FUSED_DOMAIN, op_type, "")
+    key = (FUSED_UPDATE_DOMAIN, op_type, "")
     existing = model.functions.get(key)
     if existing is not None:
         if existing.doc_string != signature:
-            raise ValueError(f"{FUSED_DOMAIN}::{op_type}: one graph holds updates of one configuration "
+            raise ValueError(f"{FUSED_UPDATE_DOMAIN}::{op_type}: one graph holds updates of one configuration "
                              f"(has: {existing.doc_string!r}; asked: {signature!r})")
         return existing
     body = ir.Graph([], [], nodes=[], opset_imports={"": model.graph.opset_imports.get("", 18)}, name=op_type)
@@ -118,7 +116,7 @@ def _update_function(model: ir.Model, config: OptimizerConfig) -> ir.Function:
         value.type, value.shape = None, None
     declared = [ir.Attr(key, ir.AttributeType.INT if isinstance(value, int) else ir.AttributeType.TENSOR, None)
                 for key, value in fused_attributes(config).items()]
-    function = ir.Function(FUSED_DOMAIN, op_type, graph=body, attributes=declared)
+    function = ir.Function(FUSED_UPDATE_DOMAIN, op_type, graph=body, attributes=declared)
     function.doc_string = signature
     model.functions[key] = function
     return function

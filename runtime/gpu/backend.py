@@ -12,12 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from contract.ops import BATCHNORM_DOMAIN, CONV_GRAD_DOMAIN, FUSED_UPDATE_DOMAIN
 from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner
-from runtime.fused_update import DOMAIN as FUSED_UPDATE_DOMAIN
-from runtime.gpu.batchnorm import DOMAIN as BATCHNORM_DOMAIN
 from runtime.gpu.batchnorm import BatchNormRunner
-from runtime.gpu.conv_grad import DOMAIN as CONV_GRAD_DOMAIN
 from runtime.gpu.conv_grad import ConvGradRunner, CudnnContext
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
 from runtime.gpu.elementwise import DOMAIN as ELEMENTWISE_DOMAIN

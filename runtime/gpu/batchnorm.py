@@ -23,13 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD
+from contract.ops import BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
 from runtime.gpu import cudnn
 from runtime.segments import place
 
-DOMAIN = BATCHNORM_DOMAIN
 _ARITY = {BATCHNORM_TRAINING: (5, 5), BATCHNORM_TRAINING_GRAD: (5, 3)}  # op -> (inputs, outputs)
 
 

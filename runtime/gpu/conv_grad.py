@@ -34,7 +34,6 @@ from runtime.executor import LaunchRunner
 from runtime.gpu import cudnn
 from runtime.segments import place
 
-DOMAIN, WEIGHT_GRAD = CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD
 WORKSPACE_LIMIT = 256 << 20  # bytes an algorithm may need; cuDNN's fastest ResNet ones need far less
 
 
@@ -57,16 +56,16 @@ class _WeightGrad:
 
     @classmethod
     def from_node(cls, node, where: str) -> _WeightGrad:
-        if node.op_type != WEIGHT_GRAD or len(node.input) != 2 or len(node.output) != 1:
+        if node.op_type != CONV_WEIGHT_GRAD or len(node.input) != 2 or len(node.output) != 1:
             raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a "
-                           f"{DOMAIN}::{WEIGHT_GRAD}(X, dY) -> dW node")
+                           f"{CONV_GRAD_DOMAIN}::{CONV_WEIGHT_GRAD}(X, dY) -> dW node")
         attrs = {a.name: list(a.ints) for a in node.attribute}
         missing = [key for key in CONV_WEIGHT_GRAD_ATTRIBUTES if key not in attrs]
         if missing:
-            raise RunError(f"{where}: node '{node.name}' ({WEIGHT_GRAD}) lacks attribute(s) {', '.join(missing)}")
+            raise RunError(f"{where}: node '{node.name}' ({CONV_WEIGHT_GRAD}) lacks attribute(s) {', '.join(missing)}")
         k = len(attrs["kernel_shape"])
         if not (len(attrs["strides"]) == len(attrs["dilations"]) == k and len(attrs["pads"]) == 2 * k):
-            raise RunError(f"{where}: node '{node.name}' ({WEIGHT_GRAD}): kernel_shape, strides, dilations and pads "
+            raise RunError(f"{where}: node '{node.name}' ({CONV_WEIGHT_GRAD}): kernel_shape, strides, dilations and pads "
                            "disagree on the number of spatial axes")
         return cls(node.name, node.input[0], node.input[1], node.output[0], attrs["kernel_shape"],
                    attrs["strides"], attrs["dilations"], attrs["pads"][:k])

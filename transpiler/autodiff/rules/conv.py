@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from contract.ops import CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD
 from transpiler.autodiff._context import RuleContext, annotate
 from transpiler.autodiff._registry import register
-from transpiler.conv_grad import CONV_GRAD_DOMAIN, WEIGHT_GRAD_OP
 
 
 def _static(dims: Sequence[Any] | None) -> list[int] | None:
@@ -196,7 +196,7 @@ def _weight_grad_node(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, 
             return None
     attributes = {"kernel_shape": kernel, "strides": window.strides, "dilations": window.dilations,
                   "pads": [*begin, *end]}
-    (dw,) = ctx.op_multi(WEIGHT_GRAD_OP, [x, dy], attributes, num_outputs=1, domain=CONV_GRAD_DOMAIN)
+    (dw,) = ctx.op_multi(CONV_WEIGHT_GRAD, [x, dy], attributes, num_outputs=1, domain=CONV_GRAD_DOMAIN)
     annotate(dw, w)
     return dw
 
