@@ -125,7 +125,6 @@ class GpuBackend(Backend):
         # (do_copy_in_default_stream) and relies on that stream's implicit order with its compute stream.
         self.compute = cp.cuda.Stream(non_blocking=False)
         self.compute.use()  # CuPy's own work (copies, the loss ring) joins the compute stream
-        self.run_options = self.ort.RunOptions()
         # Fully asynchronous runs (onnxruntime returns before its kernels finish) are opt-in: on the
         # 4x H200 check they gave wrong results on 2 and 4 GPUs (correct on 1), so some onnxruntime
         # work is not ordered by the user compute stream there. Synchronized runs still overlap
@@ -135,8 +134,6 @@ class GpuBackend(Backend):
         # Debugging aid: synchronize the whole device after every segment and collective, which
         # rules out any stream-ordering race (slow; never on by default).
         self.debug_sync = os.environ.get("GRAPH_TRANSPILER_DEBUG_SYNC") == "1"
-        if self.async_runs:
-            self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         # Segments specialized to their first call's shapes, and replayed as CUDA graphs (see
         # OrtCudaSegment); GRAPH_TRANSPILER_STATIC_SHAPES=0 / GRAPH_TRANSPILER_CUDA_GRAPHS=0 turn them off.
         env_flag = lambda name: os.environ.get(name, "1") != "0"  # noqa: E731
@@ -157,8 +154,10 @@ class GpuBackend(Backend):
         # The fused update writes parameters and optimizer state in place (GpuProgram._in_place);
         # GRAPH_TRANSPILER_UPDATE_IN_PLACE=0 keeps a buffer pair per state value instead.
         self.update_in_place = env_flag("GRAPH_TRANSPILER_UPDATE_IN_PLACE")
+        # Uncaptured runs: the first runs of a session give its arena's free chunks back; later ones
+        # (and every run of a session on the shared arena) do not.
         self.run_options_uncaptured = self._run_options(graph_id=-1)
-        self.run_options_unshrunk = self._run_options(graph_id=-1, shrink=False)  # sessions on the shared arena
+        self.run_options = self._run_options(graph_id=-1, shrink=False)
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
         # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
         # GRAPH_TRANSPILER_FUSED_UPDATE=0 leaves them to onnxruntime (their function bodies), to compare.

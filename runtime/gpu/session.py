@@ -273,7 +273,7 @@ class OrtCudaSegment(SegmentRunner):
 
     def _uncaptured(self):
         """Run options of an uncaptured run: the arena shrinks after it, unless it is shared."""
-        return self.backend.run_options_unshrunk if self.shared_arena else self.backend.run_options_uncaptured
+        return self.backend.run_options if self.shared_arena else self.backend.run_options_uncaptured
 
     def _run(self, io, run_options) -> None:
         try:
