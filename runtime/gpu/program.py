@@ -122,7 +122,7 @@ class GpuProgram(ProgramBase):
         env = {**self.constants, **feeds}
         self.backend.compute.synchronize()  # constants and fed data are on the device before any run
         keep = set(self.cut.outputs) | set(self.constants) | set(feeds)
-        shapes = {}
+        shapes = {name: (tuple(v.shape), v.dtype) for name, v in env.items()}
         for pos, (item, runner) in enumerate(self.steps):
             values = [env[name] for name in item.inputs]
             if runner is not None:
@@ -131,13 +131,12 @@ class GpuProgram(ProgramBase):
                 results = item.run(self.comm, values) if not self.backend.skip_collectives else item.skipped(values, self.cp)
             env.update(zip(item.outputs, results))
             shapes.update((name, (tuple(v.shape), v.dtype)) for name, v in zip(item.outputs, results))
-            # A value no later item reads goes back to its allocator now (onnxruntime's arena for
-            # session outputs), so the first call holds no more than a step does at any time.
+            # A value no later item reads goes back to its allocator now (CuPy's pool; onnxruntime's
+            # arena for an output it allocated), so the first call holds no more than a step does.
             del values, results
             for name in item.inputs + item.outputs:
                 if name in env and name not in keep and max(self.readers.get(name, [pos])) <= pos:
                     del env[name]
-        shapes.update((name, (tuple(v.shape), v.dtype)) for name, v in env.items())
         self.shapes = shapes
         # The first call's work is done before its values (some in onnxruntime's arenas) are dropped
         # and the second call allocates the program's own buffers.
