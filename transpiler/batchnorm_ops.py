@@ -29,24 +29,13 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD
+from transpiler.function_body import FunctionBody
 
-_FLOAT, _INTS = ir.AttributeType.FLOAT, ir.AttributeType.INTS
+_FLOAT = ir.AttributeType.FLOAT
 
 
-class _Body:
-    """The nodes of one function body, named in order."""
-
-    def __init__(self):
-        self.nodes: list[ir.Node] = []
-
-    def op(self, op_type: str, inputs: list[ir.Value], attributes: list[ir.Attr] = ()) -> ir.Value:
-        node = ir.Node("", op_type, inputs, list(attributes), name=f"{op_type}_{len(self.nodes)}")
-        node.outputs[0].name = f"{op_type.lower()}_{len(self.nodes)}"
-        self.nodes.append(node)
-        return node.outputs[0]
-
-    def ints(self, values: list[int]) -> ir.Value:
-        return self.op("Constant", [], [ir.Attr("value_ints", _INTS, values)])
+class _Body(FunctionBody):
+    """A BatchNorm function's nodes, with the two constants both functions read."""
 
     def float_attr(self, name: str) -> ir.Value:
         """The node's float attribute ``name`` as a 0-d constant."""
@@ -58,14 +47,10 @@ class _Body:
         return self.op("Div", [self.op("Cast", [self.op("Size", [x])], to_float),
                                self.op("Cast", [self.op("Size", [scale])], to_float)])
 
-
-def _function(op_type: str, inputs: list[ir.Value], outputs: list[ir.Value], body: _Body, attributes: list[str],
-              opset: int) -> ir.Function:
-    graph = ir.Graph(inputs, outputs, nodes=body.nodes, opset_imports={"": opset}, name=op_type)
-    function = ir.Function(BATCHNORM_DOMAIN, op_type, graph=graph,
-                           attributes=[ir.Attr(name, _FLOAT, None) for name in attributes])
-    function.doc_string = f"training BatchNormalization ({op_type}); see transpiler/batchnorm_ops.py"
-    return function
+    def batchnorm_function(self, op_type: str, inputs: list[ir.Value], outputs: dict[str, ir.Value],
+                           attributes: list[str], opset: int) -> ir.Function:
+        return self.function(BATCHNORM_DOMAIN, op_type, inputs, outputs, dict.fromkeys(attributes, _FLOAT), opset,
+                             f"training BatchNormalization ({op_type}); see transpiler/batchnorm_ops.py")
 
 
 def training_function(opset: int) -> ir.Function:
@@ -86,11 +71,10 @@ def training_function(opset: int) -> ir.Function:
     mean_next = b.op("Add", [b.op("Mul", [running_mean, keep]), b.op("Mul", [mean, take])])
     var_next = b.op("Add", [b.op("Mul", [running_var, keep]), b.op("Mul", [unbiased, take])])
     inv_std = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [var, b.float_attr("epsilon")])])])
-    for value, name in ((y, "Y"), (mean_next, "running_mean_next"), (var_next, "running_var_next"),
-                        (mean, "saved_mean"), (inv_std, "saved_inv_std")):
-        value.name = name
-    return _function(BATCHNORM_TRAINING, [x, scale, bias, running_mean, running_var],
-                     [y, mean_next, var_next, mean, inv_std], b, ["epsilon", "momentum"], opset)
+    outputs = {"Y": y, "running_mean_next": mean_next, "running_var_next": var_next, "saved_mean": mean,
+               "saved_inv_std": inv_std}
+    return b.batchnorm_function(BATCHNORM_TRAINING, [x, scale, bias, running_mean, running_var], outputs,
+                                ["epsilon", "momentum"], opset)
 
 
 def training_grad_function(opset: int) -> ir.Function:
@@ -111,7 +95,5 @@ def training_grad_function(opset: int) -> ir.Function:
     dx = b.op("Sub", [b.op("Sub", [b.op("Mul", [dy, k1]), k3]), b.op("Mul", [centered, k2])])
     dscale = b.op("Reshape", [b.op("Mul", [sum_dyc, inv]), flat])
     dbias = b.op("Reshape", [sum_dy, flat])
-    for value, name in ((dx, "dX"), (dscale, "dscale"), (dbias, "dB")):
-        value.name = name
-    return _function(BATCHNORM_TRAINING_GRAD, [dy, x, scale, saved_mean, inv_std], [dx, dscale, dbias], b,
-                     ["epsilon"], opset)
+    return b.batchnorm_function(BATCHNORM_TRAINING_GRAD, [dy, x, scale, saved_mean, inv_std],
+                                {"dX": dx, "dscale": dscale, "dB": dbias}, ["epsilon"], opset)

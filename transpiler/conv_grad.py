@@ -20,6 +20,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from contract.ops import CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD, CONV_WEIGHT_GRAD_ATTRIBUTES
+from transpiler.function_body import FunctionBody
 
 _INTS = ir.AttributeType.INTS
 
@@ -31,13 +32,7 @@ def weight_grad_function(opset: int) -> ir.Function:
     last window of the forward may leave input rows unread: those give extra taps, cropped away."""
     x, dy = ir.Value(name="X"), ir.Value(name="dY")
     swap = [1, 0, 2, 3]
-    nodes: list[ir.Node] = []
-
-    def op(op_type: str, inputs: list[ir.Value], attributes: list[ir.Attr]) -> ir.Value:
-        node = ir.Node("", op_type, inputs, attributes, name=f"{op_type}_{len(nodes)}")
-        node.outputs[0].name = f"{op_type.lower()}_{len(nodes)}"
-        nodes.append(node)
-        return node.outputs[0]
+    b = FunctionBody()
 
     def ints(name: str, values: list[int]) -> ir.Attr:
         return ir.Attr(name, _INTS, values)
@@ -45,17 +40,12 @@ def weight_grad_function(opset: int) -> ir.Function:
     def ref(name: str, parent: str) -> ir.Attr:
         return ir.RefAttr(name, parent, _INTS)
 
-    xt = op("Transpose", [x], [ints("perm", swap)])
-    dyt = op("Transpose", [dy], [ints("perm", swap)])
-    full = op("Conv", [xt, dyt], [ref("strides", "dilations"), ref("dilations", "strides"), ref("pads", "pads")])
-    starts = op("Constant", [], [ints("value_ints", [0, 0])])
-    ends = op("Constant", [], [ref("value_ints", "kernel_shape")])
-    axes = op("Constant", [], [ints("value_ints", [2, 3])])
-    cropped = op("Slice", [full, starts, ends, axes], [])
-    dw = op("Transpose", [cropped], [ints("perm", swap)])
-    dw.name = "dW"
-    body = ir.Graph([x, dy], [dw], nodes=nodes, opset_imports={"": opset}, name=CONV_WEIGHT_GRAD)
-    declared = [ir.Attr(name, _INTS, None) for name in CONV_WEIGHT_GRAD_ATTRIBUTES]
-    function = ir.Function(CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD, graph=body, attributes=declared)
-    function.doc_string = "Conv weight gradient (group 1, 2 spatial axes); see transpiler/conv_grad.py"
-    return function
+    xt = b.op("Transpose", [x], [ints("perm", swap)])
+    dyt = b.op("Transpose", [dy], [ints("perm", swap)])
+    full = b.op("Conv", [xt, dyt], [ref("strides", "dilations"), ref("dilations", "strides"), ref("pads", "pads")])
+    ends = b.op("Constant", [], [ref("value_ints", "kernel_shape")])
+    cropped = b.op("Slice", [full, b.ints([0, 0]), ends, b.ints([2, 3])])
+    dw = b.op("Transpose", [cropped], [ints("perm", swap)])
+    return b.function(CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD, [x, dy], {"dW": dw},
+                      dict.fromkeys(CONV_WEIGHT_GRAD_ATTRIBUTES, _INTS), opset,
+                      "Conv weight gradient (group 1, 2 spatial axes); see transpiler/conv_grad.py")
