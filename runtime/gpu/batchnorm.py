@@ -87,8 +87,7 @@ class BatchNormRunner(LaunchRunner):
                                f"shape {shape}, got {value.dtype} {tuple(value.shape)}")
 
     def _configure(self, op: _Node, x) -> None:
-        for desc in op.descriptors:
-            cudnn.call("cudnnDestroyTensorDescriptor", desc)
+        cudnn.destroy_tensors(*op.descriptors)
         op.descriptors = (cudnn.tensor_descriptor(x.shape), cudnn.tensor_descriptor((1, x.shape[1], 1, 1)))
         op.shape = tuple(x.shape)
 

@@ -111,10 +111,16 @@ def convolution_descriptor(pads, strides, dilations, *, tf32: bool) -> ctypes.c_
     return desc
 
 
+def destroy_tensors(*descs) -> None:
+    """Free descriptors ``tensor_descriptor`` made."""
+    for desc in descs:
+        call("cudnnDestroyTensorDescriptor", desc)
+
+
 def destroy(x_desc, dy_desc, conv, dw_desc) -> None:
-    """Free the descriptors ``tensor_descriptor``/``filter_descriptor``/``convolution_descriptor`` made."""
-    call("cudnnDestroyTensorDescriptor", x_desc)
-    call("cudnnDestroyTensorDescriptor", dy_desc)
+    """Free a Conv weight gradient's descriptors (``tensor_descriptor``, ``convolution_descriptor``,
+    ``filter_descriptor``)."""
+    destroy_tensors(x_desc, dy_desc)
     call("cudnnDestroyConvolutionDescriptor", conv)
     call("cudnnDestroyFilterDescriptor", dw_desc)
 
