@@ -24,3 +24,11 @@ BATCHNORM_DOMAIN = "graph_transpiler.batchnorm"
 BATCHNORM_VERSION = 1
 BATCHNORM_TRAINING = "BatchNormTraining"
 BATCHNORM_TRAINING_GRAD = "BatchNormTrainingGrad"
+
+# The gradient of LayerNormalization over the last axis (axis = -1), float32 (docs/contracts.md):
+#   LayerNormGrad(dY, X, scale, mean, inv_std_dev) -> (dX, dscale, dB)
+# X and dY (..., C), scale (C,), mean and inv_std_dev the forward's saved statistics (..., 1);
+# dscale and dB (C,). No attributes: epsilon is in inv_std_dev.
+LAYERNORM_DOMAIN = "graph_transpiler.layernorm"
+LAYERNORM_VERSION = 1
+LAYERNORM_GRAD = "LayerNormGrad"

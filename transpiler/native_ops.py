@@ -20,15 +20,20 @@ from contract.ops import (
     CONV_GRAD_DOMAIN,
     CONV_GRAD_VERSION,
     CONV_WEIGHT_GRAD,
+    LAYERNORM_DOMAIN,
+    LAYERNORM_GRAD,
+    LAYERNORM_VERSION,
 )
 from transpiler.batchnorm_ops import training_function, training_grad_function
 from transpiler.conv_grad import weight_grad_function
+from transpiler.layernorm_ops import grad_function as layernorm_grad_function
 
 # (domain, op type) -> (domain version, the function for the model's default-domain opset)
 FUNCTIONS: dict[tuple[str, str], tuple[int, Callable[[int], ir.Function]]] = {
     (CONV_GRAD_DOMAIN, CONV_WEIGHT_GRAD): (CONV_GRAD_VERSION, weight_grad_function),
     (BATCHNORM_DOMAIN, BATCHNORM_TRAINING): (BATCHNORM_VERSION, training_function),
     (BATCHNORM_DOMAIN, BATCHNORM_TRAINING_GRAD): (BATCHNORM_VERSION, training_grad_function),
+    (LAYERNORM_DOMAIN, LAYERNORM_GRAD): (LAYERNORM_VERSION, layernorm_grad_function),
 }
 
 

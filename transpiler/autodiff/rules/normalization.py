@@ -1,4 +1,5 @@
-"""LayerNormalization (from its Mean/InvStdDev outputs), RMSNormalization (statistics recomputed), Dropout (from its mask output),
+"""LayerNormalization (from its Mean/InvStdDev outputs; over the last axis in float32, one LayerNormGrad
+node), RMSNormalization (statistics recomputed), Dropout (from its mask output),
 BatchNormalization (inference mode; the training-mode gradient when fed its own batch statistics),
 InstanceNormalization and GroupNormalization (statistics recomputed)."""
 
@@ -10,7 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD
+from contract.ops import (
+    BATCHNORM_DOMAIN,
+    BATCHNORM_TRAINING,
+    BATCHNORM_TRAINING_GRAD,
+    LAYERNORM_DOMAIN,
+    LAYERNORM_GRAD,
+)
 from transpiler.autodiff._context import RuleContext, annotate, producer_of, unbroadcast
 from transpiler.autodiff._registry import register
 from transpiler.autodiff.rules.collectives import DOMAIN as COLLECTIVES_DOMAIN
@@ -58,6 +65,23 @@ def _layer_norm(ctx: RuleContext) -> list[ir.Value | None]:
         cache["inv"] = inv
         return cache["xhat"], inv
 
+    if _layer_norm_node_applies(ctx, x, scale, axis, rank, stash):
+        # One LayerNormGrad node (transpiler/layernorm_ops.py) from the saved statistics.
+        stat_shape = None if x.shape is None else [*list(x.shape)[:axis], 1]
+        mean = ctx.forward_output(1, "mean", stash, stat_shape)
+        inv = ctx.forward_output(2, "inv_std_dev", stash, stat_shape)
+        node_grads: list[ir.Value] = []
+
+        def grads() -> list[ir.Value]:
+            if not node_grads:
+                node_grads.extend(ctx.op_multi(LAYERNORM_GRAD, [dy, x, scale, mean, inv], {}, num_outputs=3,
+                                               domain=LAYERNORM_DOMAIN))
+                for value, like in zip(node_grads, (x, scale, scale)):
+                    annotate(value, like)
+            return node_grads
+
+        return ctx.wanted_grads(lambda: grads()[0], lambda: grads()[1], lambda: grads()[2])
+
     def grad_x() -> ir.Value:
         xhat, inv = statistics()
         g = ctx.op("Mul", [dy, scale], like=x)
@@ -71,6 +95,15 @@ def _layer_norm(ctx: RuleContext) -> list[ir.Value | None]:
         return unbroadcast(ctx, ctx.op("Mul", [dy, xhat], like=x), scale)
 
     return ctx.wanted_grads(grad_x, grad_scale, lambda: unbroadcast(ctx, dy, ctx.inputs[2]))
+
+
+def _layer_norm_node_applies(ctx: RuleContext, x: ir.Value, scale: ir.Value, axis: int, rank: int,
+                             stash: ir.DataType) -> bool:
+    """Whether the gradient is one LayerNormGrad node: float32 x and statistics, normalized over the
+    last axis only, a (C,) scale (the node's contract, contract/ops.py); else the standard-op form."""
+    return (ctx.dtype(x) == ir.DataType.FLOAT and stash == ir.DataType.FLOAT and axis == rank - 1
+            and scale.shape is not None and scale.shape.rank() == 1 and x.shape is not None
+            and scale.shape[0] == x.shape[-1])
 
 
 @register("RMSNormalization")
