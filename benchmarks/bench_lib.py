@@ -58,7 +58,7 @@ def summarize(windows_ms: Sequence[float]) -> dict:
             "windows_ms": [round(float(w), 4) for w in windows_ms]}
 
 
-def kernel_summary(events: Iterable[tuple[str, float]], steps: int, top: int = 25) -> dict:
+def kernel_summary(events: Iterable[tuple[str, float]], steps: int, top: int = 60) -> dict:
     """Per-step kernel statistics from (name, device microseconds) of every device activity
     recorded over ``steps`` steps. Memcpy/Memset activities are counted apart from kernels."""
     if steps < 1:

@@ -5,6 +5,8 @@ onnxruntime allows it. GpuProgram (program.py) decides which buffers; docs/gpu.m
 
 from __future__ import annotations
 
+import os
+import re
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -99,6 +101,8 @@ class OrtCudaSegment(SegmentRunner):
             options.enable_mem_pattern = backend.mem_pattern
             if self.shared_arena:
                 options.add_session_config_entry("session.use_env_allocators", "1")
+            if backend.dump_optimized:
+                options.optimized_model_filepath = os.path.join(backend.dump_optimized, re.sub(r"\W+", "_", self.where) + ".onnx")
             return ort.InferenceSession(serialized, options, providers=[
                 ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"])
 
