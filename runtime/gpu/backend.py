@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from contract.ops import BATCHNORM_DOMAIN, CONV_GRAD_DOMAIN, FUSED_UPDATE_DOMAIN
+from contract.ops import BATCHNORM_DOMAIN, CONV_GRAD_DOMAIN, FUSED_UPDATE_DOMAIN, LAYERNORM_DOMAIN
 from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner
 from runtime.gpu.batchnorm import BatchNormRunner
@@ -21,6 +21,7 @@ from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
 from runtime.gpu.elementwise import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise import ElementwiseRunner, fuse_elementwise
 from runtime.gpu.fused_update import FusedUpdateRunner
+from runtime.gpu.layernorm import LayerNormRunner
 from runtime.gpu.program import GpuProgram
 from runtime.gpu.session import OrtCudaSegment
 from runtime.segments import NativeGroup
@@ -31,10 +32,23 @@ SMALL_CUBLAS_WORKSPACE = ":4096:1"  # one 4 MiB workspace per cuBLAS handle (cuB
 _GEMM_OPS = frozenset({"MatMul", "Gemm", "Einsum"})
 
 
+# The op domains this backend may run natively, each with its switch (a variable) and default:
+# "0" leaves the domain's nodes to onnxruntime (their functions), "1" runs them natively.
+# - fused optimizer updates: multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
+# - Conv weight gradients and training BatchNorms: cuDNN (runtime/gpu/conv_grad.py, batchnorm.py);
+# - LayerNorm gradients: two CuPy kernels each (runtime/gpu/layernorm.py). Off by default: on
+#   GPT-2-small (one H200) each node cuts the step into one more onnxruntime session, and 25 more
+#   sessions cost 3.1 GiB (a cuBLAS workspace and handles each) for no faster step (34.5 ms both,
+#   965 against 1289 kernels; run h200-s15, docs/gpu.md).
+NATIVE_SWITCHES = {FUSED_UPDATE_DOMAIN: ("GRAPH_TRANSPILER_FUSED_UPDATE", "1"),
+                   CONV_GRAD_DOMAIN: ("GRAPH_TRANSPILER_NATIVE_CONV_GRAD", "1"),
+                   BATCHNORM_DOMAIN: ("GRAPH_TRANSPILER_NATIVE_BATCHNORM", "1"),
+                   LAYERNORM_DOMAIN: ("GRAPH_TRANSPILER_NATIVE_LAYERNORM", "0")}
 # Native domain -> its runner. A NativeGroup holding several domains runs one runner per domain
 # group of NativeGroup.by_domain, in that order (each reads only what earlier ones computed).
 _NATIVE_RUNNERS = {ELEMENTWISE_DOMAIN: ElementwiseRunner, BATCHNORM_DOMAIN: BatchNormRunner,
-                   CONV_GRAD_DOMAIN: ConvGradRunner, FUSED_UPDATE_DOMAIN: FusedUpdateRunner}
+                   CONV_GRAD_DOMAIN: ConvGradRunner, FUSED_UPDATE_DOMAIN: FusedUpdateRunner,
+                   LAYERNORM_DOMAIN: LayerNormRunner}
 
 
 class NativeSequence(SegmentRunner):
@@ -151,6 +165,9 @@ class GpuBackend(Backend):
         # cudnn_conv_algo_search, ...), over the ones the sessions set: for trying onnxruntime's
         # knobs on a model without a code change (docs/gpu.md).
         self.provider_options = parse_provider_options(os.environ.get("GRAPH_TRANSPILER_CUDA_EP_OPTIONS", ""))
+        # A folder where each session writes the graph onnxruntime optimized for it (its fusions,
+        # the nodes it kept), to diagnose kernel counts; empty: none written.
+        self.dump_optimized = os.environ.get("GRAPH_TRANSPILER_ORT_DUMP", "")
         # The fused update writes parameters and optimizer state in place (GpuProgram._in_place);
         # GRAPH_TRANSPILER_UPDATE_IN_PLACE=0 keeps a buffer pair per state value instead.
         self.update_in_place = env_flag("GRAPH_TRANSPILER_UPDATE_IN_PLACE")
@@ -159,19 +176,8 @@ class GpuBackend(Backend):
         self.run_options_uncaptured = self._run_options(graph_id=-1)
         self.run_options = self._run_options(graph_id=-1, shrink=False)
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
-        # The fused optimizer updates run as multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
-        # GRAPH_TRANSPILER_FUSED_UPDATE=0 leaves them to onnxruntime (their function bodies), to compare.
-        # Conv weight gradients by cuDNN (runtime/gpu/conv_grad.py); GRAPH_TRANSPILER_NATIVE_CONV_GRAD=0
-        # leaves them to onnxruntime (their function: the Conv form), to compare.
-        # Training BatchNorms by cuDNN (runtime/gpu/batchnorm.py); GRAPH_TRANSPILER_NATIVE_BATCHNORM=0
-        # leaves them to onnxruntime (their functions), to compare.
-        native = set()
-        if os.environ.get("GRAPH_TRANSPILER_NATIVE_CONV_GRAD", "1") != "0":
-            native.add(CONV_GRAD_DOMAIN)
-        if os.environ.get("GRAPH_TRANSPILER_NATIVE_BATCHNORM", "1") != "0":
-            native.add(BATCHNORM_DOMAIN)
-        if os.environ.get("GRAPH_TRANSPILER_FUSED_UPDATE", "1") != "0":
-            native.add(FUSED_UPDATE_DOMAIN)
+        native = {domain for domain, (switch, default) in NATIVE_SWITCHES.items()
+                  if os.environ.get(switch, default) != "0"}
         # Chains of elementwise nodes as one CuPy kernel each (runtime/gpu/elementwise.py): opt in
         # with GRAPH_TRANSPILER_FUSE_ELEMENTWISE=1. Off by default: measured slower on GPT-2-small
         # (48.2 against 37.8 ms, 45.8 GiB; docs/gpu.md "Elementwise fusion") and the small GPT's
