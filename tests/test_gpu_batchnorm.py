@@ -130,7 +130,7 @@ def test_a_malformed_node_is_refused_naming_it():
     class _Backend:  # the runner reads these before touching the GPU
         cp, compute = None, None
 
-    with pytest.raises(RunError, match=r"segment 2: node 'layer1/bn_grad'.*BatchNormTrainingGrad \(5 inputs, 3 outputs\)"):
+    with pytest.raises(RunError, match=r"segment 2 stage 1: node 'layer1/bn_grad'.*BatchNormTrainingGrad \(5 inputs, 3 outputs\)"):
         BatchNormRunner(NativeGroup(2, 0, 1, (node,), tuple(GRAD_IN[:4]), tuple(GRAD_OUT)), "rank0.onnx", _Backend())
 
 
@@ -145,5 +145,5 @@ def test_a_per_channel_input_of_the_wrong_size_is_refused_before_cudnn_reads_pas
     arrays["scale"] = arrays["scale"][:-1]
     runner = BatchNormRunner(NativeGroup(4, 0, 1, (_nodes()[0],), tuple(FORWARD_IN), tuple(FORWARD_OUT)), "rank0.onnx",
                              GpuBackend(0, tf32=False))
-    with pytest.raises(RunError, match=r"segment 4: 'bn': input 'scale' must be .* shape \(3,\), got float32 \(2,\)"):
+    with pytest.raises(RunError, match=r"segment 4 stage 1: 'bn': input 'scale' must be .* shape \(3,\), got float32 \(2,\)"):
         runner.run({name: cp.asarray(value) for name, value in arrays.items()})

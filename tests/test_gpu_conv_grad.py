@@ -118,7 +118,7 @@ def test_a_node_without_its_attributes_is_refused_naming_it():
     class _Backend:  # the runner reads these before touching the GPU
         cp, tf32, compute = None, False, None
 
-    with pytest.raises(RunError, match=r"segment 2: node 'layer1/wgrad'.*lacks attribute\(s\) dilations"):
+    with pytest.raises(RunError, match=r"segment 2 stage 1: node 'layer1/wgrad'.*lacks attribute\(s\) dilations"):
         ConvGradRunner(group, "rank0.onnx", _Backend())
 
 

@@ -89,3 +89,30 @@ def test_an_onnxruntime_node_read_only_after_a_native_stage_is_computed_there():
     where = {name: i for i, item in enumerate(cut.items) if isinstance(item, Segment) for name in item.node_names}
     assert [type(item).__name__ for item in cut.items] == ["Segment", "NativeGroup", "Segment"]
     assert where["mask"] == where["where"] == 2 and where["relu"] == 0
+
+
+def test_the_optimizer_updates_share_the_last_native_stage():
+    """Two weight gradients finish in two native stages, with onnxruntime work between them; upd1
+    could run right after grad1, but both updates go late, into one group (one multi-tensor launch)."""
+    from onnx import TensorProto
+
+    from contract.ops import FUSED_UPDATE_DOMAIN
+    from runtime.segments import Segment, cut_graph
+
+    f, grad = TensorProto.FLOAT, "test.grad"
+    nodes = [helper.make_node("Op", ["x"], ["g1"], name="grad1", domain=grad),
+             helper.make_node("Relu", ["g1"], ["h"], name="relu"),
+             helper.make_node("Op", ["h"], ["g2"], name="grad2", domain=grad),
+             helper.make_node("Neg", ["g2"], ["loss"], name="neg"),
+             helper.make_node("SGD", ["p1", "g1"], ["p1_next"], name="upd1", domain=FUSED_UPDATE_DOMAIN),
+             helper.make_node("SGD", ["p2", "g2"], ["p2_next"], name="upd2", domain=FUSED_UPDATE_DOMAIN)]
+    info = [helper.make_tensor_value_info(n, f, [4]) for n in ("g1", "g2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, f, [4]) for n in ("x", "p1", "p2")],
+                              [helper.make_tensor_value_info(n, f, [4]) for n in ("loss", "p1_next", "p2_next")],
+                              value_info=info)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(grad, 1),
+                                                    helper.make_opsetid(FUSED_UPDATE_DOMAIN, 1)])
+    cut = cut_graph(model, 0, "g.onnx", native_domains=[grad, FUSED_UPDATE_DOMAIN])
+    kinds = [[n.name for n in item.nodes] if isinstance(item, NativeGroup) else "segment" for item in cut.items]
+    assert kinds == [["grad1"], "segment", ["grad2", "upd1", "upd2"], "segment"], kinds
+    assert isinstance(cut.items[-1], Segment)
