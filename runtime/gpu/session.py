@@ -67,6 +67,9 @@ class OrtCudaSegment(SegmentRunner):
         self.capture_allowed = True
         # Set by the backend: allocate from the arena the program's sessions share (never shrunk).
         self.shared_arena = False
+        # Set by the backend: onnxruntime's memory pattern stays off (where the arena is shared),
+        # else it is the backend's setting.
+        self.mem_pattern = True
         self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
         self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
         self.seen = [False, False]  # per parity: bound runs made with the current pointers
@@ -98,7 +101,7 @@ class OrtCudaSegment(SegmentRunner):
         def session(graph: bool):
             options = ort.SessionOptions()
             options.log_severity_level = 3
-            options.enable_mem_pattern = backend.mem_pattern
+            options.enable_mem_pattern = backend.mem_pattern and self.mem_pattern
             if self.shared_arena:
                 options.add_session_config_entry("session.use_env_allocators", "1")
             if backend.dump_optimized:
