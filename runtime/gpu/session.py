@@ -97,10 +97,10 @@ class OrtCudaSegment(SegmentRunner):
                 # Grow the arena by what is asked, not to the next power of two: a training step
                 # allocates a few large activations, and doubling can reserve up to twice what it uses.
                 "arena_extend_strategy": "kSameAsRequested",
-                # cuDNN's heuristic choice of Conv algorithms, as PyTorch's default (no benchmark
-                # mode): on ResNet-18 (one H200) onnxruntime's default timed search (EXHAUSTIVE)
-                # chose slower backward-data algorithms and bigger workspaces, 13.29-13.32 against
-                # 13.05-13.17 ms and 2.90 against 2.80 GiB (runs h200-s18*).
+                # cuDNN's heuristic choice of Conv algorithms: on ResNet-18 (one H200) onnxruntime's
+                # default timed search (EXHAUSTIVE, with the largest workspaces allowed) gave
+                # 13.29-13.32 ms and 2.90 GiB, the heuristics 13.05-13.17 ms and 2.80 GiB (runs
+                # h200-s18*). A user's GRAPH_TRANSPILER_CUDA_EP_OPTIONS may set it back.
                 "cudnn_conv_algo_search": "HEURISTIC", **backend.provider_options}
 
         def session(graph: bool):
