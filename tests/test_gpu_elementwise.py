@@ -131,3 +131,74 @@ def test_the_cupy_kernels_equal_the_numpy_form(gpt_train):
         got = runner.run({name: cp.asarray(v) for name, v in zip(node.input, inputs)})
         for g, e in zip(got, evaluate_numpy(node, inputs)):
             np.testing.assert_allclose(cp.asnumpy(g), e, rtol=1e-6, atol=1e-6, err_msg=node.name)
+
+
+def _relu_grad_model(reader_domain: str, else_value: float = 0.0, mask_read_twice: bool = False) -> onnx.ModelProto:
+    """y = Relu(x); dx = Where(Greater(y, 0), dy, else) read by a node of ``reader_domain``."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="relu"),
+             helper.make_node("Greater", ["y", "zero"], ["mask"], name="mask"),
+             helper.make_node("Where", ["mask", "dy", "other"], ["dx"], name="relu_grad"),
+             helper.make_node("Neg" if reader_domain == "" else "Op", ["dx"], ["out"], name="reader", domain=reader_domain)]
+    outputs = [helper.make_tensor_value_info("out", f, [4, 8])]
+    if mask_read_twice:
+        outputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, [4, 8]))
+    inits = [helper.make_tensor("zero", f, [], [0.0]), helper.make_tensor("other", f, [], [else_value])]
+    model = one_graph_model(nodes, [helper.make_tensor_value_info(n, f, [4, 8]) for n in ("x", "dy")], outputs, inits)
+    if reader_domain:
+        model.opset_import.append(helper.make_opsetid(reader_domain, 1))
+    return model
+
+
+def test_relu_s_backward_becomes_one_fused_node_where_a_native_node_reads_it():
+    from runtime.gpu.elementwise import fuse_relu_masks
+
+    model = _relu_grad_model("test.native")
+    fused = fuse_relu_masks(model, {"test.native"})
+    assert [n.op_type for n in fused.graph.node] == ["Relu", "Fused", "Op"]
+    _check_order(fused)
+    node = fused.graph.node[1]
+    assert node.domain == DOMAIN and list(node.input) == ["y", "dy"] and list(node.output) == ["dx"]
+    # Its NumPy form equals onnxruntime's Greater + Where, zeros and negative values included.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 8)).astype(np.float32)
+    x[0, :3] = 0.0
+    dy = rng.normal(size=(4, 8)).astype(np.float32)
+    unfused = _relu_grad_model("")
+    session = _session(unfused, ["y", "dx"])
+    values = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x, "dy": dy})))
+    np.testing.assert_array_equal(evaluate_numpy(node, [values["y"], dy])[0], values["dx"])
+
+
+@pytest.mark.parametrize("case", ["no native reader", "mask read elsewhere", "else value not zero"])
+def test_relu_s_backward_stays_with_onnxruntime_where_fusing_would_cut_or_change_it(case):
+    from runtime.gpu.elementwise import fuse_relu_masks
+
+    model = {"no native reader": lambda: _relu_grad_model(""),
+             "mask read elsewhere": lambda: _relu_grad_model("test.native", mask_read_twice=True),
+             "else value not zero": lambda: _relu_grad_model("test.native", else_value=-0.0)}[case]()
+    assert fuse_relu_masks(model, {"test.native"}) is model
+
+
+@pytest.mark.gpu
+def test_the_relu_mask_kernel_equals_its_numpy_form():
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        pytest.skip("no CUDA device")
+    from runtime.gpu.elementwise import fuse_relu_masks
+    from runtime.segments import NativeGroup
+
+    node = fuse_relu_masks(_relu_grad_model("test.native"), {"test.native"}).graph.node[1]
+
+    class _Backend:
+        compute = cp.cuda.Stream()
+
+    _Backend.cp = cp
+    rng = np.random.default_rng(1)
+    y = np.maximum(rng.normal(size=(64, 33)), 0).astype(np.float32)
+    dy = rng.normal(size=(64, 33)).astype(np.float32)
+    runner = ElementwiseRunner(NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output)), "test", _Backend)
+    got = runner.run({"y": cp.asarray(y), "dy": cp.asarray(dy)})
+    np.testing.assert_array_equal(cp.asnumpy(got[0]), evaluate_numpy(node, [y, dy])[0])

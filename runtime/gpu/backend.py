@@ -19,7 +19,7 @@ from runtime.gpu.batchnorm import BatchNormRunner
 from runtime.gpu.conv_grad import ConvGradRunner, CudnnContext
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
 from runtime.gpu.elementwise import DOMAIN as ELEMENTWISE_DOMAIN
-from runtime.gpu.elementwise import ElementwiseRunner, fuse_elementwise
+from runtime.gpu.elementwise import ElementwiseRunner, fuse_elementwise, fuse_relu_masks
 from runtime.gpu.fused_update import FusedUpdateRunner
 from runtime.gpu.layernorm import LayerNormRunner
 from runtime.gpu.program import GpuProgram
@@ -183,7 +183,10 @@ class GpuBackend(Backend):
         # (48.2 against 37.8 ms, 45.8 GiB; docs/gpu.md "Elementwise fusion") and the small GPT's
         # CUDA-graph capture fails with it.
         self.fuse_elementwise = os.environ.get("GRAPH_TRANSPILER_FUSE_ELEMENTWISE", "0") == "1"
-        if self.fuse_elementwise:
+        # ReLU's backward as one kernel where a native node reads it (runtime/gpu/elementwise.py
+        # fuse_relu_masks; it adds no session); GRAPH_TRANSPILER_FUSE_RELU_MASKS=0 leaves it to onnxruntime.
+        self.fuse_relu_masks = env_flag("GRAPH_TRANSPILER_FUSE_RELU_MASKS")
+        if self.fuse_elementwise or self.fuse_relu_masks:
             native.add(ELEMENTWISE_DOMAIN)
         self.native_domains = frozenset(native)
         self._cudnn: CudnnContext | None = None
@@ -228,6 +231,8 @@ class GpuBackend(Backend):
         return self._cudnn
 
     def prepare_step_graph(self, model):
+        if self.fuse_relu_masks:
+            model = fuse_relu_masks(model, self.native_domains - {ELEMENTWISE_DOMAIN})
         return fuse_elementwise(model) if self.fuse_elementwise else model
 
     def make_program(self, cut, comm):

@@ -41,12 +41,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
+from runtime.segments import place
 
 DOMAIN = "graph_transpiler.elementwise"
 OP_TYPE = "Fused"
 MIN_NODES = 2
 MIN_ELEMENTS = 1 << 16
 _ADDS = frozenset({"Add", "Sum"})
+RELU_MASK = "ReluMask"  # the step of fuse_relu_masks's nodes
 
 _erf = np.vectorize(math.erf, otypes=[np.float32])
 
@@ -80,6 +82,10 @@ OPS: dict[str, _Op] = {
     "Reciprocal": _Op(1, lambda a: f"__fdiv_rn(1.0f, {a[0]})", lambda a: np.float32(1) / a[0]),
     "Relu": _Op(1, lambda a: f"fmaxf({a[0]}, 0.0f)", lambda a: np.maximum(a[0], np.float32(0))),
     "Pow": _Op(2, lambda a: f"powf({a[0]}, {a[1]})", lambda a: np.power(a[0], a[1])),
+    # Where(Greater(y, 0), dy, 0) as one step (fuse_relu_masks): no ONNX op has this name, so no
+    # graph node is ever clustered as one.
+    RELU_MASK: _Op(2, lambda a: f"({a[0]} > 0.0f ? {a[1]} : 0.0f)",
+                   lambda a: np.where(a[0] > 0, a[1], np.float32(0))),
 }
 
 
@@ -216,6 +222,62 @@ def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
+def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
+    """``Where(Greater(y, 0), dy, 0)`` (ReLU's backward, as the autodiff writes it: two onnxruntime
+    kernels, a bool mask written and read back) as one fused node (one kernel, PyTorch's
+    ``threshold_backward``), wherever a node of ``native_domains`` reads its result and nothing else
+    reads the mask. Then the fused node joins that reader's native stage (the cut stages native
+    nodes as early as their inputs allow), so the cut gains no onnxruntime session: on ResNet-18
+    every ReLU's gradient feeds a cuDNN BatchNorm gradient. A copy of ``model``, or ``model`` itself
+    if nothing matched."""
+    nodes = list(model.graph.node)
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(i)
+    zeros = {t.name for t in model.graph.initializer if _is_zero(numpy_helper.to_array(t))}
+    zeros |= {n.output[0] for n in nodes if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute
+              and n.attribute[0].name == "value" and _is_zero(numpy_helper.to_array(n.attribute[0].t))}
+    graph_outputs = {o.name for o in model.graph.output}
+    fused: dict[int, onnx.NodeProto] = {}  # the Where's index -> its fused node
+    dropped: set[int] = set()
+    for i, where in enumerate(nodes):
+        if where.op_type != "Where" or where.domain not in ("", "ai.onnx") or len(where.input) != 3:
+            continue
+        mask, dy, other = where.input
+        g = producer.get(mask)
+        if g is None or other not in zeros:
+            continue
+        greater = nodes[g]
+        if (greater.op_type != "Greater" or greater.domain not in ("", "ai.onnx") or greater.input[1] not in zeros
+                or readers.get(mask) != [i] or mask in graph_outputs):
+            continue
+        if not any(nodes[r].domain in native_domains for r in readers.get(where.output[0], [])):
+            continue
+        y = greater.input[0]
+        fused[i] = helper.make_node(OP_TYPE, [y, dy], [where.output[0]], name=f"{where.name or where.output[0]}/relu_mask",
+                                    domain=DOMAIN, code=f"float t0 = {OPS[RELU_MASK].cuda(['x0', 'x1'])}; y0 = t0;",
+                                    ops=["Greater", "Where"], steps=json.dumps([[RELU_MASK, [["x", 0], ["x", 1]]]]),
+                                    results=[0])
+        dropped.add(g)
+    if not fused:
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    del result.graph.node[:]
+    result.graph.node.extend(fused.get(i, node) for i, node in enumerate(nodes) if i not in dropped)
+    if not any(o.domain == DOMAIN for o in result.opset_import):
+        result.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return result
+
+
+def _is_zero(value: np.ndarray) -> bool:
+    """A float32 constant of one element, +0.0 (the masked elements are written as this constant)."""
+    return value.dtype == np.float32 and value.size == 1 and float(value.reshape(-1)[0]) == 0.0 \
+        and not np.signbit(value.reshape(-1)[0])
+
+
 def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[str, set[int]],
                 graph_outputs: set[str], scalar: Callable[[str], float | None]) -> onnx.NodeProto:
     """One DOMAIN node for ``members`` (in graph order): its inputs are the tensors they read from
@@ -299,7 +361,7 @@ class ElementwiseRunner(LaunchRunner):
         super().__init__(group.outputs)
         self.cp = backend.cp
         self.stream = backend.compute
-        self.where = f"{where}: fused elementwise nodes in segment {group.index}"
+        self.where = f"{where}: fused elementwise nodes in {place(group)}"
         self.kernels: list[tuple[onnx.NodeProto, Any]] = []
         cache: dict[tuple, Any] = {}
         for node in group.nodes:
