@@ -197,8 +197,16 @@ def test_the_relu_mask_kernel_equals_its_numpy_form():
 
     _Backend.cp = cp
     rng = np.random.default_rng(1)
-    y = np.maximum(rng.normal(size=(64, 33)), 0).astype(np.float32)
-    dy = rng.normal(size=(64, 33)).astype(np.float32)
     runner = ElementwiseRunner(NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output)), "test", _Backend)
-    got = runner.run({"y": cp.asarray(y), "dy": cp.asarray(dy)})
-    np.testing.assert_array_equal(cp.asnumpy(got[0]), evaluate_numpy(node, [y, dy])[0])
+    # 16-byte loads over whole rows; a tail of 3 after them; views 4 bytes off (one element at a time).
+    for shape, offset in (((64, 33), 0), ((7, 5), 0), ((1001,), 1)):
+        y = np.maximum(rng.normal(size=shape), 0).astype(np.float32)
+        dy = rng.normal(size=shape).astype(np.float32)
+        y_dev, dy_dev = (cp.asarray(np.concatenate([np.zeros(offset, np.float32), a.reshape(-1)]))[offset:].reshape(shape)
+                         for a in (y, dy))
+        got = runner.run({"y": y_dev, "dy": dy_dev})
+        np.testing.assert_array_equal(cp.asnumpy(got[0]), evaluate_numpy(node, [y, dy])[0], err_msg=str((shape, offset)))
+        out = cp.full(shape, np.nan, dtype=cp.float32)  # a bound run writes every element
+        runner.prepare(0, {"dx": out})
+        runner.run_bound(0, {"y": y_dev, "dy": dy_dev})
+        np.testing.assert_array_equal(cp.asnumpy(out), evaluate_numpy(node, [y, dy])[0], err_msg=str((shape, offset)))

@@ -352,6 +352,61 @@ def evaluate_numpy(node: onnx.NodeProto, inputs: list[np.ndarray]) -> list[np.nd
 
 # -- the runner --------------------------------------------------------------------------------
 
+def _is_relu_mask(node: onnx.NodeProto) -> bool:
+    steps = next((a.s for a in node.attribute if a.name == "steps"), b"[]")
+    return [step[0] for step in json.loads(steps.decode())] == [RELU_MASK]
+
+
+_RELU_MASK_SOURCE = r"""
+extern "C" __global__ void relu_mask4(const float4* __restrict__ y, const float4* __restrict__ dy,
+                                      float4* __restrict__ out, long long n4) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        const float4 a = y[i], g = dy[i];
+        out[i] = make_float4(a.x > 0.f ? g.x : 0.f, a.y > 0.f ? g.y : 0.f, a.z > 0.f ? g.z : 0.f, a.w > 0.f ? g.w : 0.f);
+    }
+}
+extern "C" __global__ void relu_mask1(const float* __restrict__ y, const float* __restrict__ dy,
+                                      float* __restrict__ out, long long start, long long n) {
+    for (long long i = start + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = y[i] > 0.f ? dy[i] : 0.f;
+}
+"""
+
+
+class _ReluMaskKernel:
+    """The relu-mask step (``y > 0 ? dy : 0``) as a RawKernel with 16-byte loads: CuPy's
+    ElementwiseKernel took 43 us per ResNet-18 call where PyTorch's threshold_backward takes 24
+    (one H200, run h200-s20). Called as an ElementwiseKernel is: (y, dy) returns the result,
+    (y, dy, out) writes it. Inputs of one shape, contiguous float32 (checked)."""
+
+    THREADS = 256
+
+    def __init__(self, cp):
+        self.cp = cp
+        module = cp.RawModule(code=_RELU_MASK_SOURCE)
+        self.vector, self.scalar = module.get_function("relu_mask4"), module.get_function("relu_mask1")
+        self.blocks = 4 * cp.cuda.Device().attributes["MultiProcessorCount"]
+
+    def __call__(self, y, dy, out=None):
+        cp = self.cp
+        if y.shape != dy.shape or y.dtype != np.float32 or dy.dtype != np.float32 or not (
+                y.flags.c_contiguous and dy.flags.c_contiguous):
+            raise ValueError(f"relu mask: y {y.dtype} {y.shape} and dy {dy.dtype} {dy.shape} must be contiguous float32 of one shape")
+        if out is None:
+            out = cp.empty_like(dy)
+        n = y.size
+        start = 0
+        if all(a.data.ptr % 16 == 0 for a in (y, dy, out)):
+            start = n - n % 4
+            if start:
+                grid = min(self.blocks, -(-(start // 4) // self.THREADS))
+                self.vector((grid,), (self.THREADS,), (y, dy, out, np.int64(start // 4)))
+        if start < n:
+            grid = min(self.blocks, -(-(n - start) // self.THREADS))
+            self.scalar((grid,), (self.THREADS,), (y, dy, out, np.int64(start), np.int64(n)))
+        return out
+
+
 class ElementwiseRunner(LaunchRunner):
     """A NativeGroup of fused elementwise nodes: one CuPy ElementwiseKernel launch per node on the
     backend's compute stream; the interface of OrtCudaSegment (``run`` on the first call, then
@@ -369,6 +424,9 @@ class ElementwiseRunner(LaunchRunner):
                 raise RunError(f"{self.where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused elementwise node")
             code = next(a.s.decode() for a in node.attribute if a.name == "code")
             key = (len(node.input), len(node.output), code)
+            if _is_relu_mask(node):
+                key = RELU_MASK
+                cache.setdefault(key, _ReluMaskKernel(self.cp))
             if key not in cache:
                 params_in = ", ".join(f"float32 x{i}" for i in range(len(node.input)))
                 params_out = ", ".join(f"float32 y{j}" for j in range(len(node.output)))
