@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from runtime.errors import RunError
@@ -86,3 +88,14 @@ def relax_capture_mode() -> bool:
         return function(ctypes.byref(mode)) == 0
     return False
 
+
+_MODULES: dict[tuple[int, str], Any] = {}  # (device id, CUDA source) -> compiled RawModule
+
+
+def compiled_module(cp, source: str):
+    """``source`` compiled as a CuPy RawModule for the current device, once per process (the
+    backend's hand-written kernels: fused updates, LayerNorm gradients, ReLU masks)."""
+    key = (cp.cuda.Device().id, source)
+    if key not in _MODULES:
+        _MODULES[key] = cp.RawModule(code=source, options=("--std=c++14",))
+    return _MODULES[key]

@@ -41,6 +41,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
+from runtime.gpu.cuda import compiled_module
 from runtime.segments import place
 
 DOMAIN = "graph_transpiler.elementwise"
@@ -383,7 +384,7 @@ class _ReluMaskKernel:
 
     def __init__(self, cp):
         self.cp = cp
-        module = cp.RawModule(code=_RELU_MASK_SOURCE)
+        module = compiled_module(cp, _RELU_MASK_SOURCE)
         self.vector, self.scalar = module.get_function("relu_mask4"), module.get_function("relu_mask1")
         self.blocks = 4 * cp.cuda.Device().attributes["MultiProcessorCount"]
 

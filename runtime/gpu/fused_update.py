@@ -30,6 +30,7 @@ import numpy as np
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner
 from runtime.fused_update import OPS, UpdateOp
+from runtime.gpu.cuda import compiled_module
 from runtime.segments import place
 
 CHUNK = 8192  # elements per block
@@ -122,16 +123,6 @@ extern "C" __global__ void fused_adam(const long long* __restrict__ table, const
 """
 
 _KERNEL = {"SGD": "fused_sgd", "Momentum": "fused_momentum", "Adam": "fused_adam", "AdamW": "fused_adam"}
-_MODULES: dict[int, Any] = {}  # device id -> compiled RawModule
-
-
-def _module(cp):
-    device = cp.cuda.Device().id
-    if device not in _MODULES:
-        _MODULES[device] = cp.RawModule(code=SOURCE, options=("--std=c++14",))
-    return _MODULES[device]
-
-
 def kernel_arguments(op: UpdateOp) -> tuple:
     """The scalar arguments after (table, chunks, lr[, step]), typed as the kernel declares them."""
     h, c = op.h, op.constants()
@@ -192,7 +183,7 @@ class _Launch:
         lr = values[self.first.lr]
         step = (values[self.first.step],) if self.first.step is not None else ()
         if self.kernel is None:
-            self.kernel = _module(cp).get_function(_KERNEL[self.first.op_type])
+            self.kernel = compiled_module(cp, SOURCE).get_function(_KERNEL[self.first.op_type])
         self.kernel((self.grid,), (THREADS,), (cached[1], self.chunks, lr, *step, *self.arguments, np.int64(CHUNK)))
 
 

@@ -20,13 +20,13 @@ call, whose shapes every bound call keeps; then ``prepare`` and ``run_bound``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from contract.ops import LAYERNORM_GRAD
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
+from runtime.gpu.cuda import compiled_module
 from runtime.segments import place
 
 SOURCE = r"""
@@ -94,16 +94,6 @@ extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, 
 }
 """
 
-_MODULES: dict[int, Any] = {}  # device id -> compiled RawModule
-
-
-def _module(cp):
-    device = cp.cuda.Device().id
-    if device not in _MODULES:
-        _MODULES[device] = cp.RawModule(code=SOURCE, options=("--std=c++14",))
-    return _MODULES[device]
-
-
 def row_threads(width: int) -> int:
     """Threads per row block: about four elements each, a whole number of warps, 32 to 512."""
     per_thread = -(-width // 4)
@@ -157,7 +147,7 @@ class LayerNormRunner(LaunchRunner):
     def _launch(self, values, allocate: bool) -> None:
         cp = self.cp
         if self.kernels is None:
-            module = _module(cp)
+            module = compiled_module(cp, SOURCE)
             self.kernels = (module.get_function("layer_norm_grad_input"), module.get_function("layer_norm_grad_params"))
         grad_input, grad_params = self.kernels
         with self.stream:
