@@ -23,12 +23,14 @@ consumers' upstream collectives, so the parts in increasing j are again a topolo
 GPU) takes the nodes of those domains out of the onnxruntime segments: each segment (or part) is cut
 into stages, alternately onnxruntime nodes (even stages) and native nodes (odd stages, one
 ``NativeGroup`` item each, run by the backend itself). A native node's stage is the first odd one
-not before the stages of its producers in the same segment (ASAP), so independent native nodes, such
-as the updates of one bucket, share one stage: the nodes before them, one group, the nodes after. An
-onnxruntime node then goes to the last even stage not after its readers in the part (ALAP), and not
-before its ASAP one: what the backward computes from forward values alone (ReLU's mask) is computed
-where it is read instead of being kept from the forward on. Producers are in the same or an earlier
-stage, so the stages in order are a topological order.
+not before the stages of its producers in the same segment (ASAP), so independent native nodes share
+one stage: the nodes before them, one group, the nodes after. An onnxruntime node then goes to the
+last even stage not after its readers in the part (ALAP), and not before its ASAP one: what the
+backward computes from forward values alone (ReLU's mask) is computed where it is read instead of
+being kept from the forward on. The optimizer updates (``LATE_NATIVE``) go late the same way, to
+the last odd stage their readers allow: a part's updates are then one group (one multi-tensor
+launch on the GPU). Producers are in the same or an earlier stage, so the stages in order are a
+topological order.
 
 Before the cut, Constant nodes become initializers (``contract.collectives.constants_as_initializers``,
 which inspect applies too): an initializer is copied into every segment that reads it, so a constant
@@ -278,8 +280,9 @@ def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp
 def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],
             native: frozenset[str], outputs: frozenset[str] = frozenset()) -> dict[int, int]:
     """Stage of every compute node in its (segment, part): odd for nodes of ``native`` domains, the
-    first not before its producers'; even for onnxruntime nodes, the last not after its readers'
-    (``outputs``: the graph's, which may go to the part's last stage) (module docstring)."""
+    first not before its producers' (for LATE_NATIVE ones, the last not after their readers'); even
+    for onnxruntime nodes, the last not after its readers' (``outputs``: the graph's, which may go to
+    the part's last stage) (module docstring)."""
     stage: dict[int, int] = {}
     if not native:
         return dict.fromkeys(segment_of, 0)
@@ -293,7 +296,8 @@ def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: di
     # Then onnxruntime nodes as late as their readers allow (reverse graph order: readers first), so
     # that what the backward computes from forward values alone (ReLU's mask) is computed where it is
     # read instead of being kept from the forward on; native nodes stay ASAP (a weight gradient
-    # frees its inputs early). A node whose value leaves the part may go to the part's last stage.
+    # frees its inputs early), but for LATE_NATIVE ones (below). A node whose value leaves the part
+    # may go to the part's last stage.
     readers: dict[int, list[int]] = {}
     for i, node in enumerate(nodes):
         for name in _consumed(node):

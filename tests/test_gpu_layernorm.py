@@ -79,28 +79,42 @@ def test_the_function_equals_torch_layer_norm_backward(shape, opset):
     _assert_close(_function(arrays, opset), _torch(arrays), 2e-5)
 
 
-def _gradient_ops(dtype: int, axis: int, shape=(4, 6, 8)) -> tuple[list[str], list[str]]:
-    """(op types, function names) of the gradient of sum(LayerNormalization(x, w, b)) in x, w and b."""
+def _gradient_ops(dtype: int, axis: int, shape=(4, 6, 8), bias_shape=None) -> tuple[list[str], list[str], list]:
+    """(op types, function names, the bias gradient's shape) of the gradient of
+    sum(LayerNormalization(x, w, b)) in x, w and b (b shaped like w unless ``bias_shape``)."""
     width = list(shape[axis:])
     graph = helper.make_graph(
         [helper.make_node("LayerNormalization", ["x", "w", "b"], ["y"], axis=axis, epsilon=EPSILON),
          helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "ln",
         [helper.make_tensor_value_info("x", dtype, shape), helper.make_tensor_value_info("w", dtype, width),
-         helper.make_tensor_value_info("b", dtype, width)], [helper.make_tensor_value_info("loss", dtype, [])])
+         helper.make_tensor_value_info("b", dtype, width if bias_shape is None else list(bias_shape))],
+        [helper.make_tensor_value_info("loss", dtype, [])])
     model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
                                                                 ir_version=10), strict_mode=True)
     ir_model = ir.serde.deserialize_model(model)
-    build_gradients(ir_model.graph, ir_model.graph.outputs[0], list(ir_model.graph.inputs))
+    inputs = list(ir_model.graph.inputs)
+    grads = build_gradients(ir_model.graph, ir_model.graph.outputs[0], inputs).grads
     add_op_functions(ir_model)
-    return [n.op_type for n in ir_model.graph], [f.name for f in ir_model.functions.values()]
+    bias_grad = grads[inputs[2]]
+    return ([n.op_type for n in ir_model.graph], [f.name for f in ir_model.functions.values()],
+            None if bias_grad.shape is None else list(bias_grad.shape))
 
 
 @pytest.mark.parametrize("dtype, axis, node", [(TensorProto.FLOAT, -1, True), (TensorProto.FLOAT, 2, True),
                                                (TensorProto.FLOAT, 1, False), (TensorProto.DOUBLE, -1, False)])
 def test_the_autodiff_writes_the_node_only_over_the_last_axis_in_float32(dtype, axis, node):
-    ops, functions = _gradient_ops(dtype, axis)
+    ops, functions, _ = _gradient_ops(dtype, axis)
     assert (LAYERNORM_GRAD in ops) is node, ops
     assert (LAYERNORM_GRAD in functions) is node
+
+
+@pytest.mark.parametrize("bias_shape, node", [((8,), True), ((1,), False), ((), False)])
+def test_a_bias_that_broadcasts_keeps_its_own_gradient_shape(bias_shape, node):
+    """The node's dB is (C,): a bias of shape (1,) or () (ONNX lets it broadcast) keeps the
+    standard-op gradient, summed to its own shape."""
+    ops, _, bias_grad_shape = _gradient_ops(TensorProto.FLOAT, -1, bias_shape=bias_shape)
+    assert (LAYERNORM_GRAD in ops) is node, ops
+    assert bias_grad_shape == list(bias_shape)
 
 
 def test_row_threads_cover_a_row_in_whole_warps():

@@ -65,7 +65,8 @@ def _layer_norm(ctx: RuleContext) -> list[ir.Value | None]:
         cache["inv"] = inv
         return cache["xhat"], inv
 
-    if _layer_norm_node_applies(ctx, x, scale, axis, rank, stash):
+    bias = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+    if _layer_norm_node_applies(ctx, x, scale, bias, axis, rank, stash):
         # One LayerNormGrad node (transpiler/layernorm_ops.py) from the saved statistics.
         stat_shape = None if x.shape is None else [*list(x.shape)[:axis], 1]
         mean = ctx.forward_output(1, "mean", stash, stat_shape)
@@ -76,7 +77,7 @@ def _layer_norm(ctx: RuleContext) -> list[ir.Value | None]:
             if not node_grads:
                 node_grads.extend(ctx.op_multi(LAYERNORM_GRAD, [dy, x, scale, mean, inv], {}, num_outputs=3,
                                                domain=LAYERNORM_DOMAIN))
-                for value, like in zip(node_grads, (x, scale, scale)):
+                for value, like in zip(node_grads, (x, scale, bias or scale)):
                     annotate(value, like)
             return node_grads
 
@@ -97,13 +98,16 @@ def _layer_norm(ctx: RuleContext) -> list[ir.Value | None]:
     return ctx.wanted_grads(grad_x, grad_scale, lambda: unbroadcast(ctx, dy, ctx.inputs[2]))
 
 
-def _layer_norm_node_applies(ctx: RuleContext, x: ir.Value, scale: ir.Value, axis: int, rank: int,
-                             stash: ir.DataType) -> bool:
+def _layer_norm_node_applies(ctx: RuleContext, x: ir.Value, scale: ir.Value, bias: ir.Value | None, axis: int,
+                             rank: int, stash: ir.DataType) -> bool:
     """Whether the gradient is one LayerNormGrad node: float32 x and statistics, normalized over the
-    last axis only, a (C,) scale (the node's contract, contract/ops.py); else the standard-op form."""
+    last axis only, a (C,) scale and no bias or a (C,) one (the node's contract, contract/ops.py:
+    its dB is (C,)); else the standard-op form (a bias of shape (1,) or () gets its own sum)."""
+    def per_channel(value: ir.Value) -> bool:
+        return value.shape is not None and value.shape.rank() == 1 and value.shape[0] == x.shape[-1]
+
     return (ctx.dtype(x) == ir.DataType.FLOAT and stash == ir.DataType.FLOAT and axis == rank - 1
-            and scale.shape is not None and scale.shape.rank() == 1 and x.shape is not None
-            and scale.shape[0] == x.shape[-1])
+            and x.shape is not None and per_channel(scale) and (bias is None or per_channel(bias)))
 
 
 @register("RMSNormalization")
