@@ -133,8 +133,10 @@ def test_the_cupy_kernels_equal_the_numpy_form(gpt_train):
             np.testing.assert_allclose(cp.asnumpy(g), e, rtol=1e-6, atol=1e-6, err_msg=node.name)
 
 
-def _relu_grad_model(reader_domain: str, else_value: float = 0.0, mask_read_twice: bool = False) -> onnx.ModelProto:
-    """y = Relu(x); dx = Where(Greater(y, 0), dy, else) read by a node of ``reader_domain``."""
+def _relu_grad_model(reader_domain: str, else_value: float = 0.0, mask_read_twice: bool = False,
+                     threshold: float = 0.0, zero_dims: tuple = ()) -> onnx.ModelProto:
+    """y = Relu(x); dx = Where(Greater(y, threshold), dy, else) read by a node of ``reader_domain``
+    (``else`` of shape ``zero_dims``)."""
     f = TensorProto.FLOAT
     nodes = [helper.make_node("Relu", ["x"], ["y"], name="relu"),
              helper.make_node("Greater", ["y", "zero"], ["mask"], name="mask"),
@@ -143,7 +145,7 @@ def _relu_grad_model(reader_domain: str, else_value: float = 0.0, mask_read_twic
     outputs = [helper.make_tensor_value_info("out", f, [4, 8])]
     if mask_read_twice:
         outputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, [4, 8]))
-    inits = [helper.make_tensor("zero", f, [], [0.0]), helper.make_tensor("other", f, [], [else_value])]
+    inits = [helper.make_tensor("zero", f, [], [threshold]), helper.make_tensor("other", f, list(zero_dims), [else_value])]
     model = one_graph_model(nodes, [helper.make_tensor_value_info(n, f, [4, 8]) for n in ("x", "dy")], outputs, inits)
     if reader_domain:
         model.opset_import.append(helper.make_opsetid(reader_domain, 1))
@@ -170,13 +172,16 @@ def test_relu_s_backward_becomes_one_fused_node_where_a_native_node_reads_it():
     np.testing.assert_array_equal(evaluate_numpy(node, [values["y"], dy])[0], values["dx"])
 
 
-@pytest.mark.parametrize("case", ["no native reader", "mask read elsewhere", "else value not zero"])
+@pytest.mark.parametrize("case", ["no native reader", "mask read elsewhere", "else value not zero", "threshold not zero",
+                                  "else value broadcasts to a higher rank"])
 def test_relu_s_backward_stays_with_onnxruntime_where_fusing_would_cut_or_change_it(case):
     from runtime.gpu.elementwise import fuse_relu_masks
 
     model = {"no native reader": lambda: _relu_grad_model(""),
              "mask read elsewhere": lambda: _relu_grad_model("test.native", mask_read_twice=True),
-             "else value not zero": lambda: _relu_grad_model("test.native", else_value=-0.0)}[case]()
+             "else value not zero": lambda: _relu_grad_model("test.native", else_value=-0.0),
+             "threshold not zero": lambda: _relu_grad_model("test.native", threshold=0.5),
+             "else value broadcasts to a higher rank": lambda: _relu_grad_model("test.native", zero_dims=(1, 1, 1))}[case]()
     assert fuse_relu_masks(model, {"test.native"}) is model
 
 

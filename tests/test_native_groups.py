@@ -116,3 +116,32 @@ def test_the_optimizer_updates_share_the_last_native_stage():
     kinds = [[n.name for n in item.nodes] if isinstance(item, NativeGroup) else "segment" for item in cut.items]
     assert kinds == [["grad1"], "segment", ["grad2", "upd1", "upd2"], "segment"], kinds
     assert isinstance(cut.items[-1], Segment)
+
+
+def test_a_late_update_still_runs_before_an_onnxruntime_node_that_reads_it():
+    """upd1's output is read by an onnxruntime node of the same part (neg2): going late, upd1 stops
+    at the native stage before that node's, not at the part's last one."""
+    from onnx import TensorProto
+
+    from contract.ops import FUSED_UPDATE_DOMAIN
+    from runtime.segments import Segment, cut_graph
+
+    f, grad = TensorProto.FLOAT, "test.grad"
+    nodes = [helper.make_node("Op", ["x"], ["g1"], name="grad1", domain=grad),
+             helper.make_node("SGD", ["p1", "g1"], ["p1_next"], name="upd1", domain=FUSED_UPDATE_DOMAIN),
+             helper.make_node("Relu", ["g1"], ["h"], name="relu"),
+             helper.make_node("Op", ["h"], ["g2"], name="grad2", domain=grad),
+             helper.make_node("Add", ["g2", "p1_next"], ["mix"], name="neg2"),
+             helper.make_node("Op", ["mix"], ["g3"], name="grad3", domain=grad),
+             helper.make_node("Neg", ["g3"], ["loss"], name="neg3")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, f, [4]) for n in ("x", "p1")],
+                              [helper.make_tensor_value_info(n, f, [4]) for n in ("loss", "p1_next")],
+                              value_info=[helper.make_tensor_value_info(n, f, [4]) for n in ("g1", "g2", "g3", "p1_next")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(grad, 1),
+                                                    helper.make_opsetid(FUSED_UPDATE_DOMAIN, 1)])
+    cut = cut_graph(model, 0, "g.onnx", native_domains=[grad, FUSED_UPDATE_DOMAIN])
+    order = [[n.name for n in item.nodes] if isinstance(item, NativeGroup) else sorted(item.node_names)
+             for item in cut.items]
+    position = {name: k for k, names in enumerate(order) for name in names}
+    assert position["grad2"] <= position["upd1"] < position["neg2"], order
+    assert isinstance(cut.items[position["neg2"]], Segment)

@@ -168,6 +168,12 @@ class GpuBackend(Backend):
         # A folder where each session writes the graph onnxruntime optimized for it (its fusions,
         # the nodes it kept), to diagnose kernel counts; empty: none written.
         self.dump_optimized = os.environ.get("GRAPH_TRANSPILER_ORT_DUMP", "")
+        if self.dump_optimized:
+            try:
+                os.makedirs(self.dump_optimized, exist_ok=True)
+            except OSError as exc:
+                raise RunError(f"GRAPH_TRANSPILER_ORT_DUMP={self.dump_optimized}: cannot create the folder: "
+                               f"{exc.strerror}") from None
         # The fused update writes parameters and optimizer state in place (GpuProgram._in_place);
         # GRAPH_TRANSPILER_UPDATE_IN_PLACE=0 keeps a buffer pair per state value instead.
         self.update_in_place = env_flag("GRAPH_TRANSPILER_UPDATE_IN_PLACE")
@@ -253,8 +259,8 @@ class GpuBackend(Backend):
                     # Without onnxruntime's memory pattern (one block per session sized by its
                     # plan), a session's intermediates are chunks of the shared arena that the
                     # next session reuses: ResNet-18 on one H200 3.09 -> 2.90 GiB, its step
-                    # 13.31 -> 13.12 ms (run h200-s17). A one-session program keeps it (GPT-2-small:
-                    # the same 9.54 GiB either way).
+                    # 13.31 -> 13.12 ms (run h200-s17). Programs of at most MANY_SESSIONS sessions
+                    # keep their own arenas and the pattern (GPT-2-small: 9.54 GiB either way).
                     runner.mem_pattern = False
             gemms = sum(any(n.op_type in _GEMM_OPS for n in runner.segment.model.graph.node) for runner in sessions)
             if "CUBLAS_WORKSPACE_CONFIG" not in os.environ and 4 * gemms <= len(sessions):

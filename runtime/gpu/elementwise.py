@@ -39,6 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from contract.collectives import consumed
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
 from runtime.gpu.cuda import compiled_module
@@ -98,20 +99,31 @@ def _literal(value: float) -> str:
 
 # -- the pass ----------------------------------------------------------------------------------
 
-def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` with its elementwise clusters (module docstring) as ``DOMAIN`` nodes."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    graph = inferred.graph
-    types = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]}
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute and node.attribute[0].name == "value":
-            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    nodes = list(model.graph.node)
-    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+class _Facts:
+    """What both passes read of a graph: its nodes, each value's producer and readers (subgraph
+    captures included, as the cut counts them), its float32 shapes (inferred) and its constants
+    (Constant nodes and initializers that are not graph inputs: a fed input may override those)."""
 
-    def shape_of(name: str) -> tuple | None:
-        t = types.get(name)
+    def __init__(self, model: onnx.ModelProto):
+        graph = onnx.shape_inference.infer_shapes(model).graph
+        self.types = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]}
+        fed = {i.name for i in model.graph.input}
+        self.constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name not in fed}
+        for node in model.graph.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute \
+                    and node.attribute[0].name == "value":
+                self.constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+        self.nodes = list(model.graph.node)
+        self.producer = {name: i for i, node in enumerate(self.nodes) for name in node.output if name}
+        self.readers: dict[str, set[int]] = {}
+        for i, node in enumerate(self.nodes):
+            for name in consumed(node):
+                self.readers.setdefault(name, set()).add(i)
+        self.graph_outputs = {o.name for o in model.graph.output}
+
+    def shape_of(self, name: str) -> tuple | None:
+        """A float32 value's shape (ints and symbols), None if not float32 or not fully known."""
+        t = self.types.get(name)
         if t is None or not t.HasField("tensor_type") or t.tensor_type.elem_type != TensorProto.FLOAT:
             return None
         if not t.tensor_type.HasField("shape"):
@@ -126,11 +138,18 @@ def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
                 return None
         return tuple(dims)
 
-    def scalar(name: str) -> float | None:
-        value = constants.get(name)
+    def scalar(self, name: str) -> float | None:
+        """A float32 constant of one element, as a float."""
+        value = self.constants.get(name)
         if value is None or value.size != 1 or value.dtype != np.float32:
             return None
         return float(value.reshape(-1)[0])
+
+
+def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` with its elementwise clusters (module docstring) as ``DOMAIN`` nodes."""
+    facts = _Facts(model)
+    nodes, producer, shape_of, scalar = facts.nodes, facts.producer, facts.shape_of, facts.scalar
 
     def eligible(node: onnx.NodeProto) -> tuple | None:
         op = OPS.get(node.op_type)
@@ -192,11 +211,7 @@ def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
         members[joined].append(i)
         cluster_of[i] = joined
 
-    readers: dict[str, set[int]] = {}
-    for i, node in enumerate(nodes):
-        for name in node.input:
-            readers.setdefault(name, set()).add(i)
-    graph_outputs = {o.name for o in model.graph.output}
+    readers, graph_outputs = facts.readers, facts.graph_outputs
     fused: dict[int, onnx.NodeProto] = {}  # first member -> the fused node
     dropped: set[int] = set()
     for c, idx in members.items():
@@ -231,33 +246,33 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
     nodes as early as their inputs allow), so the cut gains no onnxruntime session: on ResNet-18
     every ReLU's gradient feeds a cuDNN BatchNorm gradient. A copy of ``model``, or ``model`` itself
     if nothing matched."""
-    nodes = list(model.graph.node)
-    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
-    readers: dict[str, list[int]] = {}
-    for i, node in enumerate(nodes):
-        for name in node.input:
-            readers.setdefault(name, []).append(i)
-    zeros = {t.name for t in model.graph.initializer if _is_zero(numpy_helper.to_array(t))}
-    zeros |= {n.output[0] for n in nodes if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute
-              and n.attribute[0].name == "value" and _is_zero(numpy_helper.to_array(n.attribute[0].t))}
-    graph_outputs = {o.name for o in model.graph.output}
+    facts = _Facts(model)
+    nodes = facts.nodes
+
+    def zero(name: str) -> bool:  # +0.0 exactly: the masked elements are written as it
+        value = facts.scalar(name)
+        return value == 0.0 and not math.copysign(1.0, value) < 0
+
     fused: dict[int, onnx.NodeProto] = {}  # the Where's index -> its fused node
     dropped: set[int] = set()
     for i, where in enumerate(nodes):
         if where.op_type != "Where" or where.domain not in ("", "ai.onnx") or len(where.input) != 3:
             continue
         mask, dy, other = where.input
-        g = producer.get(mask)
-        if g is None or other not in zeros:
+        g = facts.producer.get(mask)
+        if g is None or not zero(other):
             continue
         greater = nodes[g]
-        if (greater.op_type != "Greater" or greater.domain not in ("", "ai.onnx") or greater.input[1] not in zeros
-                or readers.get(mask) != [i] or mask in graph_outputs):
+        if (greater.op_type != "Greater" or greater.domain not in ("", "ai.onnx") or not zero(greater.input[1])
+                or facts.readers.get(mask) != {i} or mask in facts.graph_outputs):
             continue
-        if not any(nodes[r].domain in native_domains for r in readers.get(where.output[0], [])):
+        y, out = greater.input[0], where.output[0]
+        # One shape for y, dy and the result: the kernel neither broadcasts nor reshapes.
+        if facts.shape_of(y) is None or not facts.shape_of(y) == facts.shape_of(dy) == facts.shape_of(out):
             continue
-        y = greater.input[0]
-        fused[i] = helper.make_node(OP_TYPE, [y, dy], [where.output[0]], name=f"{where.name or where.output[0]}/relu_mask",
+        if not any(nodes[r].domain in native_domains for r in facts.readers.get(out, ())):
+            continue
+        fused[i] = helper.make_node(OP_TYPE, [y, dy], [out], name=f"{where.name or out}/relu_mask",
                                     domain=DOMAIN, code=f"float t0 = {OPS[RELU_MASK].cuda(['x0', 'x1'])}; y0 = t0;",
                                     ops=["Greater", "Where"], steps=json.dumps([[RELU_MASK, [["x", 0], ["x", 1]]]]),
                                     results=[0])
@@ -271,12 +286,6 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
     if not any(o.domain == DOMAIN for o in result.opset_import):
         result.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return result
-
-
-def _is_zero(value: np.ndarray) -> bool:
-    """A float32 constant of one element, +0.0 (the masked elements are written as this constant)."""
-    return value.dtype == np.float32 and value.size == 1 and float(value.reshape(-1)[0]) == 0.0 \
-        and not np.signbit(value.reshape(-1)[0])
 
 
 def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[str, set[int]],
@@ -427,7 +436,8 @@ class ElementwiseRunner(LaunchRunner):
             key = (len(node.input), len(node.output), code)
             if _is_relu_mask(node):
                 key = RELU_MASK
-                cache.setdefault(key, _ReluMaskKernel(self.cp))
+                if key not in cache:
+                    cache[key] = _ReluMaskKernel(self.cp)
             if key not in cache:
                 params_in = ", ".join(f"float32 x{i}" for i in range(len(node.input)))
                 params_out = ", ".join(f"float32 y{j}" for j in range(len(node.output)))

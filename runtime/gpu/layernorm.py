@@ -162,6 +162,9 @@ class LayerNormRunner(LaunchRunner):
                 rows = x.size // width
                 dy, _, scale, mean, inv = (values[name] for name in op.inputs)
                 dx, dscale, dbias = (values[name] for name in op.outputs)
-                grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width)))
-                grad_params((-(-width // 32),), (32, 32), (dy, x, mean, inv, dscale, dbias, np.int64(rows),
-                                                          np.int32(width)))
+                try:
+                    grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width)))
+                    grad_params((-(-width // 32),), (32, 32), (dy, x, mean, inv, dscale, dbias, np.int64(rows),
+                                                              np.int32(width)))
+                except Exception as exc:  # CuPy's launch errors name no node
+                    raise RunError(f"{self.where}: '{op.name}': {str(exc).splitlines()[0]}") from None
