@@ -214,9 +214,13 @@ def render_section(records: Sequence[dict], image: str | None) -> str:
     for key in ("torch_version", "ort_version", "device_name", "commit"):
         first[key] = next((r[key] for r in records if r.get(key)), None)
     configs = {r["model"]: r.get("config") for r in records if r.get("config")}
+    # The code of each ours variant (its source digest, benchmarks/compare.py source_digest): the
+    # commit alone may be a stale copy's.
+    sources = {r["variant"]: r["ours_source"] for r in records if r.get("ours_source")}
+    code = "".join(f", `{variant}` code {digest}" for variant, digest in sources.items())
     lines = [BEGIN, "", f"### Run `{first['run']}`", "",
              f"Host `{first['host']}`, device {first.get('device_name') or first.get('device') or '?'}, "
-             f"date {first['date']}, commit {first.get('commit') or '?'}; "
+             f"date {first['date']}, commit {first.get('commit') or '?'}{code}; "
              f"torch {first.get('torch_version') or '?'}, onnxruntime {first.get('ort_version') or '?'}.", ""]
     for model, config in configs.items():
         lines.append(f"- `{model}`: {config}")

@@ -152,6 +152,21 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
 
 
+SOURCE_DIRS = ("transpiler", "runtime", "contract")  # the code an ours row runs (a prev@DIR tree holds these)
+
+
+def source_digest(tree: Path) -> str:
+    """A digest of the code an ours row runs: every .py under SOURCE_DIRS of ``tree``, by relative
+    path and content. A commit alone does not name it: a copy of a working tree may carry stale git
+    metadata (the GPU host's copy did: every row said the session's first commit, "-dirty") or
+    uncommitted edits. ``git archive C transpiler runtime contract`` of a commit C has C's digest."""
+    h = hashlib.sha256()
+    for sub in SOURCE_DIRS:
+        for path in sorted((tree / sub).rglob("*.py")):
+            h.update(path.relative_to(tree).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def git_commit(tree: Path) -> str | None:
     try:
         head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=10", "HEAD"], capture_output=True,
@@ -264,7 +279,7 @@ class Session:
         self.run_id = args.run_id or (now.strftime("%Y%m%dT%H%M%SZ") + "-" + self.host)
         self.results = Path(args.results or (HERE / "results" / f"{self.date}-{self.host}.jsonl"))
         self.commit = git_commit(ROOT)
-        self._tree_commits: dict[str, str | None] = {str(ROOT): self.commit}
+        self._tree_sources: dict[str, str] = {}
         self.logs = self.work / "logs" / self.run_id
         self.logs.mkdir(parents=True, exist_ok=True)
         self.records: list[dict] = []
@@ -278,12 +293,15 @@ class Session:
 
     def out_dir(self, m: dict, ours: dict, gpus: int) -> Path:
         tree = Path(ours["path"]) if ours["path"] else ROOT
-        # A tree's commit is read once per run: a commit made while the run goes on must not send
-        # its timing rows to a directory its transpile step never wrote.
-        if str(tree) not in self._tree_commits:
-            self._tree_commits[str(tree)] = git_commit(tree)
-        key = digest([m["optimizer"], ours["flags"], str(tree), self._tree_commits[str(tree)]])
+        key = digest([m["optimizer"], ours["flags"], str(tree), self.tree_source(tree)])
         return self.model_dir(m) / f"out-{ours['label']}-g{gpus}-{key}"
+
+    def tree_source(self, tree: Path) -> str:
+        """``source_digest(tree)``, read once per run: an edit made while the run goes on must not
+        send its timing rows to a directory its transpile step never wrote."""
+        if str(tree) not in self._tree_sources:
+            self._tree_sources[str(tree)] = source_digest(tree)
+        return self._tree_sources[str(tree)]
 
     def write_spec(self, name: str, spec: dict) -> Path:
         path = self.logs / f"{name}.spec.json"
@@ -350,7 +368,8 @@ class Session:
                 "windows": m["windows"], "warmup": m["warmup"]}
         if ours is not None:
             base.update(transpile_flags=ours["flags"], ours_path=ours["path"],
-                        ours_commit=git_commit(Path(ours["path"])) if ours["path"] else self.commit)
+                        ours_commit=git_commit(Path(ours["path"])) if ours["path"] else self.commit,
+                        ours_source=self.tree_source(Path(ours["path"]) if ours["path"] else ROOT))
         label = f"{system}/{variant}/{m['name']}/g{gpus}"
         if error is None and self.device == "cuda":
             have = self.gpu_count()

@@ -169,6 +169,10 @@ def test_render_section_and_doc_update_keep_the_hand_written_text():
     assert "NVIDIA H200" in section and "torch 2.11.0" in section and "onnxruntime 1.31.1" in section
     assert "best graph-transpiler / best PyTorch = 2.08x" in section
     assert "![step time relative to PyTorch eager](images/benchmarks.png)" in section
+    assert " code " not in section  # these rows predate the source digest
+    named = [dict(r, ours_source="0123456789ab") if r["system"] == "graph-transpiler" else r for r in recs]
+    variant = next(r["variant"] for r in named if r["system"] == "graph-transpiler")
+    assert f"`{variant}` code 0123456789ab" in bench_lib.render_section(named, None)
     doc = "# Benchmarks\n\nintro\n"
     once = bench_lib.update_doc(doc, section)
     assert once.startswith(doc.rstrip("\n")) and once.count(bench_lib.BEGIN) == 1
@@ -279,3 +283,35 @@ def test_latest_run_is_the_newest_record_by_time():
             {"run": "aaa-custom", "time": "2026-11-24T01:30:00+00:00"}]
     assert bench_lib.latest_run(recs) == "aaa-custom"
     assert bench_lib.latest_run([{"run": "20261124T01"}, {"run": "20261124T02"}]) == "20261124T02"  # no times
+
+
+def test_the_source_digest_names_the_code_an_ours_row_runs(tmp_path):
+    """Same code, same digest wherever it lies; an edit to a .py under transpiler/, runtime/ or
+    contract/ changes it, other files do not; a git archive of the checkout's own code has the
+    checkout's digest (what a prev@DIR row names)."""
+    from benchmarks.compare import ROOT, SOURCE_DIRS, source_digest
+
+    tree = tmp_path / "tree"
+    for sub in SOURCE_DIRS:
+        (tree / sub / "pkg").mkdir(parents=True)
+        (tree / sub / "pkg" / "a.py").write_text(f"X = '{sub}'\n")
+    first = source_digest(tree)
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(tree), str(copy)], check=True)
+    assert source_digest(copy) == first
+    (tree / "README.md").write_text("not code")
+    (tree / "runtime" / "notes.txt").write_text("not code either")
+    assert source_digest(tree) == first
+    (tree / "runtime" / "pkg" / "a.py").write_text("X = 'edited'\n")
+    assert source_digest(tree) != first
+    (tree / "runtime" / "pkg" / "a.py").write_text("X = 'runtime'\n")
+    (tree / "contract" / "b.py").write_text("")
+    assert source_digest(tree) != first  # a new file counts
+
+    if (ROOT / ".git").exists() and not subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--",
+                                                        *SOURCE_DIRS], capture_output=True, text=True).stdout.strip():
+        archive = tmp_path / "archive"
+        archive.mkdir()
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", *SOURCE_DIRS], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(archive)], input=tar, check=True)
+        assert source_digest(archive) == source_digest(ROOT)
