@@ -191,8 +191,8 @@ class GpuBackend(Backend):
         self.fuse_elementwise = os.environ.get("GRAPH_TRANSPILER_FUSE_ELEMENTWISE", "0") == "1"
         # ReLU's backward as one kernel where a native node reads it (runtime/gpu/elementwise.py
         # fuse_relu_masks; it adds no session); GRAPH_TRANSPILER_FUSE_RELU_MASKS=0 leaves it to onnxruntime.
-        self.fuse_relu_masks = env_flag("GRAPH_TRANSPILER_FUSE_RELU_MASKS")
-        if self.fuse_elementwise or self.fuse_relu_masks:
+        self.relu_masks = env_flag("GRAPH_TRANSPILER_FUSE_RELU_MASKS")
+        if self.fuse_elementwise or self.relu_masks:
             native.add(ELEMENTWISE_DOMAIN)
         self.native_domains = frozenset(native)
         self._cudnn: CudnnContext | None = None
@@ -237,7 +237,7 @@ class GpuBackend(Backend):
         return self._cudnn
 
     def prepare_step_graph(self, model):
-        if self.fuse_relu_masks:
+        if self.relu_masks:
             model = fuse_relu_masks(model, self.native_domains - {ELEMENTWISE_DOMAIN})
         return fuse_elementwise(model) if self.fuse_elementwise else model
 
