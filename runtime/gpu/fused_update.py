@@ -123,6 +123,8 @@ extern "C" __global__ void fused_adam(const long long* __restrict__ table, const
 """
 
 _KERNEL = {"SGD": "fused_sgd", "Momentum": "fused_momentum", "Adam": "fused_adam", "AdamW": "fused_adam"}
+
+
 def kernel_arguments(op: UpdateOp) -> tuple:
     """The scalar arguments after (table, chunks, lr[, step]), typed as the kernel declares them."""
     h, c = op.h, op.constants()

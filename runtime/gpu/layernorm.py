@@ -94,6 +94,7 @@ extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, 
 }
 """
 
+
 def row_threads(width: int) -> int:
     """Threads per row block: about four elements each, a whole number of warps, 32 to 512."""
     per_thread = -(-width // 4)
