@@ -279,7 +279,7 @@ class Session:
         self.run_id = args.run_id or (now.strftime("%Y%m%dT%H%M%SZ") + "-" + self.host)
         self.results = Path(args.results or (HERE / "results" / f"{self.date}-{self.host}.jsonl"))
         self.commit = git_commit(ROOT)
-        self._tree_sources: dict[str, str] = {}
+        self._trees: dict[str, tuple[str | None, str]] = {}  # see tree()
         self.logs = self.work / "logs" / self.run_id
         self.logs.mkdir(parents=True, exist_ok=True)
         self.records: list[dict] = []
@@ -292,16 +292,18 @@ class Session:
         return self.model_dir(m) / f"data-{m['batch'] * max(self.gpus)}.npz"
 
     def out_dir(self, m: dict, ours: dict, gpus: int) -> Path:
-        tree = Path(ours["path"]) if ours["path"] else ROOT
-        key = digest([m["optimizer"], ours["flags"], str(tree), self.tree_source(tree)])
+        tree, (_, source) = self.tree(ours)
+        key = digest([m["optimizer"], ours["flags"], str(tree), source])
         return self.model_dir(m) / f"out-{ours['label']}-g{gpus}-{key}"
 
-    def tree_source(self, tree: Path) -> str:
-        """``source_digest(tree)``, read once per run: an edit made while the run goes on must not
-        send its timing rows to a directory its transpile step never wrote."""
-        if str(tree) not in self._tree_sources:
-            self._tree_sources[str(tree)] = source_digest(tree)
-        return self._tree_sources[str(tree)]
+    def tree(self, ours: dict) -> tuple[Path, tuple[str | None, str]]:
+        """The source tree an ours variant runs, and its (commit, source digest), read once per run:
+        an edit made while the run goes on must not send its timing rows to a directory its
+        transpile step never wrote."""
+        tree = Path(ours["path"]) if ours["path"] else ROOT
+        if str(tree) not in self._trees:
+            self._trees[str(tree)] = (self.commit if tree == ROOT else git_commit(tree), source_digest(tree))
+        return tree, self._trees[str(tree)]
 
     def write_spec(self, name: str, spec: dict) -> Path:
         path = self.logs / f"{name}.spec.json"
@@ -367,9 +369,8 @@ class Session:
                 "timed steps minus after CUDA context creation", "steps_per_window": m["steps"],
                 "windows": m["windows"], "warmup": m["warmup"]}
         if ours is not None:
-            base.update(transpile_flags=ours["flags"], ours_path=ours["path"],
-                        ours_commit=git_commit(Path(ours["path"])) if ours["path"] else self.commit,
-                        ours_source=self.tree_source(Path(ours["path"]) if ours["path"] else ROOT))
+            _, (commit, source) = self.tree(ours)
+            base.update(transpile_flags=ours["flags"], ours_path=ours["path"], ours_commit=commit, ours_source=source)
         label = f"{system}/{variant}/{m['name']}/g{gpus}"
         if error is None and self.device == "cuda":
             have = self.gpu_count()
