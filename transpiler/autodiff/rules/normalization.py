@@ -71,17 +71,8 @@ def _layer_norm(ctx: RuleContext) -> list[ir.Value | None]:
         stat_shape = None if x.shape is None else [*list(x.shape)[:axis], 1]
         mean = ctx.forward_output(1, "mean", stash, stat_shape)
         inv = ctx.forward_output(2, "inv_std_dev", stash, stat_shape)
-        node_grads: list[ir.Value] = []
-
-        def grads() -> list[ir.Value]:
-            if not node_grads:
-                node_grads.extend(ctx.op_multi(LAYERNORM_GRAD, [dy, x, scale, mean, inv], {}, num_outputs=3,
-                                               domain=LAYERNORM_DOMAIN))
-                for value, like in zip(node_grads, (x, scale, bias or scale)):
-                    annotate(value, like)
-            return node_grads
-
-        return ctx.wanted_grads(lambda: grads()[0], lambda: grads()[1], lambda: grads()[2])
+        return _grad_node(ctx, LAYERNORM_DOMAIN, LAYERNORM_GRAD, [dy, x, scale, mean, inv], {},
+                          (x, scale, scale if bias is None else bias))
 
     def grad_x() -> ir.Value:
         xhat, inv = statistics()
@@ -358,17 +349,25 @@ def _batch_norm_training(ctx: RuleContext) -> list[ir.Value | None]:
     x, scale, bias = ctx.inputs[:3]
     saved_mean, saved_inv_std = ctx.node.outputs[3], ctx.node.outputs[4]
     epsilon = ctx.node.attributes.get_float("epsilon", 1e-5)
-    cache: list[ir.Value] = []
+    return _grad_node(ctx, BATCHNORM_DOMAIN, BATCHNORM_TRAINING_GRAD, [ctx.dy, x, scale, saved_mean, saved_inv_std],
+                      {"epsilon": epsilon}, (x, scale, bias))
 
-    def grads() -> list[ir.Value]:
-        if not cache:
-            cache.extend(ctx.op_multi(BATCHNORM_TRAINING_GRAD, [ctx.dy, x, scale, saved_mean, saved_inv_std],
-                                      {"epsilon": epsilon}, num_outputs=3, domain=BATCHNORM_DOMAIN))
-            for value, like in zip(cache, (x, scale, bias)):
+
+def _grad_node(ctx: RuleContext, domain: str, op_type: str, inputs: list[ir.Value], attributes: dict,
+               likes: tuple[ir.Value, ...]) -> list[ir.Value | None]:
+    """The gradients of a node's inputs as the outputs of ONE backend-native node (its function is
+    added by native_ops.add_op_functions), each typed like ``likes``; the node is written on the first
+    wanted gradient, and only if one is wanted."""
+    outputs: list[ir.Value] = []
+
+    def output(k: int) -> ir.Value:
+        if not outputs:
+            outputs.extend(ctx.op_multi(op_type, inputs, attributes, num_outputs=len(likes), domain=domain))
+            for value, like in zip(outputs, likes):
                 annotate(value, like)
-        return cache
+        return outputs[k]
 
-    return ctx.wanted_grads(lambda: grads()[0], lambda: grads()[1], lambda: grads()[2])
+    return ctx.wanted_grads(*(lambda k=k: output(k) for k in range(len(likes))))
 
 
 def _count_per_channel(ctx: RuleContext, x: ir.Value, stat: ir.Value) -> ir.Value:
