@@ -30,21 +30,23 @@ class SegmentRunner(ABC):
 
 
 class LaunchRunner(SegmentRunner):
-    """A backend-native runner whose whole work is ``_launch(values, allocate)`` on a mapping of
-    values: the first call (``run``) allocates the outputs into it; from then on the program gives
-    fixed output buffers per step parity (``prepare``) and ``run_bound`` writes into those. The GPU
-    program treats it like an onnxruntime segment."""
+    """A backend-native runner whose whole work is ``launch(values, allocate)`` on a mapping of
+    values: the first call (``run``) checks the inputs, configures for their shapes and allocates
+    the outputs not already in ``values`` (a node run inside an onnxruntime session is given them:
+    runtime/gpu/in_session.py); from then on the program gives fixed output buffers per step parity
+    (``prepare``) and ``run_bound`` writes into those. The GPU program treats it like an onnxruntime
+    segment."""
 
     def __init__(self, outputs):
         self.outputs = list(outputs)
         self.prepared: list[dict[str, Any] | None] = [None, None]
 
     @abstractmethod
-    def _launch(self, values, allocate: bool) -> None: ...
+    def launch(self, values, allocate: bool) -> None: ...
 
     def run(self, feeds):
         values = dict(feeds)
-        self._launch(values, allocate=True)
+        self.launch(values, allocate=True)
         return [values[name] for name in self.outputs]
 
     def prepare(self, parity: int, outputs: dict[str, Any]) -> None:
@@ -52,7 +54,7 @@ class LaunchRunner(SegmentRunner):
 
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:
         # A view, not a merged copy: the program's env holds every value of the step.
-        self._launch(ChainMap(self.prepared[parity], env), allocate=False)
+        self.launch(ChainMap(self.prepared[parity], env), allocate=False)
 
 
 class Backend(ABC):

@@ -105,7 +105,7 @@ class NativeGroup:
             runs[last][2].update(ins, (name for name in node.output if name))
         if len(runs) == 1:
             return [self]
-        return [_build_native(nodes, (self.index, self.part, self.stage)) for _, nodes, _ in runs]
+        return [build_native(nodes, (self.index, self.part, self.stage)) for _, nodes, _ in runs]
 
 
 @dataclass
@@ -187,7 +187,7 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
             for stage in sorted({st for (kk, pp, st) in members if (kk, pp) == (k, part)}):
                 group = members[k, part, stage]
                 if stage % 2:
-                    items.append(_build_native(group, (k, part, stage)))
+                    items.append(build_native(group, (k, part, stage)))
                     continue
                 segment = _build_segment(model, (k, part, stage), group, readers, initializers, types, where)
                 if segment is not None:
@@ -325,7 +325,7 @@ def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: di
     return stage
 
 
-def _build_native(members: list[onnx.NodeProto], here: tuple[int, int, int]) -> NativeGroup:
+def build_native(members: list[onnx.NodeProto], here: tuple[int, int, int]) -> NativeGroup:
     produced = {name for node in members for name in node.output if name}
     inputs = [name for name in dict.fromkeys(name for node in members for name in _consumed(node)) if name not in produced]
     outputs = [name for node in members for name in node.output if name]

@@ -136,6 +136,36 @@ def test_a_causally_masked_softmax_becomes_bias_softmax_and_its_backward_where_g
     assert (got[1][..., ~np.tril(np.ones((4, 4), bool))] == 0).all()  # the dropped Where's zeros
 
 
+def test_the_backward_where_goes_also_where_elementwise_fusion_took_its_product():
+    """The softmax backward ``S * (g - r)`` fused into one node (GPU elementwise fusion, before the
+    cut) still ends in a product with S, which is 0 where the mask filled: the Where goes."""
+    from runtime.gpu.elementwise import DOMAIN, fuse_elementwise
+
+    f = TensorProto.FLOAT
+    x, g = (helper.make_tensor_value_info(n, f, ["N", 3, 4, 4]) for n in ("x", "g"))
+    r = helper.make_tensor_value_info("r", f, ["N", 3, 4, 1])
+    outs = [helper.make_tensor_value_info(n, f, None) for n in ("s", "dx")]
+    inits = [numpy_helper.from_array(~np.tril(np.ones((4, 4), bool)), "mask"),
+             numpy_helper.from_array(np.array(-np.inf, np.float32), "fill"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    nodes = [helper.make_node("Where", ["mask", "fill", "x"], ["masked"]),
+             helper.make_node("Softmax", ["masked"], ["s"], axis=-1),
+             helper.make_node("Sub", ["g", "r"], ["gr"]),
+             helper.make_node("Mul", ["s", "gr"], ["sg"]),
+             helper.make_node("Where", ["mask", "zero", "sg"], ["dx"])]
+    model = one_graph_model(nodes, [x, g, r], outs, inits)
+    fused = fuse_elementwise(model)
+    assert [n.domain for n in fused.graph.node].count(DOMAIN) == 1
+    shapes = {"x": (2, 3, 4, 4), "g": (2, 3, 4, 4), "r": (2, 3, 4, 1)}
+    lowered = lower_for_cuda(specialize(fused, shapes))
+    assert [n.op_type for n in lowered.graph.node].count("Where") == 1  # only the [4, 4] additive mask
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+    got = ReferenceEvaluator(lowered, new_ops=[BiasSoftmax]).run(None, feeds)
+    for e, o in zip(_run(model, feeds), got):
+        np.testing.assert_allclose(o, e, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("fill, mask_shape", [(-1.0, (4, 4)),  # a fill exp() does not flush to 0
                                               (-np.inf, (2, 1, 4, 4))])  # one mask per batch row: not an outer broadcast
 def test_masks_the_rewrite_cannot_prove_equal_are_left_alone(fill, mask_shape):

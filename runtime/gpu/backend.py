@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from contract.ops import BATCHNORM_DOMAIN, CONV_GRAD_DOMAIN, FUSED_UPDATE_DOMAIN, LAYERNORM_DOMAIN
+from runtime import ort_custom_ops
 from runtime.errors import RunError
 from runtime.executor import Backend, SegmentRunner
 from runtime.gpu.batchnorm import BatchNormRunner
@@ -32,18 +33,23 @@ SMALL_CUBLAS_WORKSPACE = ":4096:1"  # one 4 MiB workspace per cuBLAS handle (cuB
 _GEMM_OPS = frozenset({"MatMul", "Gemm", "Einsum"})
 
 
-# The op domains this backend may run natively, each with its switch (a variable) and default:
-# "0" leaves the domain's nodes to onnxruntime (their functions), "1" runs them natively.
+# The op domains this backend may run natively, each with its switch (a variable): "0" leaves the
+# domain's nodes to onnxruntime (their functions), "1" runs them natively; unset, on.
 # - fused optimizer updates: multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
 # - Conv weight gradients and training BatchNorms: cuDNN (runtime/gpu/conv_grad.py, batchnorm.py);
-# - LayerNorm gradients: two CuPy kernels each (runtime/gpu/layernorm.py). Off by default: on
-#   GPT-2-small (one H200) each node cuts the step into one more onnxruntime session, and 25 more
-#   sessions cost 3.1 GiB (a cuBLAS workspace and handles each) for no faster step (34.5 ms both,
-#   965 against 1289 kernels; run h200-s15, docs/gpu.md).
-NATIVE_SWITCHES = {FUSED_UPDATE_DOMAIN: ("GRAPH_TRANSPILER_FUSED_UPDATE", "1"),
-                   CONV_GRAD_DOMAIN: ("GRAPH_TRANSPILER_NATIVE_CONV_GRAD", "1"),
-                   BATCHNORM_DOMAIN: ("GRAPH_TRANSPILER_NATIVE_BATCHNORM", "1"),
-                   LAYERNORM_DOMAIN: ("GRAPH_TRANSPILER_NATIVE_LAYERNORM", "0")}
+# - LayerNorm gradients: two CuPy kernels each (runtime/gpu/layernorm.py).
+NATIVE_SWITCHES = {FUSED_UPDATE_DOMAIN: "GRAPH_TRANSPILER_FUSED_UPDATE",
+                   CONV_GRAD_DOMAIN: "GRAPH_TRANSPILER_NATIVE_CONV_GRAD",
+                   BATCHNORM_DOMAIN: "GRAPH_TRANSPILER_NATIVE_BATCHNORM",
+                   LAYERNORM_DOMAIN: "GRAPH_TRANSPILER_NATIVE_LAYERNORM"}
+# Native domains whose nodes run inside the onnxruntime session of their segment, as custom ops
+# (runtime/gpu/in_session.py), where the custom-op library can be built; the others (the fused
+# update, which writes the state in place) run between sessions.
+IN_SESSION = frozenset({CONV_GRAD_DOMAIN, BATCHNORM_DOMAIN, LAYERNORM_DOMAIN, ELEMENTWISE_DOMAIN})
+# On by default only inside sessions: between sessions, each LayerNorm gradient cut GPT-2-small's
+# step into one more session, and 25 more sessions cost 3.1 GiB (a cuBLAS workspace and handles
+# each) for no faster step (34.5 ms both, 965 against 1289 kernels; run h200-s15, docs/gpu.md).
+ONLY_IN_SESSIONS = frozenset({LAYERNORM_DOMAIN})
 # Native domain -> its runner. A NativeGroup holding several domains runs one runner per domain
 # group of NativeGroup.by_domain, in that order (each reads only what earlier ones computed).
 _NATIVE_RUNNERS = {ELEMENTWISE_DOMAIN: ElementwiseRunner, BATCHNORM_DOMAIN: BatchNormRunner,
@@ -182,19 +188,27 @@ class GpuBackend(Backend):
         self.run_options_uncaptured = self._run_options(graph_id=-1)
         self.run_options = self._run_options(graph_id=-1, shrink=False)
         self.run_options_graph = [self._run_options(graph_id=parity) for parity in (0, 1)]
-        native = {domain for domain, (switch, default) in NATIVE_SWITCHES.items()
-                  if os.environ.get(switch, default) != "0"}
-        # Chains of elementwise nodes as one CuPy kernel each (runtime/gpu/elementwise.py): opt in
-        # with GRAPH_TRANSPILER_FUSE_ELEMENTWISE=1. Off by default: measured slower on GPT-2-small
-        # (48.2 against 37.8 ms, 45.8 GiB; docs/gpu.md "Elementwise fusion") and the small GPT's
-        # CUDA-graph capture fails with it.
-        self.fuse_elementwise = os.environ.get("GRAPH_TRANSPILER_FUSE_ELEMENTWISE", "0") == "1"
+        # Native nodes inside the sessions (IN_SESSION): needs static shapes and a C compiler for the
+        # custom-op library, once per machine (runtime/ort_custom_ops.py); GRAPH_TRANSPILER_IN_SESSION=0
+        # runs them between sessions instead.
+        self.in_session = (env_flag("GRAPH_TRANSPILER_IN_SESSION") and self.static_shapes
+                           and ort_custom_ops.available())
+        native = {domain for domain, switch in NATIVE_SWITCHES.items() if os.environ.get(switch) != "0"
+                  and (self.in_session or domain not in ONLY_IN_SESSIONS or os.environ.get(switch) == "1")}
+        # Chains of elementwise nodes as one CuPy kernel each (runtime/gpu/elementwise.py), on by
+        # default where they run inside the sessions: GPT-2-small on one H200 30.6 against 33.0 ms,
+        # 856 against 964 kernels, 9.59 against 9.54 GiB (run h200-s8-g1). Between sessions they
+        # cost more than they saved (48.2 against 37.8 ms, 45.8 GiB; docs/gpu.md "Elementwise
+        # fusion"), so there it is opt-in. GRAPH_TRANSPILER_FUSE_ELEMENTWISE=0 or 1 decides either way.
+        self.fuse_elementwise = os.environ.get("GRAPH_TRANSPILER_FUSE_ELEMENTWISE", "1" if self.in_session else "0") == "1"
         # ReLU's backward as one kernel where a native node reads it (runtime/gpu/elementwise.py
         # fuse_relu_masks; it adds no session); GRAPH_TRANSPILER_FUSE_RELU_MASKS=0 leaves it to onnxruntime.
         self.relu_masks = env_flag("GRAPH_TRANSPILER_FUSE_RELU_MASKS")
         if self.fuse_elementwise or self.relu_masks:
             native.add(ELEMENTWISE_DOMAIN)
-        self.native_domains = frozenset(native)
+        # Domains run by this backend: between sessions (the cut takes them out, segments.py) or in them.
+        self.in_session_domains = frozenset(native & IN_SESSION) if self.in_session else frozenset()
+        self.native_domains = frozenset(native) - self.in_session_domains
         self._cudnn: CudnnContext | None = None
         self._staging: dict[str, tuple[Any, np.ndarray, Any]] = {}
         self._ring = cp.zeros(LOSS_RING, dtype=np.float64)
@@ -227,8 +241,12 @@ class GpuBackend(Backend):
     def compile(self, segment, where):
         if not isinstance(segment, NativeGroup):
             return OrtCudaSegment(segment, where, self)
-        runners = [_NATIVE_RUNNERS[sub.nodes[0].domain](sub, where, self) for sub in segment.by_domain()]
+        runners = [self.native_runner(sub, where) for sub in segment.by_domain()]
         return runners[0] if len(runners) == 1 else NativeSequence(runners, segment.outputs)
+
+    def native_runner(self, group: NativeGroup, where: str):
+        """The runner of a group of one native domain's nodes (between sessions, or one node inside one)."""
+        return _NATIVE_RUNNERS[group.nodes[0].domain](group, where, self)
 
     def cudnn(self) -> CudnnContext:
         """The cuDNN handle and workspace every cuDNN runner (Conv gradients, BatchNorms) shares, made on first use."""
@@ -238,8 +256,8 @@ class GpuBackend(Backend):
 
     def prepare_step_graph(self, model):
         if self.relu_masks:
-            model = fuse_relu_masks(model, self.native_domains - {ELEMENTWISE_DOMAIN})
-        return fuse_elementwise(model) if self.fuse_elementwise else model
+            model = fuse_relu_masks(model, (self.native_domains | self.in_session_domains) - {ELEMENTWISE_DOMAIN})
+        return fuse_elementwise(model, additions=self.in_session) if self.fuse_elementwise else model
 
     def make_program(self, cut, comm):
         program = GpuProgram(cut, self, comm)

@@ -91,7 +91,7 @@ class BatchNormRunner(LaunchRunner):
         op.descriptors = (cudnn.tensor_descriptor(x.shape), cudnn.tensor_descriptor((1, x.shape[1], 1, 1)))
         op.shape = tuple(x.shape)
 
-    def _launch(self, values, allocate: bool) -> None:
+    def launch(self, values, allocate: bool) -> None:
         cp = self.cp
         handle = self.backend.cudnn().handle
         with self.stream:
@@ -104,7 +104,8 @@ class BatchNormRunner(LaunchRunner):
                         self._configure(op, x)
                     channels = (x.shape[1],)
                     for name, shape in zip(op.outputs, [x.shape, channels, channels, channels, channels]):
-                        values[name] = cp.empty(shape, dtype=np.float32)
+                        if name not in values:  # given where the node runs inside a session (in_session.py)
+                            values[name] = cp.empty(shape, dtype=np.float32)
                 x_desc, stat_desc = op.descriptors
                 ptr = [values[name].data.ptr for name in op.inputs]
                 out = [values[name] for name in op.outputs]

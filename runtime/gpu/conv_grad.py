@@ -142,14 +142,15 @@ class ConvGradRunner(LaunchRunner):
         del scratch
         self.context.reserve(op.workspace_bytes)
 
-    def _launch(self, values, allocate: bool) -> None:
+    def launch(self, values, allocate: bool) -> None:
         cp = self.cp
         with self.stream:
             for op in self.ops:
                 x, dy = values[op.x], values[op.dy]
                 if allocate:  # a first call: its shapes are every bound call's (the module docstring)
                     self._check(op, x, dy)
-                    values[op.dw] = cp.empty((dy.shape[1], x.shape[1], *op.kernel), dtype=np.float32)
+                    if op.dw not in values:  # given where the node runs inside a session (in_session.py)
+                        values[op.dw] = cp.empty((dy.shape[1], x.shape[1], *op.kernel), dtype=np.float32)
                     if op.shapes != (x.shape, dy.shape):
                         self._configure(op, x, dy, values[op.dw])
                 dw = values[op.dw]

@@ -28,6 +28,7 @@ form of each op, so the CPU tests check a cluster's wiring against onnxruntime w
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import math
@@ -146,8 +147,12 @@ class _Facts:
         return float(value.reshape(-1)[0])
 
 
-def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` with its elementwise clusters (module docstring) as ``DOMAIN`` nodes."""
+def fuse_elementwise(model: onnx.ModelProto, additions: bool = False) -> onnx.ModelProto:
+    """A copy of ``model`` with its elementwise clusters (module docstring) as ``DOMAIN`` nodes;
+    with ``additions``, clusters of additions only too. Where fused nodes run inside the sessions,
+    a Linear's bias and the residual after it (onnxruntime: its Gemm's bias broadcast, the GEMM, an
+    Add: three kernels) become a MatMul and one fused kernel, and a gradient's chain of Sums one
+    kernel; where each fused node cuts the session, that is not worth its cut."""
     facts = _Facts(model)
     nodes, producer, shape_of, scalar = facts.nodes, facts.producer, facts.shape_of, facts.scalar
 
@@ -219,7 +224,7 @@ def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
         size = math.prod(d for d in shape if isinstance(d, int))
         if len(idx) < MIN_NODES or (size < MIN_ELEMENTS and all(isinstance(d, int) for d in shape)):
             continue
-        if all(nodes[i].op_type in _ADDS for i in idx):
+        if not additions and all(nodes[i].op_type in _ADDS for i in idx):
             continue  # a bias add and a residual add: onnxruntime folds the bias into its Gemm instead
         fused[idx[0]] = _fused_node([nodes[i] for i in idx], set(idx), readers, graph_outputs, scalar)
         dropped |= set(idx)
@@ -233,9 +238,7 @@ def fuse_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
     result.CopyFrom(model)
     del result.graph.node[:]
     result.graph.node.extend(ordered)
-    if not any(o.domain == DOMAIN for o in result.opset_import):
-        result.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return result
+    return _with_functions(result)
 
 
 def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
@@ -283,9 +286,54 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
     result.CopyFrom(model)
     del result.graph.node[:]
     result.graph.node.extend(fused.get(i, node) for i, node in enumerate(nodes) if i not in dropped)
-    if not any(o.domain == DOMAIN for o in result.opset_import):
-        result.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return result
+    return _with_functions(result)
+
+
+def _with_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the DOMAIN opset and, for each new fused node (op_type OP_TYPE), an ONNX function of its steps in standard ops, named after them (the node's op_type): one
+    function per distinct kernel. With it, ONNX shape inference sees through the node (the
+    specialized segment that holds it keeps static shapes downstream), and onnxruntime can run it."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+    known = {(f.domain, f.name) for f in model.functions}
+    for node in model.graph.node:
+        if node.domain != DOMAIN or node.op_type != OP_TYPE:
+            continue
+        function = _function(node, opset)
+        node.op_type = function.name
+        if (function.domain, function.name) not in known:
+            known.add((function.domain, function.name))
+            model.functions.append(function)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def _function(node: onnx.NodeProto, opset: int) -> onnx.FunctionProto:
+    """A fused node's steps as an ONNX function of inputs ``x0..`` and outputs ``y0..``: each step one
+    node of its op (the relu mask: Greater and Where), each constant a Constant node of its float32
+    value. It computes what the kernel computes, up to float32 rounding of the math functions."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    steps, results = attrs["steps"].decode(), list(attrs["results"])
+    body: list[onnx.NodeProto] = []
+    for k, (op_type, refs) in enumerate(json.loads(steps)):
+        args = []
+        for j, (kind, value) in enumerate(refs):
+            if kind == "c":
+                args.append(f"c{k}_{j}")
+                body.append(helper.make_node("Constant", [], [args[-1]], value_float=float(value)))
+            else:
+                args.append(f"{kind}{value}")
+        if op_type == RELU_MASK:
+            body += [helper.make_node("Constant", [], [f"zero{k}"], value_float=0.0),
+                     helper.make_node("Greater", [args[0], f"zero{k}"], [f"mask{k}"]),
+                     helper.make_node("Where", [f"mask{k}", args[1], f"zero{k}"], [f"t{k}"])]
+        else:
+            body.append(helper.make_node(op_type, args, [f"t{k}"]))
+    outputs = [f"y{j}" for j in range(len(results))]
+    body += [helper.make_node("Identity", [f"t{k}"], [y]) for y, k in zip(outputs, results)]
+    digest = hashlib.sha256(f"{len(node.input)}|{steps}|{results}".encode()).hexdigest()[:12]
+    return helper.make_function(DOMAIN, f"{OP_TYPE}_{digest}", [f"x{i}" for i in range(len(node.input))], outputs,
+                                body, [helper.make_opsetid("", opset)])
 
 
 def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[str, set[int]],
@@ -346,6 +394,19 @@ def _topological(items: list[tuple[int, onnx.NodeProto]], available: set[str]) -
     if len(out) != len(items):  # a cycle: the convexity check failed (a bug, never the user's graph)
         raise RunError("elementwise fusion made a cycle; set GRAPH_TRANSPILER_FUSE_ELEMENTWISE=0 and report it")
     return out
+
+
+def final_factors(node: onnx.NodeProto, output: str) -> list[str]:
+    """The node's inputs that its ``output`` is the product of, where that output's last step is a
+    Mul of node inputs or of earlier steps (only the inputs are returned); else none."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if output not in node.output:
+        return []
+    step = json.loads(attrs["steps"].decode())[list(attrs["results"])[list(node.output).index(output)]]
+    op_type, refs = step
+    if op_type != "Mul":
+        return []
+    return [node.input[i] for kind, i in refs if kind == "x"]
 
 
 def evaluate_numpy(node: onnx.NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -445,12 +506,12 @@ class ElementwiseRunner(LaunchRunner):
                 cache[key] = self.cp.ElementwiseKernel(params_in, params_out, code, f"fused_elementwise_{len(cache)}")
             self.kernels.append((node, cache[key]))
 
-    def _launch(self, values, allocate: bool) -> None:
+    def launch(self, values, allocate: bool) -> None:
         with self.stream:
             for node, kernel in self.kernels:
                 args = [values[name] for name in node.input]
                 try:
-                    if allocate:
+                    if allocate and not all(name in values for name in node.output):  # given: in_session.py
                         result = kernel(*args)
                         values.update(zip(node.output, result if isinstance(result, tuple) else (result,)))
                     else:

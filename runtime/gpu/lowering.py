@@ -33,6 +33,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from runtime.gpu.elementwise import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.elementwise import final_factors
+
 _SPLIT_REDUCTIONS = ("ReduceSum", "ReduceMean")
 CONCAT_MAX_INPUTS = 32  # onnxruntime's CUDA Concat under CUDA-graph capture (concat.cc)
 # A mask fill at or below this makes exp(fill - row max) exactly 0 in float32 (exp underflows below
@@ -200,15 +203,26 @@ def _masked_softmax(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProt
             continue
         mask, zero_name, grad = where.input
         product = producer.get(grad)
-        if _scalar(constants, zero_name) != 0.0 or product is None or product.op_type != "Mul":
+        if _scalar(constants, zero_name) != 0.0 or product is None:
             continue
-        if not any(masked.get(name) == mask for name in product.input):
+        if not any(masked.get(name) == mask for name in _factors(product, grad)):
             continue
         replace[id(where)] = [helper.make_node("Identity", [grad], list(where.output), name=f"{where.name or grad}/dropped")]
     nodes = [new for node in graph.node for new in replace.get(id(node), [node])]
     del graph.node[:]
     graph.node.extend(nodes)
     return True
+
+
+def _factors(node: onnx.NodeProto, output: str) -> list[str]:
+    """The values ``node`` multiplies to compute ``output``, if its last step is a product: a Mul's
+    inputs, or those of a fused elementwise node's final Mul (the softmax backward's ``S * (g - s)``
+    is one once fused); else none."""
+    if node.op_type == "Mul" and node.domain in ("", "ai.onnx"):
+        return list(node.input)
+    if node.domain == ELEMENTWISE_DOMAIN:
+        return final_factors(node, output)
+    return []
 
 
 def _softmax_axis(node: onnx.NodeProto, opset: int) -> int:

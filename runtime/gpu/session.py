@@ -12,9 +12,12 @@ from typing import TYPE_CHECKING, Any
 import onnx
 import onnx.inliner
 
+from runtime import ort_custom_ops
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner, _first_line
 from runtime.gpu.cuda import ORT_DTYPES
+from runtime.gpu.in_session import DOMAIN as IN_SESSION_DOMAIN
+from runtime.gpu.in_session import take_native_nodes
 from runtime.gpu.lowering import lower_for_cuda
 from runtime.segments import Segment, place
 from runtime.specialize import NEVER_FOLDED, specialize
@@ -58,6 +61,7 @@ class OrtCudaSegment(SegmentRunner):
         self.session_inputs: list[str] = []
         self.output_specs: dict[str, tuple] = {}
         self.compiled = False
+        self.custom_ops: list = []  # native nodes run inside the session (in_session.py)
         self.constants: dict[str, Any] = {}  # outputs computed once from constants (see _take_fixed_outputs)
         self.copies: dict[str, str] = {}  # outputs that copy an input: output -> input
         self.copy_into: list[list] = [[], []]  # per parity: (bound output buffer, input name)
@@ -82,15 +86,24 @@ class OrtCudaSegment(SegmentRunner):
     def _compile(self, feeds) -> None:
         backend, ort = self.backend, self.backend.ort
         model = self.segment.model
+        inside = backend.in_session_domains
         if backend.static_shapes:
             if model.functions:
                 # Nodes of a domain left to onnxruntime (a native runner switched off) run as their
-                # functions; inlined here, their channel reductions are split like the others.
-                model = onnx.inliner.inline_local_functions(model)
+                # functions; inlined here, their channel reductions are split like the others. Those
+                # of domains run inside the session keep theirs, for shape inference (and to run
+                # as functions where a node cannot be taken in, in_session.py).
+                kept = [(f.domain, f.name) for f in model.functions if f.domain in inside]
+                model = (onnx.inliner.inline_selected_functions(model, kept, exclude=True) if kept
+                         else onnx.inliner.inline_local_functions(model))
             model = lower_for_cuda(specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs}))
             model = self._take_fixed_outputs(model, ort)
             if not model.graph.output:
                 return  # every output is a constant or a copy of an input: no session
+            if inside:
+                segment = self.segment
+                model, self.custom_ops = take_native_nodes(model, inside, backend, self.where,
+                                                           (segment.index, segment.part, segment.stage))
         serialized = model.SerializeToString()
         cuda = {"device_id": str(backend.device_id), "user_compute_stream": str(backend.compute.ptr),
                 "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0",
@@ -109,6 +122,8 @@ class OrtCudaSegment(SegmentRunner):
             options.enable_mem_pattern = backend.mem_pattern and self.mem_pattern
             if self.shared_arena:
                 options.add_session_config_entry("session.use_env_allocators", "1")
+            if self.custom_ops:
+                ort_custom_ops.register(options, IN_SESSION_DOMAIN, self.custom_ops)
             if backend.dump_optimized:
                 options.optimized_model_filepath = os.path.join(backend.dump_optimized, re.sub(r"\W+", "_", self.where) + ".onnx")
             return ort.InferenceSession(serialized, options, providers=[

@@ -1,0 +1,130 @@
+"""Native nodes inside onnxruntime sessions: a segment's cuDNN BatchNorms, Conv weight gradients,
+LayerNorm gradients and fused elementwise nodes run as custom ops of its CUDA EP session
+(runtime/ort_custom_ops.py), by the same runners that otherwise run them between sessions.
+
+Why: as native stages, each such node cut the step into one more session (ResNet-18: 34 sessions,
+~21 MiB each on the shared arena; the LayerNorm kernels on GPT-2-small: 25 more sessions, +3.1 GiB
+and gaps that ate their gain, docs/gpu.md). Inside the session they run on its stream, between its
+own kernels, and its CUDA graph captures them: a replay launches them with no Python at all.
+
+A node is taken in only where every input and output has a static shape in the specialized segment
+(the runners' first call checks the rest, as between sessions). Each taken node becomes a node of
+``DOMAIN`` with an op_type of its own in the session (the op is that one node: its runner, its
+shapes); a node not taken keeps its domain and runs as its ONNX function, as where its native
+switch is off. Fused elementwise nodes have no function: one not taken is an error naming it.
+
+Per compute call: the input and output pointers from onnxruntime, wrapped as CuPy arrays of the
+static shapes, then the runner's ``launch``: the first call with ``allocate`` (checks, descriptors,
+cuDNN's algorithm search), later calls without. The first call also checks that onnxruntime runs
+the node on the backend's compute stream, on which the runners enqueue.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from runtime.errors import RunError
+from runtime.ort_custom_ops import KernelContext, PythonOp
+from runtime.segments import build_native
+
+if TYPE_CHECKING:
+    from runtime.gpu.backend import GpuBackend
+
+DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
+
+
+def _static(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (static shape, element type) of every value whose shape is fully known."""
+    known: dict[str, tuple[tuple[int, ...], int]] = {}
+    graph = model.graph
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        t = value.type.tensor_type if value.type.HasField("tensor_type") else None
+        if t is None or not t.HasField("shape") or not t.elem_type:
+            continue
+        if all(d.HasField("dim_value") for d in t.shape.dim):
+            known[value.name] = (tuple(d.dim_value for d in t.shape.dim), t.elem_type)
+    for init in graph.initializer:
+        known[init.name] = (tuple(init.dims), init.data_type)
+    return known
+
+
+class _NodeKernel:
+    """The compute of one taken node (the module docstring)."""
+
+    def __init__(self, runner, node: onnx.NodeProto, ins: list, outs: list, backend: GpuBackend, where: str):
+        self.runner = runner
+        self.node_name = node.name or node.op_type
+        self.ins, self.outs = ins, outs  # [(name, shape, numpy dtype)]
+        self.backend = backend
+        self.where = where
+        self.first = True
+
+    def _wrap(self, ptr: int, shape: tuple, dtype) -> Any:
+        cp = self.backend.cp
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes == 0:
+            return cp.empty(shape, dtype)
+        memory = cp.cuda.UnownedMemory(ptr, nbytes, None, self.backend.device_id)
+        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0))
+
+    def __call__(self, ctx: KernelContext) -> None:
+        if self.first:
+            self._check(ctx)
+        values = {name: self._wrap(ctx.input_ptr(i), shape, dtype) for i, (name, shape, dtype) in enumerate(self.ins)}
+        for j, (name, shape, dtype) in enumerate(self.outs):
+            values[name] = self._wrap(ctx.output_ptr(j, shape), shape, dtype)
+        first, self.first = self.first, False
+        self.runner.launch(values, allocate=first)
+
+    def _check(self, ctx: KernelContext) -> None:
+        stream = ctx.gpu_stream()
+        if stream != self.backend.compute.ptr:
+            raise RunError(f"{self.where}: '{self.node_name}': onnxruntime runs it on stream {stream:#x}, not the "
+                           f"compute stream {self.backend.compute.ptr:#x}")
+        for i, (name, shape, _) in enumerate(self.ins):
+            got, _ = ctx.input_shape(i)
+            if got != shape:
+                raise RunError(f"{self.where}: '{self.node_name}': input '{name}' is {got}, specialized as {shape}")
+
+
+def take_native_nodes(model: onnx.ModelProto, domains, backend: GpuBackend, where: str,
+                      here: tuple[int, int, int]) -> tuple[onnx.ModelProto, list[PythonOp]]:
+    """``model`` (specialized) with its nodes of ``domains`` made custom ops of ``DOMAIN``, and
+    those ops; functions no node calls any more are dropped."""
+    known = _static(model)
+    ops: list[PythonOp] = []
+    taken: set[tuple[str, str]] = set()  # (domain, op_type) of the nodes taken in
+    for node in model.graph.node:
+        if node.domain not in domains:
+            continue
+        names = [n for n in node.input if n], [n for n in node.output if n]
+        if len(names[0]) != len(node.input) or len(names[1]) != len(node.output) or not all(
+                n in known for n in names[0] + names[1]):
+            if not any(f.domain == node.domain and f.name == node.op_type for f in model.functions):
+                raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) has no static shape "
+                               "for every input and output, and no function to run it otherwise")
+            continue
+        original = onnx.NodeProto()
+        original.CopyFrom(node)
+        runner = backend.native_runner(build_native([original], here), where)
+        spec = lambda name: (name, known[name][0], helper.tensor_dtype_to_np_dtype(known[name][1]))  # noqa: E731
+        ins, outs = [spec(n) for n in node.input], [spec(n) for n in node.output]
+        op_type = f"{node.op_type}_{len(ops)}"
+        kernel = _NodeKernel(runner, original, ins, outs, backend, where)
+        ops.append(PythonOp(op_type, [known[n][1] for n in node.input], [known[n][1] for n in node.output], kernel,
+                            provider="CUDAExecutionProvider"))
+        taken.add((node.domain, node.op_type))
+        node.domain, node.op_type = DOMAIN, op_type
+        del node.attribute[:]
+    if ops:
+        called = {(n.domain, n.op_type) for n in model.graph.node}
+        kept = [f for f in model.functions if (f.domain, f.name) in called or (f.domain, f.name) not in taken]
+        del model.functions[:]
+        model.functions.extend(kept)
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model, ops

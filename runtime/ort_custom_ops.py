@@ -1,0 +1,344 @@
+"""Python kernels inside onnxruntime sessions: custom ops whose compute is a Python callable.
+
+Why: a node the runtime runs itself (a cuDNN BatchNorm, a CuPy kernel) used to cut the step into one
+more onnxruntime session before and after it. Each session costs a cuBLAS workspace and handles
+(~21 MiB to 81 MiB on an H200), a host round trip between sessions, and its own CUDA graph. As a
+custom op, the node runs inside the session that holds its neighbours, on that session's stream,
+and is captured into the session's CUDA graph with the rest.
+
+How: onnxruntime's Python API registers custom ops only from a shared library
+(``SessionOptions.register_custom_ops_library``), which it opens and whose ``RegisterCustomOps``
+it calls with the session options and its API table. That library is the ten lines of C in
+``SHIM_SOURCE``: it forwards the call to a Python function (a ctypes callback). Everything else is
+here, through ctypes on onnxruntime's C API (an ABI it keeps stable: ``OrtApi`` only grows at its
+end, and ``OrtCustomOp`` is read only up to the ``version`` it states): the op domain, one
+``OrtCustomOp`` per op, and the callbacks onnxruntime makes into them. The shim is compiled once per
+machine with the C compiler (``CC`` or ``cc``) into a cache folder; without a compiler
+``available()`` is False and callers keep their nodes outside onnxruntime, as before.
+
+Each op here is one node of one session: its ``name`` (the node's op_type, unique in the session's
+domain), its input and output element types (ONNX's TensorProto codes, which are onnxruntime's),
+and ``compute(ctx)``, called on onnxruntime's thread with a ``KernelContext``. An exception in
+``compute`` fails the run with its message (onnxruntime raises it from ``run``).
+
+Invariant: every ctypes object onnxruntime holds a pointer to (ops, callbacks, names) lives as long
+as the process (``_KEEP``): a session may run until the process ends, and onnxruntime never says
+when it is done with an op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The C part: RegisterCustomOps as onnxruntime calls it, forwarded to the hook Python sets.
+SHIM_SOURCE = r"""
+typedef void *(*gt_register_hook)(void *options, const void *api_base);
+static gt_register_hook hook;
+void gt_set_register_hook(gt_register_hook h) { hook = h; }
+void *RegisterCustomOps(void *options, const void *api_base) { return hook ? hook(options, api_base) : 0; }
+"""
+
+# onnxruntime's C API as used here (include/onnxruntime/core/session/onnxruntime_c_api.h).
+API_VERSION = 16  # the OrtApi asked for: every function below exists from 1.16 on
+OP_VERSION = 16  # OrtCustomOp.version: fields up to KernelComputeV2 are read (below)
+ORT_FAIL = 1  # OrtErrorCode
+INPUT_OUTPUT_REQUIRED = 0  # OrtCustomOpInputOutputCharacteristic
+MEM_TYPE_DEFAULT = 0  # OrtMemType: the provider's own memory (the device, for the CUDA EP)
+
+_status = ctypes.c_void_p  # OrtStatus*: NULL is success
+_vp, _sz = ctypes.c_void_p, ctypes.c_size_t
+# OrtApi member -> (index in the table of function pointers, return type, argument types).
+_API = {
+    "CreateStatus": (0, _status, [ctypes.c_int, ctypes.c_char_p]),
+    "GetErrorMessage": (2, ctypes.c_char_p, [_status]),
+    "CreateCustomOpDomain": (26, _status, [ctypes.c_char_p, ctypes.POINTER(_vp)]),
+    "CustomOpDomain_Add": (27, _status, [_vp, _vp]),
+    "AddCustomOpDomain": (28, _status, [_vp, _vp]),
+    "GetTensorMutableData": (51, _status, [_vp, ctypes.POINTER(_vp)]),
+    "GetTensorTypeAndShape": (65, _status, [_vp, ctypes.POINTER(_vp)]),
+    "GetTensorElementType": (60, _status, [_vp, ctypes.POINTER(ctypes.c_int)]),
+    "GetDimensionsCount": (61, _status, [_vp, ctypes.POINTER(_sz)]),
+    "GetDimensions": (62, _status, [_vp, ctypes.POINTER(ctypes.c_int64), _sz]),
+    "ReleaseTensorTypeAndShapeInfo": (99, None, [_vp]),
+    "KernelContext_GetInputCount": (88, _status, [_vp, ctypes.POINTER(_sz)]),
+    "KernelContext_GetOutputCount": (89, _status, [_vp, ctypes.POINTER(_sz)]),
+    "KernelContext_GetInput": (90, _status, [_vp, _sz, ctypes.POINTER(_vp)]),
+    "KernelContext_GetOutput": (91, _status, [_vp, _sz, ctypes.POINTER(ctypes.c_int64), _sz, ctypes.POINTER(_vp)]),
+    "ReleaseStatus": (93, None, [_status]),
+    "KernelContext_GetGPUComputeStream": (193, _status, [_vp, ctypes.POINTER(_vp)]),
+}
+
+_OpP = ctypes.c_void_p  # const OrtCustomOp*, as the callbacks receive it
+_FIELDS = [  # OrtCustomOp, in order, up to OP_VERSION's last field
+    ("CreateKernel", ctypes.CFUNCTYPE(_vp, _OpP, _vp, _vp)),
+    ("GetName", ctypes.CFUNCTYPE(_vp, _OpP)),
+    ("GetExecutionProviderType", ctypes.CFUNCTYPE(_vp, _OpP)),
+    ("GetInputType", ctypes.CFUNCTYPE(ctypes.c_int, _OpP, _sz)),
+    ("GetInputTypeCount", ctypes.CFUNCTYPE(_sz, _OpP)),
+    ("GetOutputType", ctypes.CFUNCTYPE(ctypes.c_int, _OpP, _sz)),
+    ("GetOutputTypeCount", ctypes.CFUNCTYPE(_sz, _OpP)),
+    ("KernelCompute", ctypes.CFUNCTYPE(None, _vp, _vp)),
+    ("KernelDestroy", ctypes.CFUNCTYPE(None, _vp)),
+    ("GetInputCharacteristic", ctypes.CFUNCTYPE(ctypes.c_int, _OpP, _sz)),
+    ("GetOutputCharacteristic", ctypes.CFUNCTYPE(ctypes.c_int, _OpP, _sz)),
+    ("GetInputMemoryType", ctypes.CFUNCTYPE(ctypes.c_int, _OpP, _sz)),
+    ("GetVariadicInputMinArity", ctypes.CFUNCTYPE(ctypes.c_int, _OpP)),
+    ("GetVariadicInputHomogeneity", ctypes.CFUNCTYPE(ctypes.c_int, _OpP)),
+    ("GetVariadicOutputMinArity", ctypes.CFUNCTYPE(ctypes.c_int, _OpP)),
+    ("GetVariadicOutputHomogeneity", ctypes.CFUNCTYPE(ctypes.c_int, _OpP)),
+    ("CreateKernelV2", ctypes.CFUNCTYPE(_status, _OpP, _vp, _vp, ctypes.POINTER(_vp))),
+    ("KernelComputeV2", ctypes.CFUNCTYPE(_status, _vp, _vp)),
+]
+
+
+class _OrtCustomOp(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), *_FIELDS]
+
+
+_KEEP: list = []  # every ctypes object onnxruntime may still point to (the module docstring)
+_OPS: dict[int, PythonOp] = {}  # address of an _OrtCustomOp -> its op
+_PENDING: list[tuple[str, list]] = []  # (domain, ops) for the next RegisterCustomOps call
+
+
+class OrtCApi:
+    """The OrtApi functions of ``_API``, as ctypes functions, from the table ``api`` points to."""
+
+    def __init__(self, api: int):
+        table = ctypes.cast(api, ctypes.POINTER(ctypes.c_void_p))
+        for name, (index, restype, argtypes) in _API.items():
+            setattr(self, name, ctypes.CFUNCTYPE(restype, *argtypes)(table[index]))
+
+    def check(self, status, what: str) -> None:
+        """Raise for a failed call (a non-NULL OrtStatus), with onnxruntime's message."""
+        if status:
+            message = self.GetErrorMessage(status).decode(errors="replace")
+            self.ReleaseStatus(status)
+            raise RuntimeError(f"onnxruntime {what}: {message}")
+
+
+class KernelContext:
+    """One compute call's inputs, outputs and stream (onnxruntime's OrtKernelContext)."""
+
+    __slots__ = ("api", "context")
+
+    def __init__(self, api: OrtCApi, context: int):
+        self.api = api
+        self.context = context
+
+    def input_ptr(self, index: int) -> int:
+        """The data pointer of input ``index`` (0 for an empty tensor)."""
+        api, value, data = self.api, ctypes.c_void_p(), ctypes.c_void_p()
+        api.check(api.KernelContext_GetInput(self.context, index, ctypes.byref(value)), f"input {index}")
+        api.check(api.GetTensorMutableData(value, ctypes.byref(data)), f"input {index} data")
+        return data.value or 0
+
+    def input_shape(self, index: int) -> tuple[tuple[int, ...], int]:
+        """(shape, element type) of input ``index``."""
+        api, value, info = self.api, ctypes.c_void_p(), ctypes.c_void_p()
+        api.check(api.KernelContext_GetInput(self.context, index, ctypes.byref(value)), f"input {index}")
+        api.check(api.GetTensorTypeAndShape(value, ctypes.byref(info)), f"input {index} shape")
+        try:
+            rank, elem = ctypes.c_size_t(), ctypes.c_int()
+            api.check(api.GetTensorElementType(info, ctypes.byref(elem)), f"input {index} type")
+            api.check(api.GetDimensionsCount(info, ctypes.byref(rank)), f"input {index} rank")
+            dims = (ctypes.c_int64 * max(rank.value, 1))()
+            api.check(api.GetDimensions(info, dims, rank.value), f"input {index} dims")
+            return tuple(dims[i] for i in range(rank.value)), elem.value
+        finally:
+            api.ReleaseTensorTypeAndShapeInfo(info)
+
+    def output_ptr(self, index: int, shape: Sequence[int]) -> int:
+        """Output ``index`` allocated by onnxruntime with ``shape``: its data pointer."""
+        api, value, data = self.api, ctypes.c_void_p(), ctypes.c_void_p()
+        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        api.check(api.KernelContext_GetOutput(self.context, index, dims, len(shape), ctypes.byref(value)), f"output {index}")
+        api.check(api.GetTensorMutableData(value, ctypes.byref(data)), f"output {index} data")
+        return data.value or 0
+
+    def gpu_stream(self) -> int:
+        """The stream onnxruntime runs this node on (its compute stream; the user's, where set)."""
+        api, stream = self.api, ctypes.c_void_p()
+        api.check(api.KernelContext_GetGPUComputeStream(self.context, ctypes.byref(stream)), "compute stream")
+        return stream.value or 0
+
+
+@dataclass(eq=False)
+class PythonOp:
+    """One custom op: ``name`` (a node's op_type in the domain), its element types, the execution
+    provider whose memory its inputs and outputs are in, and ``compute(ctx: KernelContext)``."""
+
+    name: str
+    input_types: list[int]
+    output_types: list[int]
+    compute: Callable[[KernelContext], None]
+    provider: str = "CPUExecutionProvider"
+    _c_name: bytes = field(default=b"", repr=False)
+    _c_provider: bytes = field(default=b"", repr=False)
+
+
+def _op(address: int) -> PythonOp:
+    return _OPS[address]
+
+
+def _error(api: OrtCApi, op: PythonOp, exc: BaseException) -> int:
+    message = f"{op.name}: {type(exc).__name__}: {exc}".splitlines()[0]
+    return api.CreateStatus(ORT_FAIL, message.encode(errors="replace"))
+
+
+class _Callbacks:
+    """The C functions every op's struct points to; each finds its op by the struct's address."""
+
+    def __init__(self):
+        self.api: OrtCApi | None = None
+        self.functions = {}
+        f = dict(_FIELDS)
+        self.functions = {
+            "CreateKernel": f["CreateKernel"](lambda op, api, info: op),
+            "GetName": f["GetName"](lambda op: ctypes.cast(ctypes.c_char_p(_op(op)._c_name), ctypes.c_void_p).value),
+            "GetExecutionProviderType": f["GetExecutionProviderType"](
+                lambda op: ctypes.cast(ctypes.c_char_p(_op(op)._c_provider), ctypes.c_void_p).value),
+            "GetInputType": f["GetInputType"](lambda op, i: _op(op).input_types[i]),
+            "GetInputTypeCount": f["GetInputTypeCount"](lambda op: len(_op(op).input_types)),
+            "GetOutputType": f["GetOutputType"](lambda op, i: _op(op).output_types[i]),
+            "GetOutputTypeCount": f["GetOutputTypeCount"](lambda op: len(_op(op).output_types)),
+            "KernelDestroy": f["KernelDestroy"](lambda kernel: None),
+            "GetInputCharacteristic": f["GetInputCharacteristic"](lambda op, i: INPUT_OUTPUT_REQUIRED),
+            "GetOutputCharacteristic": f["GetOutputCharacteristic"](lambda op, i: INPUT_OUTPUT_REQUIRED),
+            "GetInputMemoryType": f["GetInputMemoryType"](lambda op, i: MEM_TYPE_DEFAULT),
+            "GetVariadicInputMinArity": f["GetVariadicInputMinArity"](lambda op: 1),
+            "GetVariadicInputHomogeneity": f["GetVariadicInputHomogeneity"](lambda op: 1),
+            "GetVariadicOutputMinArity": f["GetVariadicOutputMinArity"](lambda op: 1),
+            "GetVariadicOutputHomogeneity": f["GetVariadicOutputHomogeneity"](lambda op: 1),
+            "CreateKernelV2": f["CreateKernelV2"](self._create_kernel),
+            "KernelComputeV2": f["KernelComputeV2"](self._compute),
+        }
+
+    def _create_kernel(self, op, api, info, kernel):
+        kernel[0] = op  # the kernel is its op: one node per op (the module docstring)
+        return None
+
+    def _compute(self, kernel, context):
+        op = _OPS[kernel]
+        try:
+            op.compute(KernelContext(self.api, context))
+        except BaseException as exc:  # onnxruntime's thread: the error goes back as its status
+            return _error(self.api, op, exc)
+        return None
+
+
+_CALLBACKS: _Callbacks | None = None
+_LIBRARY: tuple[str, ctypes.CDLL] | None = None
+_HOOK = None
+
+
+def _register(options, api_base) -> int | None:
+    """RegisterCustomOps, forwarded from the shim: one domain per pending (domain, ops)."""
+    callbacks = _CALLBACKS
+    try:
+        if callbacks.api is None:
+            base = ctypes.cast(api_base, ctypes.POINTER(ctypes.c_void_p))
+            get_api = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(base[0])
+            table = get_api(API_VERSION)
+            if not table:
+                raise RuntimeError(f"onnxruntime has no C API version {API_VERSION}")
+            callbacks.api = OrtCApi(table)
+        api = callbacks.api
+        while _PENDING:
+            domain_name, ops = _PENDING.pop(0)
+            name = domain_name.encode()
+            domain = ctypes.c_void_p()
+            api.check(api.CreateCustomOpDomain(name, ctypes.byref(domain)), f"CreateCustomOpDomain({domain_name})")
+            _KEEP.append(name)
+            for op in ops:
+                struct = _OrtCustomOp(version=OP_VERSION, **callbacks.functions)
+                address = ctypes.addressof(struct)
+                _OPS[address] = op
+                _KEEP.append(struct)
+                api.check(api.CustomOpDomain_Add(domain, address), f"CustomOpDomain_Add({op.name})")
+            api.check(api.AddCustomOpDomain(options, domain), f"AddCustomOpDomain({domain_name})")
+    except Exception as exc:  # noqa: BLE001 - the message goes back to onnxruntime, which raises it
+        _PENDING.clear()
+        if callbacks.api is None:
+            raise
+        return callbacks.api.CreateStatus(ORT_FAIL, f"graph-transpiler custom ops: {exc}".encode())
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("GRAPH_TRANSPILER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "graph-transpiler")
+    return Path(root)
+
+
+def _build(folder: Path) -> Path | None:
+    """The shim compiled into ``folder`` (once: its name is its source's digest), or None without a
+    C compiler. Written to a temporary name and renamed, so ranks building at once each see a whole file."""
+    digest = hashlib.sha256(SHIM_SOURCE.encode()).hexdigest()[:16]
+    library = folder / f"gt_ort_custom_ops_{digest}.so"
+    if library.exists():
+        return library
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        source = Path(tmp) / "shim.c"
+        source.write_text(SHIM_SOURCE)
+        target = Path(tmp) / library.name
+        done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(target), str(source)],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            return None
+        os.replace(target, library)
+    return library
+
+
+def library() -> str | None:
+    """The shim's path, built on first use; None where it cannot be (no compiler, no writable cache)."""
+    global _LIBRARY, _CALLBACKS, _HOOK
+    if _LIBRARY is not None:
+        return _LIBRARY[0]
+    try:
+        path = _build(_cache_dir())
+    except OSError:
+        path = None
+    if path is None:
+        try:
+            path = _build(Path(tempfile.gettempdir()) / f"graph-transpiler-{os.getuid()}")
+        except OSError:
+            return None
+    if path is None:
+        return None
+    handle = ctypes.CDLL(str(path))
+    _CALLBACKS = _Callbacks()
+    _HOOK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(_register)
+    handle.gt_set_register_hook.argtypes = [ctypes.c_void_p]
+    handle.gt_set_register_hook(ctypes.cast(_HOOK, ctypes.c_void_p))
+    _LIBRARY = (str(path), handle)
+    return _LIBRARY[0]
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def register(options, domain: str, ops: Sequence[PythonOp]) -> None:
+    """Add ``ops`` as the custom op domain ``domain`` to onnxruntime SessionOptions ``options``."""
+    path = library()
+    if path is None:
+        raise RuntimeError("custom ops need a C compiler (cc, or $CC) to build their library once")
+    for op in ops:
+        op._c_name, op._c_provider = op.name.encode(), op.provider.encode()
+    _PENDING.append((domain, list(ops)))
+    try:
+        options.register_custom_ops_library(path)
+    finally:
+        _PENDING.clear()
