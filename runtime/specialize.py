@@ -21,7 +21,9 @@ from onnx import helper, numpy_helper
 
 # A folded value becomes an initializer: shape computations are tiny; a large constant tensor is
 # cheaper computed on the device (ConstantOfShape) than stored and copied.
-FOLD_LIMIT = 1 << 16  # elements
+# (1 << 18 elements: a [512, 512] attention mask, folded here once instead of rebuilt each step
+# where onnxruntime's own constant folding is off: runtime/gpu/session.py.)
+FOLD_LIMIT = 1 << 18  # elements
 # Ops that must never be evaluated ahead of time (random, or with side effects on state).
 _NEVER = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                     "Bernoulli", "Dropout"})

@@ -190,3 +190,29 @@ def test_an_op_without_a_flat_launch_cannot_be_built():
     node = helper.make_node("Partial", [], [], domain=COLLECTIVE_DOMAIN, order=0)
     with pytest.raises(TypeError, match="call_flat"):
         Partial(node, [], 0, "rank0.onnx")
+
+
+@pytest.mark.gpu
+def test_a_one_rank_nccl_communicator_makes_no_nccl_communicator_and_keeps_every_buffer():
+    """A world of one joins no NCCL communicator (one held 0.56 GiB on an H200): each flat
+    collective leaves its buffer as it is, which is its result on one rank."""
+    cupy = pytest.importorskip("cupy")
+    from runtime.gpu.cuda import gpu_count
+    from runtime.gpu.nccl import NcclCommunicator
+
+    if gpu_count() < 1:
+        pytest.skip("needs a GPU")
+    comm = NcclCommunicator(None, 0)
+    comm.connect()
+    try:
+        assert comm.comm is None
+        buf = cupy.arange(12, dtype=cupy.float32)
+        for call in (lambda: comm.all_reduce_flat(buf, "AllReduce"), lambda: comm.reduce_flat(buf, 0, "Reduce"),
+                     lambda: comm.broadcast_flat(buf, 0, "Broadcast"), lambda: comm.reduce_scatter_flat(buf, "RS"),
+                     lambda: comm.all_gather_flat(buf, "AG")):
+            call()
+            comm.stream.synchronize()
+            np.testing.assert_array_equal(cupy.asnumpy(buf), np.arange(12, dtype=np.float32))
+        np.testing.assert_array_equal([v.get() for v in comm.allreduce([cupy.ones(3, cupy.float32)], "mean")][0], [1, 1, 1])
+    finally:
+        comm.close()

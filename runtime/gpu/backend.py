@@ -167,6 +167,7 @@ class GpuBackend(Backend):
         self.shared_arena = env_flag("GRAPH_TRANSPILER_SHARED_ARENA")
         self.shrink_arena = env_flag("GRAPH_TRANSPILER_SHRINK_ARENA")
         self.mem_pattern = env_flag("GRAPH_TRANSPILER_MEM_PATTERN")
+        self.ort_constant_folding = env_flag("GRAPH_TRANSPILER_ORT_CONSTANT_FOLDING")
         # Extra CUDA EP options, "key=value,key=value" (onnxruntime's names: prefer_nhwc,
         # cudnn_conv_algo_search, ...), over the ones the sessions set: for trying onnxruntime's
         # knobs on a model without a code change (docs/gpu.md).

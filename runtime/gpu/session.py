@@ -127,7 +127,8 @@ class OrtCudaSegment(SegmentRunner):
             if backend.dump_optimized:
                 options.optimized_model_filepath = os.path.join(backend.dump_optimized, re.sub(r"\W+", "_", self.where) + ".onnx")
             return ort.InferenceSession(serialized, options, providers=[
-                ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"])
+                ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"],
+                disabled_optimizers=[] if backend.ort_constant_folding else ["ConstantFolding"])
 
         if backend.cuda_graphs and backend.static_shapes and self.capture_allowed:
             try:
