@@ -125,7 +125,7 @@ def test_a_causally_masked_softmax_becomes_bias_softmax_and_its_backward_where_g
     lowered = lower_for_cuda(specialize(model, {"x": (2, 3, 4, 4), "g": (2, 3, 4, 4)}))
     ops = [n.op_type for n in lowered.graph.node]
     assert ops.count("BiasSoftmax") == 1 and "Softmax" not in ops
-    assert ops.count("Where") == 1  # only the [4, 4] additive mask is left
+    assert "Where" not in ops  # the [4, 4] additive mask is an initializer, computed once
     assert "com.microsoft" in {o.domain for o in lowered.opset_import}
     rng = np.random.default_rng(0)
     feeds = {"x": rng.normal(size=(2, 3, 4, 4)).astype(np.float32), "g": rng.normal(size=(2, 3, 4, 4)).astype(np.float32)}
@@ -134,6 +134,22 @@ def test_a_causally_masked_softmax_becomes_bias_softmax_and_its_backward_where_g
     for e, o in zip(expected, got):
         np.testing.assert_allclose(o, e, rtol=1e-6, atol=1e-7)
     assert (got[1][..., ~np.tril(np.ones((4, 4), bool))] == 0).all()  # the dropped Where's zeros
+
+
+def test_a_mask_fed_at_run_time_becomes_an_additive_mask_computed_in_the_graph():
+    model = _attention_mask_model(-np.inf, (4, 4))
+    mask = next(t for t in model.graph.initializer if t.name == "mask")
+    model.graph.initializer.remove(mask)
+    model.graph.input.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, [4, 4]))
+    shapes = {"x": (2, 3, 4, 4), "g": (2, 3, 4, 4), "mask": (4, 4)}
+    lowered = lower_for_cuda(specialize(model, shapes))
+    assert [n.op_type for n in lowered.graph.node].count("Where") == 1  # the additive mask, each run
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(2, 3, 4, 4)).astype(np.float32), "g": rng.normal(size=(2, 3, 4, 4)).astype(np.float32),
+             "mask": ~np.tril(np.ones((4, 4), bool))}
+    got = ReferenceEvaluator(lowered, new_ops=[BiasSoftmax]).run(None, feeds)
+    for e, o in zip(_run(model, feeds), got):
+        np.testing.assert_allclose(o, e, rtol=1e-6, atol=1e-7)
 
 
 def test_the_backward_where_goes_also_where_elementwise_fusion_took_its_product():
@@ -158,7 +174,7 @@ def test_the_backward_where_goes_also_where_elementwise_fusion_took_its_product(
     assert [n.domain for n in fused.graph.node].count(DOMAIN) == 1
     shapes = {"x": (2, 3, 4, 4), "g": (2, 3, 4, 4), "r": (2, 3, 4, 1)}
     lowered = lower_for_cuda(specialize(fused, shapes))
-    assert [n.op_type for n in lowered.graph.node].count("Where") == 1  # only the [4, 4] additive mask
+    assert "Where" not in [n.op_type for n in lowered.graph.node]  # the additive mask is an initializer
     rng = np.random.default_rng(0)
     feeds = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
     got = ReferenceEvaluator(lowered, new_ops=[BiasSoftmax]).run(None, feeds)

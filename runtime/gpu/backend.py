@@ -167,7 +167,13 @@ class GpuBackend(Backend):
         self.shared_arena = env_flag("GRAPH_TRANSPILER_SHARED_ARENA")
         self.shrink_arena = env_flag("GRAPH_TRANSPILER_SHRINK_ARENA")
         self.mem_pattern = env_flag("GRAPH_TRANSPILER_MEM_PATTERN")
-        self.ort_constant_folding = env_flag("GRAPH_TRANSPILER_ORT_CONSTANT_FOLDING")
+        # onnxruntime's constant folding, off: specialization (runtime/specialize.py) and the lowering
+        # already fold what is cheap to keep, and onnxruntime's would also turn a large zero fill
+        # (the token embedding's gradient starts from [50304, 768] zeros) into a 147 MiB initializer
+        # held for good, where the device fills it in a few microseconds each step: GPT-2-small
+        # on one H200 9.03 -> 8.88 GiB, same step (run h200-s8-g6). GRAPH_TRANSPILER_ORT_CONSTANT_FOLDING=1
+        # turns it back on.
+        self.ort_constant_folding = os.environ.get("GRAPH_TRANSPILER_ORT_CONSTANT_FOLDING", "0") == "1"
         # Extra CUDA EP options, "key=value,key=value" (onnxruntime's names: prefer_nhwc,
         # cudnn_conv_algo_search, ...), over the ones the sessions set: for trying onnxruntime's
         # knobs on a model without a code change (docs/gpu.md).

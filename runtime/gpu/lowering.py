@@ -188,8 +188,13 @@ def _masked_softmax(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProt
         base = where.name or where.output[0]
         zero = f"{base}.lowered.zero"
         bias = f"{base}.lowered.bias"
-        graph.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), zero))
-        new = [helper.make_node("Where", [mask, fill_name, zero], [bias], name=f"{base}/bias")]
+        if mask in constants:  # the additive mask computed here, once (onnxruntime's folding may be off)
+            additive = np.where(numpy_helper.to_array(constants[mask]), np.float32(fill), np.float32(0))
+            graph.initializer.append(numpy_helper.from_array(additive.astype(np.float32), bias))
+            new = []
+        else:
+            graph.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), zero))
+            new = [helper.make_node("Where", [mask, fill_name, zero], [bias], name=f"{base}/bias")]
         for softmax in softmaxes:
             new.append(helper.make_node("BiasSoftmax", [scores, bias], list(softmax.output), name=f"{softmax.name or base}/bias_softmax",
                                         domain="com.microsoft", axis=len(score_shape) - 1, is_inner_broadcast=0))
