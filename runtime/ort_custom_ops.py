@@ -19,7 +19,9 @@ machine with the C compiler (``CC`` or ``cc``) into a cache folder; without a co
 Each op here is one node of one session: its ``name`` (the node's op_type, unique in the session's
 domain), its input and output element types (ONNX's TensorProto codes, which are onnxruntime's),
 and ``compute(ctx)``, called on onnxruntime's thread with a ``KernelContext``. An exception in
-``compute`` fails the run with its message (onnxruntime raises it from ``run``).
+``compute`` fails the run with its message and the op's ``label`` (onnxruntime raises it from
+``run``). No exception may leave a callback: ctypes would hand onnxruntime an undefined return value
+(a garbage status pointer, which it frees), so every callback catches all of them.
 
 Invariant: every ctypes object onnxruntime holds a pointer to (ops, callbacks, names) lives as long
 as the process (``_KEEP``): a session may run until the process ends, and onnxruntime never says
@@ -32,8 +34,12 @@ import ctypes
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
+import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,17 +186,26 @@ class PythonOp:
     output_types: list[int]
     compute: Callable[[KernelContext], None]
     provider: str = "CPUExecutionProvider"
-    _c_name: bytes = field(default=b"", repr=False)
-    _c_provider: bytes = field(default=b"", repr=False)
+    label: str = ""  # what an error names (the node, where it is); the op's name if empty
+    _c_name: ctypes.Array | None = field(default=None, repr=False)
+    _c_provider: ctypes.Array | None = field(default=None, repr=False)
 
 
-def _op(address: int) -> PythonOp:
-    return _OPS[address]
+def _guarded(default, function):
+    """``function`` as a callback body that never raises (the module docstring): on an exception,
+    its traceback goes to stderr and onnxruntime gets ``default``."""
+    def body(*args):
+        try:
+            return function(*args)
+        except BaseException:  # noqa: BLE001 - nothing may cross into onnxruntime
+            traceback.print_exc()
+            return default
+    return body
 
 
-def _error(api: OrtCApi, op: PythonOp, exc: BaseException) -> int:
-    message = f"{op.name}: {type(exc).__name__}: {exc}".splitlines()[0]
-    return api.CreateStatus(ORT_FAIL, message.encode(errors="replace"))
+def _string(field_name: str):
+    """A getter of an op's C string (its address; the buffer lives as long as the op)."""
+    return lambda op: ctypes.addressof(getattr(_OPS[op], field_name))
 
 
 class _Callbacks:
@@ -198,45 +213,51 @@ class _Callbacks:
 
     def __init__(self):
         self.api: OrtCApi | None = None
-        self.functions = {}
         f = dict(_FIELDS)
-        self.functions = {
-            "CreateKernel": f["CreateKernel"](lambda op, api, info: op),
-            "GetName": f["GetName"](lambda op: ctypes.cast(ctypes.c_char_p(_op(op)._c_name), ctypes.c_void_p).value),
-            "GetExecutionProviderType": f["GetExecutionProviderType"](
-                lambda op: ctypes.cast(ctypes.c_char_p(_op(op)._c_provider), ctypes.c_void_p).value),
-            "GetInputType": f["GetInputType"](lambda op, i: _op(op).input_types[i]),
-            "GetInputTypeCount": f["GetInputTypeCount"](lambda op: len(_op(op).input_types)),
-            "GetOutputType": f["GetOutputType"](lambda op, i: _op(op).output_types[i]),
-            "GetOutputTypeCount": f["GetOutputTypeCount"](lambda op: len(_op(op).output_types)),
-            "KernelDestroy": f["KernelDestroy"](lambda kernel: None),
-            "GetInputCharacteristic": f["GetInputCharacteristic"](lambda op, i: INPUT_OUTPUT_REQUIRED),
-            "GetOutputCharacteristic": f["GetOutputCharacteristic"](lambda op, i: INPUT_OUTPUT_REQUIRED),
-            "GetInputMemoryType": f["GetInputMemoryType"](lambda op, i: MEM_TYPE_DEFAULT),
-            "GetVariadicInputMinArity": f["GetVariadicInputMinArity"](lambda op: 1),
-            "GetVariadicInputHomogeneity": f["GetVariadicInputHomogeneity"](lambda op: 1),
-            "GetVariadicOutputMinArity": f["GetVariadicOutputMinArity"](lambda op: 1),
-            "GetVariadicOutputHomogeneity": f["GetVariadicOutputHomogeneity"](lambda op: 1),
-            "CreateKernelV2": f["CreateKernelV2"](self._create_kernel),
-            "KernelComputeV2": f["KernelComputeV2"](self._compute),
+        bodies = {  # callback -> (its body, what onnxruntime gets if the body raises)
+            "CreateKernel": (lambda op, api, info: op, None),
+            "GetName": (_string("_c_name"), None),
+            "GetExecutionProviderType": (_string("_c_provider"), None),
+            "GetInputType": (lambda op, i: _OPS[op].input_types[i], 0),
+            "GetInputTypeCount": (lambda op: len(_OPS[op].input_types), 0),
+            "GetOutputType": (lambda op, i: _OPS[op].output_types[i], 0),
+            "GetOutputTypeCount": (lambda op: len(_OPS[op].output_types), 0),
+            "KernelDestroy": (lambda kernel: None, None),
+            "GetInputCharacteristic": (lambda op, i: INPUT_OUTPUT_REQUIRED, INPUT_OUTPUT_REQUIRED),
+            "GetOutputCharacteristic": (lambda op, i: INPUT_OUTPUT_REQUIRED, INPUT_OUTPUT_REQUIRED),
+            "GetInputMemoryType": (lambda op, i: MEM_TYPE_DEFAULT, MEM_TYPE_DEFAULT),
+            "GetVariadicInputMinArity": (lambda op: 1, 1),
+            "GetVariadicInputHomogeneity": (lambda op: 1, 1),
+            "GetVariadicOutputMinArity": (lambda op: 1, 1),
+            "GetVariadicOutputHomogeneity": (lambda op: 1, 1),
+            "CreateKernelV2": (self._create_kernel, None),
+            "KernelComputeV2": (self._compute, None),
         }
+        self.functions = {name: f[name](_guarded(default, body)) for name, (body, default) in bodies.items()}
 
     def _create_kernel(self, op, api, info, kernel):
         kernel[0] = op  # the kernel is its op: one node per op (the module docstring)
         return None
 
     def _compute(self, kernel, context):
-        op = _OPS[kernel]
+        op = _OPS.get(kernel)
         try:
             op.compute(KernelContext(self.api, context))
         except BaseException as exc:  # onnxruntime's thread: the error goes back as its status
-            return _error(self.api, op, exc)
+            label = (op.label or op.name) if op is not None else f"custom op {kernel:#x}"
+            try:
+                message = f"{label}: {type(exc).__name__}: {exc}".splitlines()[0]
+            except BaseException:  # noqa: BLE001 - an exception whose str() fails
+                message = f"{label}: {type(exc).__name__}"
+            return self.api.CreateStatus(ORT_FAIL, message.encode(errors="replace"))
         return None
 
 
 _CALLBACKS: _Callbacks | None = None
 _LIBRARY: tuple[str, ctypes.CDLL] | None = None
 _HOOK = None
+_LOCK = threading.Lock()  # one registration at a time: _PENDING is the hook's only argument
+_ERRORS: list[BaseException] = []  # what the hook could not hand back as a status (register raises it)
 
 
 def _register(options, api_base) -> int | None:
@@ -264,11 +285,12 @@ def _register(options, api_base) -> int | None:
                 _KEEP.append(struct)
                 api.check(api.CustomOpDomain_Add(domain, address), f"CustomOpDomain_Add({op.name})")
             api.check(api.AddCustomOpDomain(options, domain), f"AddCustomOpDomain({domain_name})")
-    except Exception as exc:  # noqa: BLE001 - the message goes back to onnxruntime, which raises it
+    except BaseException as exc:  # noqa: BLE001 - nothing may cross into onnxruntime
         _PENDING.clear()
-        if callbacks.api is None:
-            raise
-        return callbacks.api.CreateStatus(ORT_FAIL, f"graph-transpiler custom ops: {exc}".encode())
+        if callbacks is None or callbacks.api is None:
+            _ERRORS.append(exc)  # no API to make a status with: ``register`` raises it instead
+            return None
+        return callbacks.api.CreateStatus(ORT_FAIL, f"graph-transpiler custom ops: {exc}".encode(errors="replace"))
     return None
 
 
@@ -278,24 +300,40 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def _ours(path: Path) -> bool:
+    """Whether ``path`` is this user's and nobody else may write it (a library another user could
+    have put in a shared temporary folder is never loaded)."""
+    info = path.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _build(folder: Path) -> Path | None:
     """The shim compiled into ``folder`` (once: its name is its source's digest), or None without a
-    C compiler. Written to a temporary name and renamed, so ranks building at once each see a whole file."""
+    C compiler or where it does not compile. Written to a temporary name and renamed, so ranks
+    building at once each see a whole file."""
     digest = hashlib.sha256(SHIM_SOURCE.encode()).hexdigest()[:16]
     library = folder / f"gt_ort_custom_ops_{digest}.so"
-    if library.exists():
+    if library.exists() and _ours(library):
         return library
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
+    if not _ours(folder):
+        return None
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         source = Path(tmp) / "shim.c"
         source.write_text(SHIM_SOURCE)
         target = Path(tmp) / library.name
-        done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(target), str(source)],
-                              capture_output=True, text=True, timeout=120)
+        try:
+            done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(target), str(source)],
+                                  capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return None
         if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            print(f"transpile: warning: {compiler} could not build the custom-op library ({last}); native "
+                  "nodes run between onnxruntime sessions", file=sys.stderr, flush=True)
             return None
         os.replace(target, library)
     return library
@@ -336,9 +374,17 @@ def register(options, domain: str, ops: Sequence[PythonOp]) -> None:
     if path is None:
         raise RuntimeError("custom ops need a C compiler (cc, or $CC) to build their library once")
     for op in ops:
-        op._c_name, op._c_provider = op.name.encode(), op.provider.encode()
-    _PENDING.append((domain, list(ops)))
-    try:
-        options.register_custom_ops_library(path)
-    finally:
-        _PENDING.clear()
+        op._c_name, op._c_provider = ctypes.create_string_buffer(op.name.encode()), ctypes.create_string_buffer(op.provider.encode())
+    with _LOCK:
+        _PENDING.append((domain, list(ops)))
+        try:
+            options.register_custom_ops_library(path)
+            called = not _PENDING
+        finally:
+            _PENDING.clear()
+        if _ERRORS:
+            error = _ERRORS[-1]
+            _ERRORS.clear()
+            raise RuntimeError(f"custom op domain {domain}: {error}")
+    if not called:
+        raise RuntimeError(f"custom op domain {domain}: onnxruntime did not call the library's RegisterCustomOps")

@@ -220,14 +220,15 @@ def test_the_relu_mask_kernel_equals_its_numpy_form():
         np.testing.assert_array_equal(cp.asnumpy(out), evaluate_numpy(node, [y, dy])[0], err_msg=str((shape, offset)))
 
 
-def test_fused_nodes_carry_functions_that_infer_shapes_and_run_on_onnxruntime(gpt_train):
+@pytest.mark.parametrize("additions", [False, True])
+def test_fused_nodes_carry_functions_that_infer_shapes_and_run_on_onnxruntime(gpt_train, additions):
     """Each fused node's op_type names a function of its steps in standard ops: shape inference sees
     through it (a segment holding it keeps static shapes), and onnxruntime runs it to the unfused
     graph's values; the relu mask's function equals Greater + Where exactly."""
     from runtime.gpu.elementwise import fuse_relu_masks
 
     model, feeds = gpt_train
-    fused = fuse_elementwise(model)
+    fused = fuse_elementwise(model, additions=additions)
     functions = {f.name for f in fused.functions if f.domain == DOMAIN}
     nodes = [n for n in fused.graph.node if n.domain == DOMAIN]
     assert nodes and {n.op_type for n in nodes} <= functions

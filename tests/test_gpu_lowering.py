@@ -152,9 +152,11 @@ def test_a_mask_fed_at_run_time_becomes_an_additive_mask_computed_in_the_graph()
         np.testing.assert_allclose(o, e, rtol=1e-6, atol=1e-7)
 
 
-def test_the_backward_where_goes_also_where_elementwise_fusion_took_its_product():
+@pytest.mark.parametrize("last", ["Mul", "Sub"])
+def test_the_backward_where_goes_also_where_elementwise_fusion_took_its_product(last):
     """The softmax backward ``S * (g - r)`` fused into one node (GPU elementwise fusion, before the
-    cut) still ends in a product with S, which is 0 where the mask filled: the Where goes."""
+    cut) still ends in a product with S, which is 0 where the mask filled: the Where goes. A fused
+    node that ends in something else (``S * g - r``: not 0 where S is) keeps it."""
     from runtime.gpu.elementwise import DOMAIN, fuse_elementwise
 
     f = TensorProto.FLOAT
@@ -165,16 +167,19 @@ def test_the_backward_where_goes_also_where_elementwise_fusion_took_its_product(
              numpy_helper.from_array(np.array(-np.inf, np.float32), "fill"),
              numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
     nodes = [helper.make_node("Where", ["mask", "fill", "x"], ["masked"]),
-             helper.make_node("Softmax", ["masked"], ["s"], axis=-1),
-             helper.make_node("Sub", ["g", "r"], ["gr"]),
-             helper.make_node("Mul", ["s", "gr"], ["sg"]),
-             helper.make_node("Where", ["mask", "zero", "sg"], ["dx"])]
+             helper.make_node("Softmax", ["masked"], ["s"], axis=-1)]
+    if last == "Mul":
+        nodes += [helper.make_node("Sub", ["g", "r"], ["gr"]), helper.make_node("Mul", ["s", "gr"], ["sg"])]
+    else:
+        nodes += [helper.make_node("Mul", ["s", "g"], ["p"]), helper.make_node("Sub", ["p", "r"], ["sg"])]
+    nodes.append(helper.make_node("Where", ["mask", "zero", "sg"], ["dx"]))
     model = one_graph_model(nodes, [x, g, r], outs, inits)
     fused = fuse_elementwise(model)
     assert [n.domain for n in fused.graph.node].count(DOMAIN) == 1
     shapes = {"x": (2, 3, 4, 4), "g": (2, 3, 4, 4), "r": (2, 3, 4, 1)}
     lowered = lower_for_cuda(specialize(fused, shapes))
-    assert "Where" not in [n.op_type for n in lowered.graph.node]  # the additive mask is an initializer
+    # The additive mask is an initializer; the backward's Where is left only where it is needed.
+    assert [n.op_type for n in lowered.graph.node].count("Where") == (0 if last == "Mul" else 1)
     rng = np.random.default_rng(0)
     feeds = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
     got = ReferenceEvaluator(lowered, new_ops=[BiasSoftmax]).run(None, feeds)

@@ -76,9 +76,34 @@ def test_an_exception_in_a_python_op_fails_the_run_with_its_message():
     f = TensorProto.FLOAT
     model = _model([helper.make_node("Broken", ["x"], ["y"], domain="test.python")],
                    [helper.make_tensor_value_info("x", f, [2])], [helper.make_tensor_value_info("y", f, [2])])
-    session = _session(model, [ort_custom_ops.PythonOp("Broken", [f], [f], broken)])
-    with pytest.raises(Exception, match="Broken: ValueError: the kernel's own complaint"):
+    session = _session(model, [ort_custom_ops.PythonOp("Broken", [f], [f], broken, label="rank0.onnx: segment 2: 'n7'")])
+    with pytest.raises(Exception, match="rank0.onnx: segment 2: 'n7': ValueError: the kernel's own complaint"):
         session.run(None, {"x": np.zeros(2, np.float32)})
+
+
+def test_an_exception_in_a_getter_is_reported_and_onnxruntime_gets_a_defined_value(capfd):
+    """An op whose input-type getter raises: the guarded callback prints the traceback and returns
+    its default (0: any type), and the session still runs the op."""
+    f = TensorProto.FLOAT
+
+    def copy(ctx):
+        _array(ctx.output_ptr(0, (2,)), (2,), np.float32)[...] = _array(ctx.input_ptr(0), (2,), np.float32)
+
+    model = _model([helper.make_node("Copy", ["x"], ["y"], domain="test.python")],
+                   [helper.make_tensor_value_info("x", f, [2])], [helper.make_tensor_value_info("y", f, [2])])
+    op = ort_custom_ops.PythonOp("Copy", _RaisingList([f]), [f], copy)
+    x = np.array([1.5, -2.0], np.float32)
+    np.testing.assert_array_equal(_session(model, [op]).run(None, {"x": x})[0], x)
+    assert "IndexError: the getter's own failure" in capfd.readouterr().err
+
+
+class _RaisingList(list):
+    """A list whose items cannot be read (its length can)."""
+
+    def __getitem__(self, index):
+        raise IndexError("the getter's own failure")
+
+
 
 
 def test_sessions_each_get_their_own_ops():

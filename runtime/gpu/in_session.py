@@ -7,11 +7,13 @@ Why: as native stages, each such node cut the step into one more session (ResNet
 and gaps that ate their gain, docs/gpu.md). Inside the session they run on its stream, between its
 own kernels, and its CUDA graph captures them: a replay launches them with no Python at all.
 
-A node is taken in only where every input and output has a static shape in the specialized segment
-(the runners' first call checks the rest, as between sessions). Each taken node becomes a node of
+A node is taken in only where every input and output is float32 with a static shape in the
+specialized segment (the runners' first call checks the rest, as between sessions; an error it
+raises fails the run naming the segment and the node). Each taken node becomes a node of
 ``DOMAIN`` with an op_type of its own in the session (the op is that one node: its runner, its
 shapes); a node not taken keeps its domain and runs as its ONNX function, as where its native
-switch is off. Fused elementwise nodes have no function: one not taken is an error naming it.
+switch is off (fused elementwise nodes carry a function of their steps too; a node of these domains
+with no function that cannot be taken is an error naming it).
 
 Per compute call: the input and output pointers from onnxruntime, wrapped as CuPy arrays of the
 static shapes, then the runner's ``launch``: the first call with ``allocate`` (checks, descriptors,
@@ -102,11 +104,12 @@ def take_native_nodes(model: onnx.ModelProto, domains, backend: GpuBackend, wher
         if node.domain not in domains:
             continue
         names = [n for n in node.input if n], [n for n in node.output if n]
+        # Every runner here computes in float32 (the transpiler writes its nodes only for float32).
         if len(names[0]) != len(node.input) or len(names[1]) != len(node.output) or not all(
-                n in known for n in names[0] + names[1]):
+                n in known and known[n][1] == onnx.TensorProto.FLOAT for n in names[0] + names[1]):
             if not any(f.domain == node.domain and f.name == node.op_type for f in model.functions):
-                raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) has no static shape "
-                               "for every input and output, and no function to run it otherwise")
+                raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) has no static float32 "
+                               "shape for every input and output, and no function to run it otherwise")
             continue
         original = onnx.NodeProto()
         original.CopyFrom(node)
@@ -116,7 +119,7 @@ def take_native_nodes(model: onnx.ModelProto, domains, backend: GpuBackend, wher
         op_type = f"{node.op_type}_{len(ops)}"
         kernel = _NodeKernel(runner, original, ins, outs, backend, where)
         ops.append(PythonOp(op_type, [known[n][1] for n in node.input], [known[n][1] for n in node.output], kernel,
-                            provider="CUDAExecutionProvider"))
+                            provider="CUDAExecutionProvider", label=f"{where}: '{original.name or original.op_type}'"))
         taken.add((node.domain, node.op_type))
         node.domain, node.op_type = DOMAIN, op_type
         del node.attribute[:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -135,6 +136,9 @@ class OrtCudaSegment(SegmentRunner):
                 self.session, self.graphs = session(True), True
             except Exception as exc:  # onnxruntime refuses graphs when a node is not on the CUDA EP
                 self.graph_refused = _first_line(exc)
+                # Said once per session: an uncaptured session costs its step host time (and, on
+                # several ranks, the synchronization at its end).
+                print(f"transpile: warning: {self.where}: no CUDA graph ({self.graph_refused})", file=sys.stderr, flush=True)
         if self.session is None:
             try:
                 self.session = session(False)
