@@ -92,17 +92,23 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
 
 
-def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
+def static_values(graph: onnx.GraphProto) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (static shape, element type: TensorProto's code, 0 if unknown) of every value of
+    ``graph`` whose shape is fully known (as inference left it, and every initializer)."""
+    values: dict[str, tuple[tuple[int, ...], int]] = {}
     for value in [*graph.input, *graph.value_info, *graph.output]:
         t = value.type.tensor_type if value.type.HasField("tensor_type") else None
         if t is None or not t.HasField("shape"):
             continue
         if all(d.HasField("dim_value") for d in t.shape.dim):
-            shapes[value.name] = tuple(d.dim_value for d in t.shape.dim)
+            values[value.name] = (tuple(d.dim_value for d in t.shape.dim), t.elem_type)
     for init in graph.initializer:
-        shapes[init.name] = tuple(init.dims)
-    return shapes
+        values[init.name] = (tuple(init.dims), init.data_type)
+    return values
+
+
+def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, (shape, _) in static_values(graph).items()}
 
 
 def _fold_once(model: onnx.ModelProto) -> bool:

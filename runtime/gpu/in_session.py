@@ -32,26 +32,12 @@ from onnx import helper
 from runtime.errors import RunError
 from runtime.ort_custom_ops import KernelContext, PythonOp
 from runtime.segments import build_native
+from runtime.specialize import static_values
 
 if TYPE_CHECKING:
     from runtime.gpu.backend import GpuBackend
 
 DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
-
-
-def _static(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
-    """name -> (static shape, element type) of every value whose shape is fully known."""
-    known: dict[str, tuple[tuple[int, ...], int]] = {}
-    graph = model.graph
-    for value in [*graph.input, *graph.value_info, *graph.output]:
-        t = value.type.tensor_type if value.type.HasField("tensor_type") else None
-        if t is None or not t.HasField("shape") or not t.elem_type:
-            continue
-        if all(d.HasField("dim_value") for d in t.shape.dim):
-            known[value.name] = (tuple(d.dim_value for d in t.shape.dim), t.elem_type)
-    for init in graph.initializer:
-        known[init.name] = (tuple(init.dims), init.data_type)
-    return known
 
 
 class _NodeKernel:
@@ -97,7 +83,7 @@ def take_native_nodes(model: onnx.ModelProto, domains, backend: GpuBackend, wher
                       here: tuple[int, int, int]) -> tuple[onnx.ModelProto, list[PythonOp]]:
     """``model`` (specialized) with its nodes of ``domains`` made custom ops of ``DOMAIN``, and
     those ops; functions no node calls any more are dropped."""
-    known = _static(model)
+    known = static_values(model.graph)
     ops: list[PythonOp] = []
     taken: set[tuple[str, str]] = set()  # (domain, op_type) of the nodes taken in
     for node in model.graph.node:
