@@ -303,13 +303,17 @@ class GpuBackend(Backend):
 
     def wrap(self, ortvalue):
         """A CuPy view of an onnxruntime output on this device; keeps the OrtValue alive."""
+        return self.device_array(ortvalue.data_ptr(), tuple(ortvalue.shape()), ORT_DTYPES[ortvalue.data_type()], ortvalue)
+
+    def device_array(self, ptr: int, shape: tuple, dtype, owner=None):
+        """A CuPy view of ``shape`` elements of ``dtype`` at device pointer ``ptr`` on this device,
+        which ``owner`` (if any) keeps allocated as long as the view lives."""
         cp = self.cp
-        shape = tuple(ortvalue.shape())
-        dtype = np.dtype(ORT_DTYPES[ortvalue.data_type()])
+        dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes == 0:
             return cp.empty(shape, dtype)
-        memory = cp.cuda.UnownedMemory(ortvalue.data_ptr(), nbytes, ortvalue, self.device_id)
+        memory = cp.cuda.UnownedMemory(ptr, nbytes, owner, self.device_id)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0))
 
     def from_host(self, array):

@@ -23,9 +23,8 @@ the node on the backend's compute stream, on which the runners enqueue.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import onnx
 from onnx import helper
 
@@ -51,20 +50,14 @@ class _NodeKernel:
         self.where = where
         self.first = True
 
-    def _wrap(self, ptr: int, shape: tuple, dtype) -> Any:
-        cp = self.backend.cp
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if nbytes == 0:
-            return cp.empty(shape, dtype)
-        memory = cp.cuda.UnownedMemory(ptr, nbytes, None, self.backend.device_id)
-        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0))
-
     def __call__(self, ctx: KernelContext) -> None:
         if self.first:
             self._check(ctx)
-        values = {name: self._wrap(ctx.input_ptr(i), shape, dtype) for i, (name, shape, dtype) in enumerate(self.ins)}
+        # Views valid for this call only: onnxruntime owns the buffers (no owner kept).
+        array = self.backend.device_array
+        values = {name: array(ctx.input_ptr(i), shape, dtype) for i, (name, shape, dtype) in enumerate(self.ins)}
         for j, (name, shape, dtype) in enumerate(self.outs):
-            values[name] = self._wrap(ctx.output_ptr(j, shape), shape, dtype)
+            values[name] = array(ctx.output_ptr(j, shape), shape, dtype)
         first, self.first = self.first, False
         self.runner.launch(values, allocate=first)
 
