@@ -8,7 +8,7 @@ and is captured into the session's CUDA graph with the rest.
 
 How: onnxruntime's Python API registers custom ops only from a shared library
 (``SessionOptions.register_custom_ops_library``), which it opens and whose ``RegisterCustomOps``
-it calls with the session options and its API table. That library is the ten lines of C in
+it calls with the session options and its API table. That library is the four lines of C in
 ``SHIM_SOURCE``: it forwards the call to a Python function (a ctypes callback). Everything else is
 here, through ctypes on onnxruntime's C API (an ABI it keeps stable: ``OrtApi`` only grows at its
 end, and ``OrtCustomOp`` is read only up to the ``version`` it states): the op domain, one
@@ -74,8 +74,6 @@ _API = {
     "GetDimensionsCount": (61, _status, [_vp, ctypes.POINTER(_sz)]),
     "GetDimensions": (62, _status, [_vp, ctypes.POINTER(ctypes.c_int64), _sz]),
     "ReleaseTensorTypeAndShapeInfo": (99, None, [_vp]),
-    "KernelContext_GetInputCount": (88, _status, [_vp, ctypes.POINTER(_sz)]),
-    "KernelContext_GetOutputCount": (89, _status, [_vp, ctypes.POINTER(_sz)]),
     "KernelContext_GetInput": (90, _status, [_vp, _sz, ctypes.POINTER(_vp)]),
     "KernelContext_GetOutput": (91, _status, [_vp, _sz, ctypes.POINTER(ctypes.c_int64), _sz, ctypes.POINTER(_vp)]),
     "ReleaseStatus": (93, None, [_status]),
@@ -187,8 +185,13 @@ class PythonOp:
     compute: Callable[[KernelContext], None]
     provider: str = "CPUExecutionProvider"
     label: str = ""  # what an error names (the node, where it is); the op's name if empty
-    _c_name: ctypes.Array | None = field(default=None, repr=False)
-    _c_provider: ctypes.Array | None = field(default=None, repr=False)
+    # The C strings GetName and GetExecutionProviderType hand onnxruntime (alive as long as the op).
+    _c_name: ctypes.Array = field(init=False, repr=False)
+    _c_provider: ctypes.Array = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._c_name = ctypes.create_string_buffer(self.name.encode())
+        self._c_provider = ctypes.create_string_buffer(self.provider.encode())
 
 
 def _guarded(default, function):
@@ -373,8 +376,6 @@ def register(options, domain: str, ops: Sequence[PythonOp]) -> None:
     path = library()
     if path is None:
         raise RuntimeError("custom ops need a C compiler (cc, or $CC) to build their library once")
-    for op in ops:
-        op._c_name, op._c_provider = ctypes.create_string_buffer(op.name.encode()), ctypes.create_string_buffer(op.provider.encode())
     with _LOCK:
         _PENDING.append((domain, list(ops)))
         try:
