@@ -275,10 +275,8 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
             continue
         if not any(nodes[r].domain in native_domains for r in facts.readers.get(out, ())):
             continue
-        fused[i] = helper.make_node(OP_TYPE, [y, dy], [out], name=f"{where.name or out}/relu_mask",
-                                    domain=DOMAIN, code=f"float t0 = {OPS[RELU_MASK].cuda(['x0', 'x1'])}; y0 = t0;",
-                                    ops=["Greater", "Where"], steps=json.dumps([[RELU_MASK, [["x", 0], ["x", 1]]]]),
-                                    results=[0])
+        fused[i] = _make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"],
+                               [(RELU_MASK, [("x", 0), ("x", 1)])], [0])
         dropped.add(g)
     if not fused:
         return model
@@ -290,8 +288,9 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
 
 
 def _with_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with the DOMAIN opset and, for each new fused node (op_type OP_TYPE), an ONNX function of its steps in standard ops, named after them (the node's op_type): one
-    function per distinct kernel. With it, ONNX shape inference sees through the node (the
+    """``model`` with the DOMAIN opset and, for each new fused node (op_type OP_TYPE), an ONNX
+    function of its steps in standard ops, named after them (the node's op_type): one function per
+    distinct kernel. With it, ONNX shape inference sees through the node (the
     specialized segment that holds it keeps static shapes downstream), and onnxruntime can run it."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
     known = {(f.domain, f.name) for f in model.functions}
@@ -312,10 +311,9 @@ def _function(node: onnx.NodeProto, opset: int) -> onnx.FunctionProto:
     """A fused node's steps as an ONNX function of inputs ``x0..`` and outputs ``y0..``: each step one
     node of its op (the relu mask: Greater and Where), each constant a Constant node of its float32
     value. It computes what the kernel computes, up to float32 rounding of the math functions."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    steps, results = attrs["steps"].decode(), list(attrs["results"])
+    steps, results = _steps(node)
     body: list[onnx.NodeProto] = []
-    for k, (op_type, refs) in enumerate(json.loads(steps)):
+    for k, (op_type, refs) in enumerate(steps):
         args = []
         for j, (kind, value) in enumerate(refs):
             if kind == "c":
@@ -331,7 +329,7 @@ def _function(node: onnx.NodeProto, opset: int) -> onnx.FunctionProto:
             body.append(helper.make_node(op_type, args, [f"t{k}"]))
     outputs = [f"y{j}" for j in range(len(results))]
     body += [helper.make_node("Identity", [f"t{k}"], [y]) for y, k in zip(outputs, results)]
-    digest = hashlib.sha256(f"{len(node.input)}|{steps}|{results}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{len(node.input)}|{json.dumps(steps)}|{results}".encode()).hexdigest()[:12]
     return helper.make_function(DOMAIN, f"{OP_TYPE}_{digest}", [f"x{i}" for i in range(len(node.input))], outputs,
                                 body, [helper.make_opsetid("", opset)])
 
@@ -344,33 +342,48 @@ def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[
     form and for reading the graph)."""
     produced = {node.output[0]: k for k, node in enumerate(members)}
     inputs: list[str] = []
-    lines, steps = [], []
-    for k, node in enumerate(members):
-        args, refs = [], []
+    steps = []
+    for node in members:
+        refs = []
         for name in node.input:
             if name in produced:
-                args.append(f"t{produced[name]}")
                 refs.append(("t", produced[name]))
                 continue
             value = scalar(name)
             if value is not None:
-                args.append(_literal(value))
                 refs.append(("c", value))
                 continue
             if name not in inputs:
                 inputs.append(name)
-            args.append(f"x{inputs.index(name)}")
             refs.append(("x", inputs.index(name)))
-        lines.append(f"float t{k} = {OPS[node.op_type].cuda(args)};")
         steps.append((node.op_type, refs))
     outputs = [node.output[0] for node in members
                if node.output[0] in graph_outputs or readers.get(node.output[0], set()) - indices]
-    lines += [f"y{j} = t{produced[name]};" for j, name in enumerate(outputs)]
     first = members[0].name or members[0].output[0]
-    node = helper.make_node(OP_TYPE, inputs, outputs, name=f"{first}/fused_elementwise", domain=DOMAIN,
-                            code=" ".join(lines), ops=[n.op_type for n in members],
-                            steps=json.dumps(steps), results=[produced[name] for name in outputs])
-    return node
+    return _make_fused(inputs, outputs, f"{first}/fused_elementwise", [n.op_type for n in members], steps,
+                       [produced[name] for name in outputs])
+
+
+def _make_fused(inputs: list[str], outputs: list[str], name: str, ops: list[str], steps: list,
+                results: list[int]) -> onnx.NodeProto:
+    """A DOMAIN node computing ``steps`` (``(op, refs)`` each, a ref ``("x", i)`` node input i,
+    ``("t", k)`` step k's value, ``("c", value)`` a float32 constant) with step ``results[j]`` as
+    output j. Attributes: ``steps`` and ``results`` (what the function, the NumPy form and the graph
+    readers read back, ``_steps``), ``code`` the CUDA body they give over parameters ``x0..`` /
+    ``y0..``, and ``ops`` the op types it stands for."""
+    lines = []
+    for k, (op_type, refs) in enumerate(steps):
+        args = [f"t{i}" if kind == "t" else _literal(i) if kind == "c" else f"x{i}" for kind, i in refs]
+        lines.append(f"float t{k} = {OPS[op_type].cuda(args)};")
+    lines += [f"y{j} = t{k};" for j, k in enumerate(results)]
+    return helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN, code=" ".join(lines), ops=ops,
+                            steps=json.dumps(steps), results=results)
+
+
+def _steps(node: onnx.NodeProto) -> tuple[list, list[int]]:
+    """A fused node's steps and, per output, the index of the step it is (``_make_fused``)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return json.loads(attrs["steps"].decode()), list(attrs["results"])
 
 
 def _topological(items: list[tuple[int, onnx.NodeProto]], available: set[str]) -> list[onnx.NodeProto]:
@@ -399,11 +412,10 @@ def _topological(items: list[tuple[int, onnx.NodeProto]], available: set[str]) -
 def final_factors(node: onnx.NodeProto, output: str) -> list[str]:
     """The node's inputs that its ``output`` is the product of, where that output's last step is a
     Mul of node inputs or of earlier steps (only the inputs are returned); else none."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if output not in node.output:
         return []
-    step = json.loads(attrs["steps"].decode())[list(attrs["results"])[list(node.output).index(output)]]
-    op_type, refs = step
+    steps, results = _steps(node)
+    op_type, refs = steps[results[list(node.output).index(output)]]
     if op_type != "Mul":
         return []
     return [node.input[i] for kind, i in refs if kind == "x"]
@@ -411,21 +423,19 @@ def final_factors(node: onnx.NodeProto, output: str) -> list[str]:
 
 def evaluate_numpy(node: onnx.NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """A fused node's outputs computed with the NumPy form of its ops (float32), for tests."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    steps = json.loads(attrs["steps"].decode())
+    steps, results = _steps(node)
     values: list[np.ndarray] = []
     for op_type, refs in steps:
         args = [values[i] if kind == "t" else np.float32(i) if kind == "c" else np.asarray(inputs[i], np.float32)
                 for kind, i in refs]
         values.append(np.asarray(OPS[op_type].numpy(args), np.float32))
-    return [values[k] for k in attrs["results"]]
+    return [values[k] for k in results]
 
 
 # -- the runner --------------------------------------------------------------------------------
 
 def _is_relu_mask(node: onnx.NodeProto) -> bool:
-    steps = next((a.s for a in node.attribute if a.name == "steps"), b"[]")
-    return [step[0] for step in json.loads(steps.decode())] == [RELU_MASK]
+    return [op_type for op_type, _ in _steps(node)[0]] == [RELU_MASK]
 
 
 _RELU_MASK_SOURCE = r"""
