@@ -200,8 +200,8 @@ class GpuBackend(Backend):
         # runs them between sessions instead.
         self.in_session = (env_flag("GRAPH_TRANSPILER_IN_SESSION") and self.static_shapes
                            and ort_custom_ops.available())
-        native = {domain for domain, switch in NATIVE_SWITCHES.items() if os.environ.get(switch) != "0"
-                  and (self.in_session or domain not in ONLY_IN_SESSIONS or os.environ.get(switch) == "1")}
+        native = {domain for domain, switch in NATIVE_SWITCHES.items()
+                  if os.environ.get(switch, "0" if domain in ONLY_IN_SESSIONS and not self.in_session else "1") != "0"}
         # Chains of elementwise nodes as one CuPy kernel each (runtime/gpu/elementwise.py), on by
         # default where they run inside the sessions: GPT-2-small on one H200 30.6 against 33.0 ms,
         # 856 against 964 kernels, 9.59 against 9.54 GiB (run h200-s8-g1). Between sessions they
