@@ -2,7 +2,7 @@
 
 - A fused node (``emit_fused_update``) computes bit for bit what ``emit_update``'s ops compute, once
   onnxruntime has inlined its function body, and the rank graphs pass onnx.checker.
-- The NumPy reference of the GPU kernel's arithmetic (runtime/fused_update.py) equals the function
+- The NumPy reference of the GPU kernel's arithmetic (runtime/update_reference.py) equals the function
   body bit for bit (both round torch's fused multiply-adds through float64) and torch within 1e-6.
 - segments.py cuts update nodes out into NativeGroup items for a backend that asks for them, in
   topological order, and a CPU backend running those groups with the reference trains bit for bit
@@ -27,11 +27,11 @@ from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime import simulate
 from runtime.collectives import CollectiveOp
 from runtime.executor import CpuBackend
-from runtime.fused_update import ReferenceUpdateRunner, UpdateOp, reference_update
 from runtime.segments import NativeGroup, Segment, cut_graph
+from runtime.update_reference import ReferenceUpdateRunner, UpdateOp, reference_update
 from transpiler import OptimizerConfig, Options, transpile
-from transpiler.fused_update import emit_fused_update
 from transpiler.optimizer import emit_step_increment, emit_update
+from transpiler.update_node import emit_fused_update
 
 
 def _step_model(config: OptimizerConfig, *, fused: bool) -> onnx.ModelProto:

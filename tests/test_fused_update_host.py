@@ -1,6 +1,6 @@
 """The GPU fused update kernel's CUDA source, compiled for the host and run on CPU.
 
-No GPU here, so the kernel source (runtime/gpu/fused_update.py's SOURCE) is compiled with the host
+No GPU here, so the kernel source (runtime/gpu/update_kernel.py's SOURCE) is compiled with the host
 C++ compiler behind a small shim (``__global__`` a plain function, the ``_rn`` intrinsics as IEEE
 float/double operations, ``__fmaf_rn`` as ``std::fmaf``, ``-ffp-contract=off`` so that nothing else
 is fused) and launched block by block, thread by thread (thread 0 first, which is all that the
@@ -22,7 +22,7 @@ from test_gpu_fused_update import compare_kernel_with_reference
 from test_optimizer import CASES
 
 import runtime.gpu.cuda as gpu_cuda
-import runtime.gpu.fused_update as fused
+import runtime.gpu.update_kernel as fused
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")

@@ -1,6 +1,6 @@
-"""The fused optimizer update kernel (runtime/gpu/fused_update.py) on a GPU.
+"""The fused optimizer update kernel (runtime/gpu/update_kernel.py) on a GPU.
 
-- The CuPy kernel against the NumPy reference of its arithmetic (runtime/fused_update.py), for every
+- The CuPy kernel against the NumPy reference of its arithmetic (runtime/update_reference.py), for every
   optimizer configuration of tests/test_optimizer.py, on tensors that cover the chunking (smaller
   than a chunk, several chunks with a ragged end, empty): within 1e-6 relative, and bitwise but for
   rare elements (the kernel's fmaf rounds once where the reference rounds twice; CUDA's double pow
@@ -22,13 +22,13 @@ from conftest import load_data, max_rel_error
 from test_optimizer import CASES
 
 from contract.ops import FUSED_UPDATE_DOMAIN as DOMAIN
-from runtime.fused_update import UpdateOp, reference_update
 from runtime.gpu import cuda_available, gpu_count
-from runtime.gpu.fused_update import CHUNK
+from runtime.gpu.update_kernel import CHUNK
 from runtime.segments import NativeGroup
+from runtime.update_reference import UpdateOp, reference_update
 from transpiler import OptimizerConfig, Options, transpile
-from transpiler.fused_update import emit_fused_update
 from transpiler.optimizer import emit_step_increment
+from transpiler.update_node import emit_fused_update
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU and CuPy")]
 
@@ -69,7 +69,7 @@ def compare_kernel_with_reference(cp, case: str) -> None:
     """Run ``case``'s updates of SHAPES through FusedUpdateRunner on ``cp`` (CuPy, or the host
     emulation of tests/test_fused_update_host.py) for STEPS steps, first call then bound by parity,
     and compare every output with the reference given the same inputs."""
-    from runtime.gpu.fused_update import FusedUpdateRunner
+    from runtime.gpu.update_kernel import FusedUpdateRunner
 
     config = CASES[case].validate()
     group, ops = _group(config)

@@ -7,7 +7,7 @@ Public surface:
 - ``emit_step_increment(graph, step)``: the shared float32 step counter plus one.
 - ``emit_update(graph, config, param=, grad=, lr=, step=, state=, name=)``: appends one parameter's
   update as standard ops and returns its new value and new optimizer state.
-- ``Emitter``, ``check_update_arguments``, ``unique_name``: what transpiler/fused_update.py (the same
+- ``Emitter``, ``check_update_arguments``, ``unique_name``: what transpiler/update_node.py (the same
   update as ONE node of domain ``graph_transpiler.optimizer``, what the rank graphs use) builds on.
 - ``emit_squared_norm(graph, grads)`` and ``emit_clip(graph, config, squared_norm, grads)``: gradient
   clipping by the global L2 norm (``config.max_grad_norm``), torch.nn.utils.clip_grad_norm_'s formula.

@@ -1,5 +1,5 @@
 """The one place the rank builder emits optimizer updates: one fused update node per tensor
-(``transpiler.fused_update.emit_fused_update``; domain ``graph_transpiler.optimizer``, its function
+(``transpiler.update_node.emit_fused_update``; domain ``graph_transpiler.optimizer``, its function
 body the standard-op update), whatever the strategy:
 
 - ``emit_param_update(step, name, grad, param=None)``: one tensor's update; its optimizer state
@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx_ir.tape import Tape
 
 from transpiler.bucketing import Bucket
-from transpiler.fused_update import emit_fused_update
+from transpiler.update_node import emit_fused_update
 
 if TYPE_CHECKING:
     from transpiler.rank_step import RankStep

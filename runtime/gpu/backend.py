@@ -1,5 +1,5 @@
 """GpuBackend: the nccl backend's Backend: onnxruntime CUDA EP sessions (session.py) and the fused
-optimizer updates (fused_update.py) on one compute stream, programs that overlap the collectives
+optimizer updates (update_kernel.py) on one compute stream, programs that overlap the collectives
 (program.py), and the host side of a step: fed data through pinned buffers, the loss ring.
 docs/gpu.md.
 """
@@ -21,10 +21,10 @@ from runtime.gpu.conv_grad import ConvGradRunner, CudnnContext
 from runtime.gpu.cuda import ORT_DTYPES, import_cupy, load_onnxruntime
 from runtime.gpu.elementwise import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise import ElementwiseRunner, fuse_elementwise, fuse_relu_masks
-from runtime.gpu.fused_update import FusedUpdateRunner
 from runtime.gpu.layernorm import LayerNormRunner
 from runtime.gpu.program import GpuProgram
 from runtime.gpu.session import OrtCudaSegment
+from runtime.gpu.update_kernel import FusedUpdateRunner
 from runtime.segments import NativeGroup
 
 LOSS_RING = 4096  # device slots for losses not yet read; Trainer flushes long before it wraps
@@ -35,7 +35,7 @@ _GEMM_OPS = frozenset({"MatMul", "Gemm", "Einsum"})
 
 # The op domains this backend may run natively, each with its switch (a variable): "0" leaves the
 # domain's nodes to onnxruntime (their functions), "1" runs them natively; unset, on.
-# - fused optimizer updates: multi-tensor CuPy kernels (runtime/gpu/fused_update.py);
+# - fused optimizer updates: multi-tensor CuPy kernels (runtime/gpu/update_kernel.py);
 # - Conv weight gradients and training BatchNorms: cuDNN (runtime/gpu/conv_grad.py, batchnorm.py);
 # - LayerNorm gradients: two CuPy kernels each (runtime/gpu/layernorm.py).
 NATIVE_SWITCHES = {FUSED_UPDATE_DOMAIN: "GRAPH_TRANSPILER_FUSED_UPDATE",

@@ -6,7 +6,7 @@ The transpiler emits one node per parameter (or zero slice), ``SGD``, ``Momentum
 (docs/contracts.md). Each node carries a model-local function of standard ops, so onnxruntime runs it
 as is (the CPU backend does). A backend that lists the domain in ``Backend.native_domains`` gets the
 nodes as ``NativeGroup`` items of the cut graph instead (runtime/segments.py) and runs them itself:
-the GPU backend with one multi-tensor kernel per group (runtime/gpu/fused_update.py).
+the GPU backend with one multi-tensor kernel per group (runtime/gpu/update_kernel.py).
 
 The reference (``reference_update``) is written step for step like that kernel: float32 arithmetic,
 torch's fused multiply-adds as ``fma``, the per-step scalars (bias corrections, step size, AdamW's

@@ -2,7 +2,7 @@
 nodes that share op, hyper-parameters, ``lr`` and ``step`` (in practice: per NativeGroup, i.e. per
 bucket's updates, or all of them on one device).
 
-Arithmetic: runtime/fused_update.py's ``reference_update``, written out in CUDA with the IEEE
+Arithmetic: runtime/update_reference.py's ``reference_update``, written out in CUDA with the IEEE
 round-to-nearest intrinsics (``__fmul_rn``, ``__fadd_rn``, ``__fdiv_rn``, ``__fsqrt_rn``, ...), which
 the compiler never contracts into FMAs, and ``__fmaf_rn`` exactly where torch's kernels fuse (``add``
 with alpha, ``addcmul``, ``lerp``). The per-step scalars (``-lr``, AdamW's ``1 - lr*wd``, ``-lr/bc1``,
@@ -29,9 +29,9 @@ import numpy as np
 
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner
-from runtime.fused_update import OPS, UpdateOp
 from runtime.gpu.cuda import compiled_module
 from runtime.segments import place
+from runtime.update_reference import OPS, UpdateOp
 
 CHUNK = 8192  # elements per block
 THREADS = 256
