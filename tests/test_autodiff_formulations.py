@@ -204,7 +204,7 @@ def test_batchnorm_small_epsilon_keeps_primitives():
 def test_inference_batchnorm_fed_other_statistics_passes_them_gradients():
     """A BatchNormalization whose mean/var are not its input's batch statistics is an ordinary
     inference-mode op: its statistics inputs get their gradients (the rule's spec checks the math)."""
-    from transpiler.autodiff.rules.normalization import batch_statistics
+    from transpiler.autodiff.rules.batchnorm import batch_statistics
 
     proto = _bn_model((4, 3, 2, 2))
     model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto))

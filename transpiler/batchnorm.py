@@ -17,7 +17,7 @@ below everywhere else. Other BatchNorms fall back to the "fused" form.
 The "fused" form keeps the statistics as primitives (ReduceMean of x; ReduceMean of the
 squared centered x: the exact two-pass variance) and normalizes with ONE BatchNormalization node in
 inference mode fed those statistics, which onnxruntime runs as one kernel on CPU and CUDA (cuDNN)
-at any opset. Its gradient rule (autodiff/rules/normalization.py) recognizes that pattern and
+at any opset. Its gradient rule (autodiff/rules/batchnorm.py) recognizes that pattern and
 writes PyTorch's training-mode backward: two reductions (sum dy, sum dy * (x - mean)) and
 elementwise ops, all-reducing the two per-channel means with ``--sync-bn``. The "primitive" form
 (normalization as Sub/Mul/Add too; its backward has about four reductions and two Expands per BN)
@@ -166,7 +166,7 @@ def _decompose(graph: ir.Graph, node: ir.Node, world_size: int, formulation: str
     # (Compared in float32: the attribute is a float32, and float32(1e-5) < 1e-5.)
     if formulation in ("node", "fused") and np.float32(eps) >= np.float32(CUDNN_MIN_EPSILON):
         # Normalize and scale in one kernel: BatchNormalization in inference mode, fed the batch
-        # statistics. Its gradient rule (autodiff/rules/normalization.py) recognizes this pattern
+        # statistics. Its gradient rule (autodiff/rules/batchnorm.py) recognizes this pattern
         # and differentiates through the statistics with two reductions (sum dy, sum dy*(x-mean)).
         flat = e.const(np.array([channels], dtype=np.int64))
         y = e.op("BatchNormalization", [x, scale, bias, e.op("Reshape", [mean, flat]), e.op("Reshape", [var, flat])],

@@ -7,6 +7,7 @@ Modules group rules by kind of op; each rule is a small function registered with
 from . import (
     activations,
     attention,
+    batchnorm,
     collectives,
     conv,
     elementwise,
@@ -23,6 +24,7 @@ from . import (
 __all__ = [
     "activations",
     "attention",
+    "batchnorm",
     "collectives",
     "conv",
     "elementwise",
