@@ -8,13 +8,12 @@ and is captured into the session's CUDA graph with the rest.
 
 How: onnxruntime's Python API registers custom ops only from a shared library
 (``SessionOptions.register_custom_ops_library``), which it opens and whose ``RegisterCustomOps``
-it calls with the session options and its API table. That library is the four lines of C in
-``SHIM_SOURCE``: it forwards the call to a Python function (a ctypes callback). Everything else is
-here, through ctypes on onnxruntime's C API (an ABI it keeps stable: ``OrtApi`` only grows at its
-end, and ``OrtCustomOp`` is read only up to the ``version`` it states): the op domain, one
-``OrtCustomOp`` per op, and the callbacks onnxruntime makes into them. The shim is compiled once per
-machine with the C compiler (``CC`` or ``cc``) into a cache folder; without a compiler
-``available()`` is False and callers keep their nodes outside onnxruntime, as before.
+it calls with the session options and its API table. That library (runtime/ort_custom_ops_build.py)
+forwards the call to a Python function (a ctypes callback). Everything else is here, through ctypes
+on onnxruntime's C API: the op domain, one ``OrtCustomOp`` per op, and the callbacks onnxruntime
+makes into them. ``readiness(ort)`` decides once per process whether they may be used (a known C API
+layout, the library, a self-test through the same table the CUDA EP uses); where it says no,
+callers keep their nodes between onnxruntime sessions and say why, once.
 
 Each op here is one node of one session: its ``name`` (the node's op_type, unique in the session's
 domain), its input and output element types (ONNX's TensorProto codes, which are onnxruntime's),
@@ -23,36 +22,29 @@ and ``compute(ctx)``, called on onnxruntime's thread with a ``KernelContext``. A
 ``run``). No exception may leave a callback: ctypes would hand onnxruntime an undefined return value
 (a garbage status pointer, which it frees), so every callback catches all of them.
 
-Invariant: every ctypes object onnxruntime holds a pointer to (ops, callbacks, names) lives as long
-as the process (``_KEEP``): a session may run until the process ends, and onnxruntime never says
-when it is done with an op.
+Invariant: every ctypes object onnxruntime holds a pointer to (ops, callbacks, names, the hook)
+lives as long as the process (``_KEEP``, module globals): a session may run until the process ends,
+and onnxruntime never says when it is done with an op.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import stat
-import subprocess
-import sys
-import tempfile
+import re
 import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-# The C part: RegisterCustomOps as onnxruntime calls it, forwarded to the hook Python sets.
-SHIM_SOURCE = r"""
-typedef void *(*gt_register_hook)(void *options, const void *api_base);
-static gt_register_hook hook;
-void gt_set_register_hook(gt_register_hook h) { hook = h; }
-void *RegisterCustomOps(void *options, const void *api_base) { return hook ? hook(options, api_base) : 0; }
-"""
+from runtime.ort_custom_ops_build import BuildError, load
 
 # onnxruntime's C API as used here (include/onnxruntime/core/session/onnxruntime_c_api.h).
+# Why 1.16 <= version < 2: the indices below are OrtApi version 16's table, and OrtCustomOp is filled
+# up to its version-16 fields. Within major version 1 that C API only grows: OrtApi gains functions
+# at its end and never moves one (onnxruntime_c_api.cc static_asserts each version's slots), and an
+# OrtCustomOp is read only up to the version it states, so every 1.x from 1.16 on serves this layout.
+# Before 1.16 functions are missing; a major 2 may break the ABI (semantic versioning): refused.
+KNOWN_VERSIONS = ((1, 16), (2, 0))  # [first, past the last) (major, minor) of onnxruntime
 API_VERSION = 16  # the OrtApi asked for: every function below exists from 1.16 on
 OP_VERSION = 16  # OrtCustomOp.version: fields up to KernelComputeV2 are read (below)
 ORT_FAIL = 1  # OrtErrorCode
@@ -256,9 +248,7 @@ class _Callbacks:
         return None
 
 
-_CALLBACKS: _Callbacks | None = None
-_LIBRARY: tuple[str, ctypes.CDLL] | None = None
-_HOOK = None
+_CALLBACKS = _Callbacks()
 _LOCK = threading.Lock()  # one registration at a time: _PENDING is the hook's only argument
 _ERRORS: list[BaseException] = []  # what the hook could not hand back as a status (register raises it)
 
@@ -290,92 +280,155 @@ def _register(options, api_base) -> int | None:
             api.check(api.AddCustomOpDomain(options, domain), f"AddCustomOpDomain({domain_name})")
     except BaseException as exc:  # noqa: BLE001 - nothing may cross into onnxruntime
         _PENDING.clear()
-        if callbacks is None or callbacks.api is None:
+        if callbacks.api is None:
             _ERRORS.append(exc)  # no API to make a status with: ``register`` raises it instead
             return None
         return callbacks.api.CreateStatus(ORT_FAIL, f"graph-transpiler custom ops: {exc}".encode(errors="replace"))
     return None
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("GRAPH_TRANSPILER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "graph-transpiler")
-    return Path(root)
+# The hook every loaded library gets: one object for the process (``reset`` may load another library).
+_HOOK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(_register)
+_UNSET = object()
+_LIBRARY: tuple[str, ctypes.CDLL] | str | None = None  # loaded (path, handle), why not, or not tried
+_READINESS: object = _UNSET  # readiness's answer, once computed
+_READY_LOCK = threading.RLock()  # one build and self-test per process, whichever thread asks first
 
 
-def _ours(path: Path) -> bool:
-    """Whether ``path`` is this user's and nobody else may write it (a library another user could
-    have put in a shared temporary folder is never loaded)."""
-    info = path.stat()
-    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _build(folder: Path) -> Path | None:
-    """The shim compiled into ``folder`` (once: its name is its source's digest), or None without a
-    C compiler or where it does not compile. Written to a temporary name and renamed, so ranks
-    building at once each see a whole file."""
-    digest = hashlib.sha256(SHIM_SOURCE.encode()).hexdigest()[:16]
-    library = folder / f"gt_ort_custom_ops_{digest}.so"
-    if library.exists() and _ours(library):
-        return library
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
+def version_reason(version: str) -> str | None:
+    """None where onnxruntime ``version`` has the C API layout this module knows (KNOWN_VERSIONS),
+    else why not."""
+    match = re.match(r"(\d+)\.(\d+)", str(version).strip())
+    first, end = KNOWN_VERSIONS
+    if match and first <= (int(match[1]), int(match[2])) < end:
         return None
-    folder.mkdir(parents=True, exist_ok=True)
-    if not _ours(folder):
-        return None
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        source = Path(tmp) / "shim.c"
-        source.write_text(SHIM_SOURCE)
-        target = Path(tmp) / library.name
-        try:
-            done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(target), str(source)],
-                                  capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            return None
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            print(f"transpile: warning: {compiler} could not build the custom-op library ({last}); native "
-                  "nodes run between onnxruntime sessions", file=sys.stderr, flush=True)
-            return None
-        os.replace(target, library)
-    return library
+    return (f"onnxruntime {version} is outside the C API layout this runtime knows "
+            f"({first[0]}.{first[1]} to {end[0] - 1}.x)")
+
+
+def _library() -> tuple[str, ctypes.CDLL]:
+    """The library, built and loaded once per process, its hook set. Raises BuildError."""
+    global _LIBRARY
+    with _READY_LOCK:
+        if _LIBRARY is None:
+            try:
+                path, handle = load()
+            except BuildError as exc:
+                _LIBRARY = str(exc)
+            except Exception as exc:  # noqa: BLE001 - an unforeseen failure costs custom ops, not the run
+                _LIBRARY = f"the custom-op library could not be made: {_first_line(exc)}"
+            else:
+                handle.gt_set_register_hook.argtypes = [ctypes.c_void_p]
+                handle.gt_set_register_hook(ctypes.cast(_HOOK, ctypes.c_void_p))
+                _LIBRARY = (str(path), handle)
+        if isinstance(_LIBRARY, str):
+            raise BuildError(_LIBRARY)
+        return _LIBRARY
+
+
+def library_reason() -> str | None:
+    """None where the library is built and loaded (on first use), else why not."""
+    try:
+        _library()
+    except BuildError as exc:
+        return str(exc)
+    return None
 
 
 def library() -> str | None:
-    """The shim's path, built on first use; None where it cannot be (no compiler, no writable cache)."""
-    global _LIBRARY, _CALLBACKS, _HOOK
-    if _LIBRARY is not None:
-        return _LIBRARY[0]
-    try:
-        path = _build(_cache_dir())
-    except OSError:
-        path = None
-    if path is None:
-        try:
-            path = _build(Path(tempfile.gettempdir()) / f"graph-transpiler-{os.getuid()}")
-        except OSError:
-            return None
-    if path is None:
-        return None
-    handle = ctypes.CDLL(str(path))
-    _CALLBACKS = _Callbacks()
-    _HOOK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(_register)
-    handle.gt_set_register_hook.argtypes = [ctypes.c_void_p]
-    handle.gt_set_register_hook(ctypes.cast(_HOOK, ctypes.c_void_p))
-    _LIBRARY = (str(path), handle)
-    return _LIBRARY[0]
+    """The library's path, built on first use; None where it cannot be (``readiness`` says why)."""
+    return None if library_reason() else _library()[0]
 
 
-def available() -> bool:
-    return library() is not None
+_FLOAT = 1  # TensorProto.FLOAT
+
+
+def _add_one(ctx: KernelContext) -> None:
+    """The self-test's kernel: y = x + 1 on the host pointers onnxruntime hands it."""
+    import numpy as np
+
+    shape, elem = ctx.input_shape(0)
+    if elem != _FLOAT:
+        raise TypeError(f"input element type {elem}, not float ({_FLOAT})")
+    ctx.gpu_stream()  # the table's last function used: its slot must hold the right one
+    count = int(np.prod(shape, dtype=np.int64))
+    x = np.ctypeslib.as_array((ctypes.c_float * count).from_address(ctx.input_ptr(0)))
+    y = np.ctypeslib.as_array((ctypes.c_float * count).from_address(ctx.output_ptr(0, shape)))
+    y[...] = x + 1
+
+
+def _self_test(ort) -> None:
+    """Neg -> a Python op (``_add_one``) -> Relu in one CPU session, its result checked: the
+    registration, the callbacks and the kernel context, through the same C API table the GPU uses.
+    Raises on any failure."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    x_info, y_info = (helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3]) for name in "xy")
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("AddOne", ["n"], ["a"], domain="gt.self_test"),
+             helper.make_node("Relu", ["a"], ["y"])]
+    model = helper.make_model(helper.make_graph(nodes, "self_test", [x_info], [y_info]),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("gt.self_test", 1)])
+    model.ir_version = 8  # what every onnxruntime from 1.16 on reads
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    _register_library(options, "gt.self_test", [PythonOp("AddOne", [_FLOAT], [_FLOAT], _add_one, label="self-test")])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.array([[-3.0, -1.0, 0.5], [2.0, 0.0, 4.25]], np.float32)
+    for _ in range(2):  # the second run is the kernel's second compute
+        (y,) = session.run(None, {"x": x})
+        expected = np.maximum(-x + 1, 0)
+        if not np.array_equal(y, expected):
+            raise AssertionError(f"Neg, AddOne, Relu of {x.tolist()} gave {np.asarray(y).tolist()}, not {expected.tolist()}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def readiness(ort) -> str | None:
+    """None where this process may run Python kernels inside onnxruntime ``ort``'s sessions, else
+    one line saying why not. Decided once per process (the first call's ``ort``)."""
+    global _READINESS
+    with _READY_LOCK:
+        if _READINESS is _UNSET:
+            reason = version_reason(getattr(ort, "__version__", "(no __version__)"))
+            if reason is None and (reason := library_reason()) is None:
+                try:
+                    _self_test(ort)
+                except Exception as exc:  # noqa: BLE001 - any failure is the answer, never a crash
+                    reason = f"self-test failed: {_first_line(exc)}"
+            _READINESS = reason
+        return _READINESS
+
+
+def reset() -> None:
+    """Forget the decision and the library (tests: another environment). Sessions already made keep theirs."""
+    global _READINESS, _LIBRARY
+    with _READY_LOCK:
+        _READINESS, _LIBRARY = _UNSET, None
+
+
+def available(ort=None) -> bool:
+    if ort is None:
+        import onnxruntime as ort
+    return readiness(ort) is None
 
 
 def register(options, domain: str, ops: Sequence[PythonOp]) -> None:
-    """Add ``ops`` as the custom op domain ``domain`` to onnxruntime SessionOptions ``options``."""
-    path = library()
-    if path is None:
-        raise RuntimeError("custom ops need a C compiler (cc, or $CC) to build their library once")
+    """Add ``ops`` as the custom op domain ``domain`` to onnxruntime SessionOptions ``options``.
+    Raises RuntimeError with ``readiness``'s line where this process may not use custom ops."""
+    import onnxruntime
+
+    reason = readiness(onnxruntime)
+    if reason is not None:
+        raise RuntimeError(f"custom op domain {domain}: no custom ops in this process: {reason}")
+    _register_library(options, domain, ops)
+
+
+def _register_library(options, domain: str, ops: Sequence[PythonOp]) -> None:
+    path = _library()[0]
     with _LOCK:
         _PENDING.append((domain, list(ops)))
         try:

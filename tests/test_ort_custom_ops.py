@@ -104,8 +104,6 @@ class _RaisingList(list):
         raise IndexError("the getter's own failure")
 
 
-
-
 def test_sessions_each_get_their_own_ops():
     f = TensorProto.FLOAT
     model = _model([helper.make_node("Fill", ["x"], ["y"], domain="test.python")],
@@ -121,13 +119,3 @@ def test_sessions_each_get_their_own_ops():
     x = np.zeros(2, np.float32)
     assert first.run(None, {"x": x})[0].tolist() == [1.0, 1.0]
     assert second.run(None, {"x": x})[0].tolist() == [7.0, 7.0]
-
-
-def test_without_a_compiler_the_library_is_unavailable_and_registering_says_why(monkeypatch, tmp_path):
-    monkeypatch.setattr(ort_custom_ops, "_LIBRARY", None)
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("GRAPH_TRANSPILER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(ort_custom_ops.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    assert not ort_custom_ops.available()
-    with pytest.raises(RuntimeError, match="C compiler"):
-        ort_custom_ops.register(ort.SessionOptions(), "test.python", [])
