@@ -53,13 +53,14 @@ def worker(args) -> int:
     from mpi4py import MPI
 
     from runtime.collectives.mpi import MpiCommunicator
-    from runtime.gpu import GpuBackend, NcclCommunicator
+    from benchmarks.skipping import skippable_nccl
+    from runtime.gpu import GpuBackend
     from runtime.plan import load_plan
     from runtime.trainer import Trainer
 
     host = MpiCommunicator(MPI.COMM_WORLD)
     backend = GpuBackend(host.rank, tf32=True)
-    comm = NcclCommunicator(host, host.rank)
+    comm = skippable_nccl(host, host.rank)
     plan = load_plan(args.worker)
     built = time.perf_counter()
     trainer = Trainer(plan, comm, rank=None if args.single else host.rank, backend=backend)
@@ -73,11 +74,11 @@ def worker(args) -> int:
     for _ in range(args.warmup):
         trainer.step_async(data, lr)
     losses = trainer.collect_losses()
-    with_comm = _timed(trainer, data, lr, args.steps, args.window, backend.compute)
-    backend.skip_collectives = True
+    with_comm = _timed(trainer, data, lr, args.steps, args.window, backend.device.compute)
+    comm.skip = True
     for _ in range(2):
         trainer.step_async(data, lr)
-    skipped = _timed(trainer, data, lr, args.steps, args.window, backend.compute)
+    skipped = _timed(trainer, data, lr, args.steps, args.window, backend.device.compute)
     import cupy
 
     peak = cupy.get_default_memory_pool().total_bytes()

@@ -62,6 +62,9 @@ class Backend(ABC):
     # Node domains this backend runs itself instead of onnxruntime (segments.py cuts their nodes out
     # into NativeGroup items, which ``compile`` must then accept), e.g. the fused optimizer updates.
     native_domains: frozenset[str] = frozenset()
+    # Of those, the domains whose nodes are staged as late as their readers allow (segments.py),
+    # e.g. the GPU's optimizer updates: one group, one multi-tensor launch, per part.
+    late_native_domains: frozenset[str] = frozenset()
     # Capabilities the trainer asks about (a backend declares them; none is inferred from its name):
     records_timings: bool = False  # its programs have record_timings()/median_timings() (--timings)
     runs_grad_accumulation: bool = False  # it runs plans transpiled with --grad-accumulation K > 1
@@ -71,6 +74,11 @@ class Backend(ABC):
 
     def make_program(self, cut: CutGraph, comm: Communicator) -> Program:
         return Program(cut, self, comm)
+
+    def describe(self) -> str | None:
+        """One line for the run's banner on how this backend computes (the GPU names its native
+        kernels and why any is off); None: nothing to say."""
+        return None
 
     def split_tail(self) -> bool:
         """Whether the last segment is cut by collective (segments.py): worth it only where

@@ -54,6 +54,7 @@ class RunInfo:
     schedule: str  # the lr schedule, in words
     parameters: int  # trained elements
     resumed_from: str | None = None
+    kernels: str | None = None  # how the backend computes, where it has a choice (Backend.describe)
 
     def banner(self) -> list[tuple[str, str]]:
         epochs = self.steps * self.batch / self.rows
@@ -62,13 +63,15 @@ class RunInfo:
         if self.start:
             steps += f", resuming at step {self.start} from {self.resumed_from}"
         micro = f", {self.accumulation} micro-batches" if self.accumulation > 1 else ""
-        return [("model", f"{self.model} ({self.parameters:,} parameters trained)"),
-                ("ranks", f"{self.ranks} on the {self.backend} backend, strategy {self.strategy}"),
-                ("data", f"{self.rows:,} samples ({self.data})"),
-                ("batch", f"{self.batch:,} global ({per_rank:,} per rank{micro})"),
-                ("steps", steps),
-                ("optimizer", self.optimizer),
-                ("lr schedule", self.schedule)]
+        rows = [("model", f"{self.model} ({self.parameters:,} parameters trained)"),
+                ("ranks", f"{self.ranks} on the {self.backend} backend, strategy {self.strategy}")]
+        if self.kernels:
+            rows.append(("kernels", self.kernels))
+        return rows + [("data", f"{self.rows:,} samples ({self.data})"),
+                       ("batch", f"{self.batch:,} global ({per_rank:,} per rank{micro})"),
+                       ("steps", steps),
+                       ("optimizer", self.optimizer),
+                       ("lr schedule", self.schedule)]
 
 
 def duration(seconds: float) -> str:
@@ -279,4 +282,5 @@ def run_info(trainer, dataset, config, start: int) -> RunInfo:
                    batch=config.batch, accumulation=plan.grad_accumulation, steps=config.steps, start=start,
                    rows=dataset.rows, data=Path(dataset.source).name, optimizer=f"{name} ({', '.join(hyper)})",
                    schedule=config.schedule.describe(), parameters=sum(math.prod(p.shape) for p in plan.parameters),
-                   resumed_from=None if config.resume is None else str(config.resume))
+                   resumed_from=None if config.resume is None else str(config.resume),
+                   kernels=trainer.backend.describe())

@@ -27,9 +27,9 @@ not before the stages of its producers in the same segment (ASAP), so independen
 one stage: the nodes before them, one group, the nodes after. An onnxruntime node then goes to the
 last even stage not after its readers in the part (ALAP), and not before its ASAP one: what the
 backward computes from forward values alone (ReLU's mask) is computed where it is read instead of
-being kept from the forward on. The optimizer updates (``LATE_NATIVE``) go late the same way, to
-the last odd stage their readers allow: a part's updates are then one group (one multi-tensor
-launch on the GPU). Producers are in the same or an earlier stage, so the stages in order are a
+being kept from the forward on. Native nodes of ``late_domains`` (the backend's
+``Backend.late_native_domains``: the GPU's optimizer updates) go late the same way, to the last odd
+stage their readers allow: a part's updates are then one group (one multi-tensor launch). Producers are in the same or an earlier stage, so the stages in order are a
 topological order.
 
 Before the cut, Constant nodes become initializers (``contract.collectives.constants_as_initializers``,
@@ -49,12 +49,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from contract.collectives import CutError, constants_as_initializers, consumed, place_alap
-from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
 from runtime.errors import RunError
-
-# Native domains staged as late as their readers allow, like onnxruntime nodes (see _stages).
-LATE_NATIVE = frozenset({FUSED_UPDATE_DOMAIN})
 
 
 @dataclass
@@ -141,9 +137,10 @@ def load_graph(path: Path) -> onnx.ModelProto:
 
 
 def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool = False,
-              native_domains: Iterable[str] = ()) -> CutGraph:
+              native_domains: Iterable[str] = (), late_domains: Iterable[str] = ()) -> CutGraph:
     """Cut ``model`` (rank ``rank``'s step or init graph; ``where`` names its file) into segments
-    (and native groups of the nodes of ``native_domains``). ``model`` may be rewritten in place
+    (and native groups of the nodes of ``native_domains``, those of ``late_domains`` staged late).
+    ``model`` may be rewritten in place
     (its Constant nodes become initializers) where shape inference could not copy it."""
     model = _with_inferred_types(model)
     constants_as_initializers(model.graph)
@@ -164,7 +161,8 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
     # Part of the last segment each of its nodes goes to (always 0 without split_tail).
     part_of = {i: (earliest[i] if split_tail and k == k_count else 0) for i, k in segment_of.items()}
 
-    stage_of = _stages(nodes, segment_of, part_of, frozenset(native_domains), frozenset(graph_outputs))
+    stage_of = _stages(nodes, segment_of, part_of, frozenset(native_domains), frozenset(graph_outputs),
+                       frozenset(late_domains))
 
     # Position in execution order, compared as tuples: segment k at (2k, part, stage), collective k
     # at (2k+1, 0, 0), graph outputs after all.
@@ -278,9 +276,10 @@ def _place_alap(nodes: list[onnx.NodeProto], collectives: dict[int, CollectiveOp
 
 
 def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],
-            native: frozenset[str], outputs: frozenset[str] = frozenset()) -> dict[int, int]:
+            native: frozenset[str], outputs: frozenset[str] = frozenset(),
+            late: frozenset[str] = frozenset()) -> dict[int, int]:
     """Stage of every compute node in its (segment, part): odd for nodes of ``native`` domains, the
-    first not before its producers' (for LATE_NATIVE ones, the last not after their readers'); even
+    first not before its producers' (for those of ``late`` domains, the last not after their readers'); even
     for onnxruntime nodes, the last not after its readers' (``outputs``: the graph's, which may go to
     the part's last stage) (module docstring)."""
     stage: dict[int, int] = {}
@@ -296,7 +295,7 @@ def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: di
     # Then onnxruntime nodes as late as their readers allow (reverse graph order: readers first), so
     # that what the backward computes from forward values alone (ReLU's mask) is computed where it is
     # read instead of being kept from the forward on; native nodes stay ASAP (a weight gradient
-    # frees its inputs early), but for LATE_NATIVE ones (below). A node whose value leaves the part
+    # frees its inputs early), but for ``late`` ones (below). A node whose value leaves the part
     # may go to the part's last stage.
     readers: dict[int, list[int]] = {}
     for i, node in enumerate(nodes):
@@ -307,12 +306,12 @@ def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: di
     for i in segment_of:
         here = (segment_of[i], part_of[i])
         last[here] = max(last.get(here, 0), stage[i])
-    # The optimizer updates (LATE_NATIVE) go late too: all of a part's then share its last native
+    # The optimizer updates (``late``) go late too: all of a part's then share its last native
     # stage, one group and one multi-tensor launch, instead of one per stage their gradients finish
     # in (ResNet-18 on one GPU: 17 launches).
     for i in sorted(segment_of, reverse=True):
         parity = 1 if nodes[i].domain in native else 0
-        if (parity and nodes[i].domain not in LATE_NATIVE) or not (readers.get(i) or outputs & set(nodes[i].output)):
+        if (parity and nodes[i].domain not in late) or not (readers.get(i) or outputs & set(nodes[i].output)):
             continue
         here = (segment_of[i], part_of[i])
         # The latest stage of the node's parity at or before each bound: a reader of the same kind

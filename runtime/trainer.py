@@ -40,7 +40,8 @@ class Trainer:
                                              for d in vi.type.tensor_type.shape.dim))
                              for vi in step_model.graph.input if vi.type.HasField("tensor_type")}
         step_cut = cut_graph(step_model, role, files.step.name, split_tail=split,
-                             native_domains=self.backend.native_domains)
+                             native_domains=self.backend.native_domains,
+                             late_domains=self.backend.late_native_domains)
         init_cut = cut_graph(load_graph(files.init), role, files.init.name)
         self._check_signature(step_cut.inputs, step_cut.outputs, init_cut.outputs, files.step.name, files.init.name)
         self.step_program = self.backend.make_program(step_cut, comm)

@@ -140,26 +140,13 @@ def test_sum_reductions_are_not_divided():
     assert [c[0] for c in comm.calls] == ["all_reduce_flat"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_skipped_moves_nothing_and_keeps_the_output_types(case):
-    make, in_shapes = CASES[case][0], CASES[case][1]
-    op = make()
-    values = [np.full(s, 7.0, np.float32) for s in in_shapes]
-    results = op.skipped(values, np)
-    assert [r.shape for r in results] == [s.shape for s in op.output_specs]
-    passes_through = op.op_type in ("AllReduce", "Reduce", "Broadcast") and values
-    for r in results:
-        assert r.dtype == F32 and not any(np.shares_memory(r, v) for v in values)
-        np.testing.assert_array_equal(r, 7.0 if passes_through else 0.0)
-
-
 def test_every_registered_collective_has_the_flat_form_and_a_case_here():
     covered = {key.split("(")[0] for key in CASES}
     assert covered == set(_EXECUTORS), "add the new op's hand-computed flat layout to CASES"
     for op_type, cls in _EXECUTORS.items():
         assert not inspect.isabstract(cls), f"{op_type} leaves {sorted(cls.__abstractmethods__)} unimplemented"
         assert cls.call_flat is not CollectiveOp.call_flat, f"{op_type} has no flat launch"
-        for method in ("flat_layout", "flat_inputs", "flat_outputs", "flat_mean_view", "launch_flat", "skipped"):
+        for method in ("flat_layout", "flat_inputs", "flat_outputs", "flat_mean_view", "launch_flat"):
             assert callable(getattr(cls, method)), (op_type, method)
 
 

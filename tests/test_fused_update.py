@@ -176,7 +176,8 @@ def test_update_nodes_become_native_groups_in_order(strategy, model_dir, tmp_pat
         model = onnx.load(str(tmp_path / "out" / plan["graphs"]["ranks"][rank]["step"]))  # ranks may share a file
         updates = sum(n.domain == FUSED_UPDATE_DOMAIN for n in model.graph.node)
         plain = cut_graph(model, rank, "rank.onnx", split_tail=True)
-        cut = cut_graph(model, rank, "rank.onnx", split_tail=True, native_domains={FUSED_UPDATE_DOMAIN})
+        cut = cut_graph(model, rank, "rank.onnx", split_tail=True, native_domains={FUSED_UPDATE_DOMAIN},
+                        late_domains={FUSED_UPDATE_DOMAIN})
         assert not plain.native_groups
         groups = cut.native_groups
         assert sum(len(g.nodes) for g in groups) == updates > 0
@@ -190,7 +191,8 @@ def test_update_nodes_become_native_groups_in_order(strategy, model_dir, tmp_pat
     # One device, no collectives: the whole step is one segment, then every update in one group.
     transpile(model_dir("perceptron") / "model.onnx", tmp_path / "single", Options(optimizer=OptimizerConfig("adamw")))
     model = onnx.load(str(tmp_path / "single" / "train.onnx"))
-    cut = cut_graph(model, 0, "train.onnx", split_tail=True, native_domains={FUSED_UPDATE_DOMAIN})
+    cut = cut_graph(model, 0, "train.onnx", split_tail=True, native_domains={FUSED_UPDATE_DOMAIN},
+                        late_domains={FUSED_UPDATE_DOMAIN})
     assert [type(i).__name__ for i in cut.items] == ["Segment", "NativeGroup"]
     assert len(cut.items[1].nodes) == 4
 
@@ -199,7 +201,7 @@ class ReferenceBackend(CpuBackend):
     """The CPU backend with the fused updates taken out of onnxruntime and run by the NumPy reference,
     as the GPU backend takes them out for its kernel."""
 
-    native_domains = frozenset({FUSED_UPDATE_DOMAIN})
+    native_domains = late_native_domains = frozenset({FUSED_UPDATE_DOMAIN})
 
     def __init__(self, threads: int | None = None):
         super().__init__(threads)

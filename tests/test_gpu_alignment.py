@@ -41,8 +41,9 @@ def test_a_conv_weight_at_an_odd_address_runs_and_equals_the_cpu(graphs):
     model = _conv_model()
     expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, "w": w})[0]
 
-    backend = GpuBackend(0, tf32=False, cuda_graphs=graphs)
-    segment = OrtCudaSegment(Segment(0, ("conv",), ("x", "w"), ("y",), model), "test", backend)
+    backend = GpuBackend(0, tf32=False)
+    segment = OrtCudaSegment(Segment(0, ("conv",), ("x", "w"), ("y",), model), "test", backend.policy)
+    segment.capture_allowed = graphs  # as GpuProgram decides it
     bucket = cp.zeros(w.size + 3, dtype=cp.float32)  # 3 elements in: 12 bytes off the bucket's start
     weight = bucket[3:].reshape(w.shape)
     weight[...] = cp.asarray(w)

@@ -94,18 +94,18 @@ def test_the_functions_equal_torch_training_batch_norm(shape):
 def test_cudnn_batchnorm_equals_the_functions(shape):
     import cupy as cp
 
-    from runtime.gpu import GpuBackend
+    from runtime.gpu.device import GpuDevice
 
     arrays = _arrays(shape, 1)
     expected = _functions(arrays)
-    backend = GpuBackend(0, tf32=False)
+    device = GpuDevice(0, tf32=False)
     forward, backward = _nodes()
-    runners = [BatchNormRunner(NativeGroup(0, 0, 1, (forward,), tuple(FORWARD_IN), tuple(FORWARD_OUT)), "test", backend),
-               BatchNormRunner(NativeGroup(0, 0, 3, (backward,), tuple(GRAD_IN), tuple(GRAD_OUT)), "test", backend)]
+    runners = [BatchNormRunner(NativeGroup(0, 0, 1, (forward,), tuple(FORWARD_IN), tuple(FORWARD_OUT)), "test", device),
+               BatchNormRunner(NativeGroup(0, 0, 3, (backward,), tuple(GRAD_IN), tuple(GRAD_OUT)), "test", device)]
     env = {name: cp.asarray(value) for name, value in arrays.items()}
     for runner in runners:  # first call: the runners allocate their outputs
         env.update(zip(runner.outputs, runner.run(env)))
-    backend.compute.synchronize()
+    device.compute.synchronize()
     _assert_close({k: cp.asnumpy(v) for k, v in env.items()}, expected, 1e-5)
 
     # Bound runs: fixed output buffers (NaN-filled: everything is written); the running statistics
@@ -120,18 +120,18 @@ def test_cudnn_batchnorm_equals_the_functions(shape):
             runner.prepare(parity, outs)
             runner.run_bound(parity, env)
             env.update(outs)
-        backend.compute.synchronize()
+        device.compute.synchronize()
         _assert_close({k: cp.asnumpy(v) for k, v in env.items()}, expected, 1e-5)
 
 
 def test_a_malformed_node_is_refused_naming_it():
     node = helper.make_node(BATCHNORM_TRAINING_GRAD, GRAD_IN[:4], GRAD_OUT, name="layer1/bn_grad", domain=BATCHNORM_DOMAIN)
 
-    class _Backend:  # the runner reads these before touching the GPU
+    class _Device:  # the runner reads these before touching the GPU
         cp, compute = None, None
 
     with pytest.raises(RunError, match=r"segment 2 stage 1: node 'layer1/bn_grad'.*BatchNormTrainingGrad \(5 inputs, 3 outputs\)"):
-        BatchNormRunner(NativeGroup(2, 0, 1, (node,), tuple(GRAD_IN[:4]), tuple(GRAD_OUT)), "rank0.onnx", _Backend())
+        BatchNormRunner(NativeGroup(2, 0, 1, (node,), tuple(GRAD_IN[:4]), tuple(GRAD_OUT)), "rank0.onnx", _Device())
 
 
 @pytest.mark.gpu
@@ -139,11 +139,11 @@ def test_a_malformed_node_is_refused_naming_it():
 def test_a_per_channel_input_of_the_wrong_size_is_refused_before_cudnn_reads_past_it():
     import cupy as cp
 
-    from runtime.gpu import GpuBackend
+    from runtime.gpu.device import GpuDevice
 
     arrays = _arrays(SHAPES[1], 2)
     arrays["scale"] = arrays["scale"][:-1]
     runner = BatchNormRunner(NativeGroup(4, 0, 1, (_nodes()[0],), tuple(FORWARD_IN), tuple(FORWARD_OUT)), "rank0.onnx",
-                             GpuBackend(0, tf32=False))
+                             GpuDevice(0, tf32=False))
     with pytest.raises(RunError, match=r"segment 4 stage 1: 'bn': input 'scale' must be .* shape \(3,\), got float32 \(2,\)"):
         runner.run({name: cp.asarray(value) for name, value in arrays.items()})

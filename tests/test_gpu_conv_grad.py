@@ -87,16 +87,16 @@ def _expected(x, dy, kernel, strides, dilations, pads) -> np.ndarray:
 def test_cudnn_weight_gradient_equals_the_function(case):
     import cupy as cp
 
-    from runtime.gpu import GpuBackend
+    from runtime.gpu.device import GpuDevice
 
     x, dy, attrs = _arrays(case, np.random.default_rng(case))
     expected = _expected(x, dy, *attrs)
     assert expected.shape == (dy.shape[1], x.shape[1], *attrs[0])
     _assert_close(expected, x, dy, attrs)  # the function (onnxruntime, CPU) is right
 
-    backend = GpuBackend(0, tf32=False)
+    device = GpuDevice(0, tf32=False)
     group = NativeGroup(0, 0, 1, (_node(*attrs),), ("x", "dy"), ("dw",))
-    runner = ConvGradRunner(group, "test", backend)
+    runner = ConvGradRunner(group, "test", device)
     feeds = {"x": cp.asarray(x), "dy": cp.asarray(dy)}
     (first,) = runner.run(feeds)
     _assert_close(cp.asnumpy(first), x, dy, attrs)
@@ -106,7 +106,7 @@ def test_cudnn_weight_gradient_equals_the_function(case):
     for scale in (1.0, -2.0):  # bound runs read the fed buffers' current values
         feeds["dy"][...] = cp.asarray(dy * scale)
         runner.run_bound(1, feeds)
-        backend.compute.synchronize()
+        device.compute.synchronize()
         _assert_close(cp.asnumpy(out), x, dy * scale, attrs)
 
 
@@ -115,25 +115,25 @@ def test_a_node_without_its_attributes_is_refused_naming_it():
                             kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])
     group = NativeGroup(2, 0, 1, (node,), ("x", "dy"), ("dw",))
 
-    class _Backend:  # the runner reads these before touching the GPU
+    class _Device:  # the runner reads these before touching the GPU
         cp, tf32, compute = None, False, None
 
     with pytest.raises(RunError, match=r"segment 2 stage 1: node 'layer1/wgrad'.*lacks attribute\(s\) dilations"):
-        ConvGradRunner(group, "rank0.onnx", _Backend())
+        ConvGradRunner(group, "rank0.onnx", _Device())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
 @pytest.mark.parametrize("tf32", [False, True])
 def test_nodes_of_several_runners_share_one_handle_and_a_workspace_that_fits_them_all(tf32):
-    """Every case as one node of one runner, and a second runner on the same backend: one cuDNN
+    """Every case as one node of one runner, and a second runner on the same device: one cuDNN
     context, its workspace as large as the largest chosen algorithm needs; with TF32 (inputs rounded
     to 10 mantissa bits, 2^-11 relative each) the products are within 2e-3 of the exact ones."""
     import cupy as cp
 
-    from runtime.gpu import GpuBackend
+    from runtime.gpu.device import GpuDevice
 
-    backend = GpuBackend(0, tf32=tf32)
+    device = GpuDevice(0, tf32=tf32)
     rng = np.random.default_rng(11)
     nodes, feeds, cases = [], {}, []
     for i in range(len(CASES)):
@@ -146,16 +146,16 @@ def test_nodes_of_several_runners_share_one_handle_and_a_workspace_that_fits_the
         cases.append((x, dy, attrs))
     names = tuple(feeds)
     runner = ConvGradRunner(NativeGroup(0, 0, 1, tuple(nodes), names, tuple(f"dw{i}" for i in range(len(CASES)))),
-                            "test", backend)
+                            "test", device)
     results = runner.run(feeds)
-    backend.compute.synchronize()
+    device.compute.synchronize()
     for result, (x, dy, attrs) in zip(results, cases):
         _assert_close(cp.asnumpy(result), x, dy, attrs, 2e-3 if tf32 else 1e-5)
-    context = backend.cudnn()
+    context = device.cudnn()
     assert runner.context is context
     assert context.workspace_bytes >= max(op.workspace_bytes for op in runner.ops)
-    other = ConvGradRunner(NativeGroup(1, 0, 1, (nodes[0],), ("x0", "dy0"), ("dw0",)), "test", backend)
+    other = ConvGradRunner(NativeGroup(1, 0, 1, (nodes[0],), ("x0", "dy0"), ("dw0",)), "test", device)
     (again,) = other.run({"x0": feeds["x0"], "dy0": feeds["dy0"]})
-    backend.compute.synchronize()
+    device.compute.synchronize()
     assert other.context is context
     _assert_close(cp.asnumpy(again), *cases[0][:2], cases[0][2], 2e-3 if tf32 else 1e-5)

@@ -1,6 +1,7 @@
-"""runtime/gpu/elementwise.py: elementwise chains become one fused node, wired to compute what their
-nodes computed (checked on CPU through the NumPy form of each op against onnxruntime's values of the
-unfused graph), in a valid order, never through a cycle; on a GPU the CuPy kernels equal that form."""
+"""runtime/gpu/elementwise_fusion.py, elementwise.py: elementwise chains become one fused node, wired
+to compute what their nodes computed (checked on CPU through the NumPy form of each op against
+onnxruntime's values of the unfused graph), in a valid order, never through a cycle; on a GPU the
+CuPy kernels equal that form."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from conftest import one_graph_model
 from onnx import TensorProto, helper
 
-from runtime.gpu.elementwise import DOMAIN, ElementwiseRunner, evaluate_numpy, fuse_elementwise
+from runtime.gpu.elementwise import ElementwiseRunner
+from runtime.gpu.elementwise_fusion import DOMAIN, evaluate_numpy, fuse_elementwise
 
 
 def _session(model: onnx.ModelProto, extra_outputs: list[str]) -> ort.InferenceSession:
@@ -156,7 +158,7 @@ def _relu_grad_model(reader_domain: str, else_value: float = 0.0, mask_read_twic
 
 
 def test_relu_s_backward_becomes_one_fused_node_where_a_native_node_reads_it():
-    from runtime.gpu.elementwise import fuse_relu_masks
+    from runtime.gpu.elementwise_fusion import fuse_relu_masks
 
     model = _relu_grad_model("test.native")
     fused = fuse_relu_masks(model, {"test.native"})
@@ -178,7 +180,7 @@ def test_relu_s_backward_becomes_one_fused_node_where_a_native_node_reads_it():
 @pytest.mark.parametrize("case", ["no native reader", "mask read elsewhere", "else value not zero", "threshold not zero",
                                   "else value broadcasts to a higher rank"])
 def test_relu_s_backward_stays_with_onnxruntime_where_fusing_would_cut_or_change_it(case):
-    from runtime.gpu.elementwise import fuse_relu_masks
+    from runtime.gpu.elementwise_fusion import fuse_relu_masks
 
     model = {"no native reader": lambda: _relu_grad_model(""),
              "mask read elsewhere": lambda: _relu_grad_model("test.native", mask_read_twice=True),
@@ -195,7 +197,7 @@ def test_the_relu_mask_kernel_equals_its_numpy_form():
         cp.cuda.runtime.getDeviceCount()
     except Exception:
         pytest.skip("no CUDA device")
-    from runtime.gpu.elementwise import fuse_relu_masks
+    from runtime.gpu.elementwise_fusion import fuse_relu_masks
     from runtime.segments import NativeGroup
 
     node = fuse_relu_masks(_relu_grad_model("test.native"), {"test.native"}).graph.node[1]
@@ -225,7 +227,7 @@ def test_fused_nodes_carry_functions_that_infer_shapes_and_run_on_onnxruntime(gp
     """Each fused node's op_type names a function of its steps in standard ops: shape inference sees
     through it (a segment holding it keeps static shapes), and onnxruntime runs it to the unfused
     graph's values; the relu mask's function equals Greater + Where exactly."""
-    from runtime.gpu.elementwise import fuse_relu_masks
+    from runtime.gpu.elementwise_fusion import fuse_relu_masks
 
     model, feeds = gpt_train
     fused = fuse_elementwise(model, additions=additions)

@@ -131,6 +131,7 @@ def test_gpt_trains_the_same_with_the_kernel_and_with_onnxruntime(optimizer, mod
     from runtime.loop import train
     from runtime.plan import load_plan
     from runtime.trainer import Trainer
+    from runtime.variables import NATIVE_OFF
 
     steps, lr = 5, 1e-3
     transpile(model_dir("gpt") / "model.onnx", tmp_path / "out", Options(optimizer=OptimizerConfig(optimizer, lr=lr)))
@@ -138,7 +139,7 @@ def test_gpt_trains_the_same_with_the_kernel_and_with_onnxruntime(optimizer, mod
     data = load_data(model_dir("gpt") / "data.npz")
     states = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("GRAPH_TRANSPILER_FUSED_UPDATE", fused)
+        monkeypatch.setenv(NATIVE_OFF, "" if fused == "1" else "update")
         backend = GpuBackend(0, tf32=False)
         assert (DOMAIN in backend.native_domains) == (fused == "1")
         trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=None, backend=backend)

@@ -127,11 +127,11 @@ def test_row_threads_cover_a_row_in_whole_warps():
 def test_a_malformed_node_is_refused_naming_it():
     node = _node(INPUTS[:4], name="blocks.3/ln_2_grad")
 
-    class _Backend:  # the runner reads these before touching the GPU
+    class _Device:  # the runner reads these before touching the GPU
         cp, compute = None, None
 
     with pytest.raises(RunError, match=r"segment 2 stage 1: node 'blocks.3/ln_2_grad'.*LayerNormGrad node \(5 inputs, 3 outputs\)"):
-        LayerNormRunner(NativeGroup(2, 0, 1, (node,), tuple(INPUTS[:4]), tuple(OUTPUTS)), "rank0.onnx", _Backend())
+        LayerNormRunner(NativeGroup(2, 0, 1, (node,), tuple(INPUTS[:4]), tuple(OUTPUTS)), "rank0.onnx", _Device())
 
 
 needs_gpu = pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
@@ -143,15 +143,15 @@ needs_gpu = pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="
 def test_the_kernels_equal_the_function(shape):
     import cupy as cp
 
-    from runtime.gpu import GpuBackend
+    from runtime.gpu.device import GpuDevice
 
     arrays = _arrays(shape, 1)
     expected = _function(arrays)
-    backend = GpuBackend(0, tf32=False)
-    runner = LayerNormRunner(NativeGroup(0, 0, 3, (_node(),), tuple(INPUTS), tuple(OUTPUTS)), "test", backend)
+    device = GpuDevice(0, tf32=False)
+    runner = LayerNormRunner(NativeGroup(0, 0, 3, (_node(),), tuple(INPUTS), tuple(OUTPUTS)), "test", device)
     env = {name: cp.asarray(arrays[name]) for name in INPUTS}
     first = dict(zip(runner.outputs, runner.run(env)))  # first call: the runner allocates its outputs
-    backend.compute.synchronize()
+    device.compute.synchronize()
     _assert_close({k: cp.asnumpy(v) for k, v in first.items()}, expected, 1e-5)
 
     # Bound runs into NaN-filled buffers (everything is written), twice: the same bits each time.
@@ -160,7 +160,7 @@ def test_the_kernels_equal_the_function(shape):
         outs = {name: cp.full(expected[name].shape, np.nan, dtype=cp.float32) for name in OUTPUTS}
         runner.prepare(parity, outs)
         runner.run_bound(parity, env)
-        backend.compute.synchronize()
+        device.compute.synchronize()
         results.append({k: cp.asnumpy(v) for k, v in outs.items()})
     _assert_close(results[0], expected, 1e-5)
     for name in OUTPUTS:
@@ -173,11 +173,11 @@ def test_the_kernels_equal_the_function(shape):
 def test_a_statistic_of_the_wrong_size_is_refused_before_a_kernel_reads_past_it():
     import cupy as cp
 
-    from runtime.gpu import GpuBackend
+    from runtime.gpu.device import GpuDevice
 
     arrays = _arrays(SHAPES[0], 2)
     arrays["inv"] = arrays["inv"][:-1]
     runner = LayerNormRunner(NativeGroup(4, 0, 1, (_node(),), tuple(INPUTS), tuple(OUTPUTS)), "rank0.onnx",
-                             GpuBackend(0, tf32=False))
+                             GpuDevice(0, tf32=False))
     with pytest.raises(RunError, match=r"segment 4 stage 1: 'ln_grad': input 'inv' must be contiguous float32 of 64 elements"):
         runner.run({name: cp.asarray(arrays[name]) for name in INPUTS})

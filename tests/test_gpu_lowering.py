@@ -157,7 +157,7 @@ def test_the_backward_where_goes_also_where_elementwise_fusion_took_its_product(
     """The softmax backward ``S * (g - r)`` fused into one node (GPU elementwise fusion, before the
     cut) still ends in a product with S, which is 0 where the mask filled: the Where goes. A fused
     node that ends in something else (``S * g - r``: not 0 where S is) keeps it."""
-    from runtime.gpu.elementwise import DOMAIN, fuse_elementwise
+    from runtime.gpu.elementwise_fusion import DOMAIN, fuse_elementwise
 
     f = TensorProto.FLOAT
     x, g = (helper.make_tensor_value_info(n, f, ["N", 3, 4, 4]) for n in ("x", "g"))
@@ -199,6 +199,9 @@ def test_outputs_onnxruntime_would_copy_at_run_start_are_taken_out_of_the_sessio
     """A segment output computable from constants alone, or an Identity of an input, would be
     copied by onnxruntime with a blocking cudaMemcpy when a run starts (illegal while a CUDA graph
     is captured): the segment computes the first once on the host and copies the second itself."""
+    from types import SimpleNamespace
+
+    from runtime.gpu.compile import Compiled, FixedOutputs
     from runtime.gpu.session import OrtCudaSegment
     from runtime.segments import Segment
 
@@ -210,14 +213,17 @@ def test_outputs_onnxruntime_would_copy_at_run_start_are_taken_out_of_the_sessio
              helper.make_node("Mul", ["x", "x"], ["y"])]
     model = one_graph_model(nodes, [x], outs, [numpy_helper.from_array(np.array([3, 3], np.int64), "shape")])
 
-    class Host:  # the backend as the session uses it here: host arrays stand in for device ones
-        from_host = staticmethod(np.asarray)
-
-    segment = OrtCudaSegment(Segment(0, ("n",), ("x",), ("mask", "same", "y"), model), "rank0.onnx", Host)
-    kept = segment._take_fixed_outputs(model, ort)
-    assert [o.name for o in kept.graph.output] == ["y"]
-    np.testing.assert_array_equal(segment.constants["mask"], np.tril(np.ones((3, 3), np.float32)))
-    assert segment.copies == {"same": "x"}
+    state = Compiled(model, {"x": (2, 3)}, frozenset(), "rank0.onnx: segment 0", (0, 0, 0))
+    step = FixedOutputs(ort)
+    step.call(state)
+    step.ensures(state)
+    assert [o.name for o in state.model.graph.output] == ["y"]
+    np.testing.assert_array_equal(state.constants["mask"], np.tril(np.ones((3, 3), np.float32)))
+    assert state.copies == {"same": "x"}
+    # The session's copy of an input is a copy, not a view of the fed buffer.
+    segment = OrtCudaSegment(Segment(0, ("n",), ("x",), ("mask", "same", "y"), model), "rank0.onnx",
+                             SimpleNamespace(device=None))
+    segment.constants, segment.copies = state.constants, state.copies
     feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
     fixed = segment._fixed_values(feeds)
     np.testing.assert_array_equal(fixed["same"], feeds["x"])

@@ -43,3 +43,41 @@ def test_layers_import_only_downwards(package):
         wrong += [f"{rel}:{line} imports {module}" for line, module in _imports(path)
                   if module in BANNED[package] and (rel, module) not in ALLOWED]
     assert not wrong, "; ".join(wrong)
+
+
+def _module_imports(path: Path) -> set[str]:
+    """Dotted first-party modules ``path`` imports (every import statement: also those inside
+    functions and under ``if TYPE_CHECKING``, which are a dependency of the reader all the same)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from pkg import module`
+    return found
+
+
+@pytest.mark.parametrize("package", ["runtime/gpu", "runtime", "transpiler"])
+def test_no_import_circle_inside(package):
+    """Each module of ``package`` (its own files, not subpackages') imports only modules that do not
+    import it back, directly or through others of the package: a house of floors, not rooms in a ring."""
+    import networkx as nx
+
+    folder = REPO / package
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts): p for p in folder.glob("*.py")
+               if p.name != "__init__.py"}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, path in modules.items():
+        graph.add_edges_from((name, target) for target in _module_imports(path) if target in modules and target != name)
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, "import circles: " + "; ".join(" -> ".join([*c, c[0]]) for c in cycles)
+
+
+@pytest.mark.parametrize("package", ["transpiler", "runtime"])
+def test_no_file_over_450_lines(package):
+    """A file does one thing; past 450 lines it does several (split it along the seam)."""
+    long = [f"{p.relative_to(REPO)} ({n} lines)" for p in sorted((REPO / package).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 450]
+    assert not long, ", ".join(long)

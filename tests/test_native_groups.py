@@ -112,7 +112,7 @@ def test_the_optimizer_updates_share_the_last_native_stage():
                               value_info=info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(grad, 1),
                                                     helper.make_opsetid(FUSED_UPDATE_DOMAIN, 1)])
-    cut = cut_graph(model, 0, "g.onnx", native_domains=[grad, FUSED_UPDATE_DOMAIN])
+    cut = cut_graph(model, 0, "g.onnx", native_domains=[grad, FUSED_UPDATE_DOMAIN], late_domains=[FUSED_UPDATE_DOMAIN])
     kinds = [[n.name for n in item.nodes] if isinstance(item, NativeGroup) else "segment" for item in cut.items]
     assert kinds == [["grad1"], "segment", ["grad2", "upd1", "upd2"], "segment"], kinds
     assert isinstance(cut.items[-1], Segment)
@@ -139,7 +139,7 @@ def test_a_late_update_still_runs_before_an_onnxruntime_node_that_reads_it():
                               value_info=[helper.make_tensor_value_info(n, f, [4]) for n in ("g1", "g2", "g3", "p1_next")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(grad, 1),
                                                     helper.make_opsetid(FUSED_UPDATE_DOMAIN, 1)])
-    cut = cut_graph(model, 0, "g.onnx", native_domains=[grad, FUSED_UPDATE_DOMAIN])
+    cut = cut_graph(model, 0, "g.onnx", native_domains=[grad, FUSED_UPDATE_DOMAIN], late_domains=[FUSED_UPDATE_DOMAIN])
     order = [[n.name for n in item.nodes] if isinstance(item, NativeGroup) else sorted(item.node_names)
              for item in cut.items]
     position = {name: k for k, names in enumerate(order) for name in names}

@@ -19,6 +19,3 @@ class AllReduce(CollectiveOp):
 
     def call_flat(self, comm, buf, label):
         comm.all_reduce_flat(buf, label)
-
-    def skipped(self, values, xp):
-        return [v.copy() for v in values][:len(self.outputs)]

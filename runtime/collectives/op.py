@@ -10,8 +10,7 @@ Two ways to run a node, behind the same class:
 - the flat form, for programs that keep one persistent flat buffer per collective (the GPU program,
   runtime/gpu/program.py): ``flat_layout`` says how big the buffer is and which rank owns which
   slice, ``flat_inputs``/``flat_outputs`` give the node's values as views of it, ``launch_flat``
-  enqueues the Communicator's flat call in place (and the mean division), and ``skipped`` is the
-  stand-in that moves nothing (``GpuBackend(skip_collectives=True)``, a measurement aid).
+  enqueues the Communicator's flat call in place (and the mean division).
 A new collective implements both here; no program switches on the op name.
 """
 
@@ -128,11 +127,6 @@ class CollectiveOp(ABC):
         self.call_flat(comm, buf, label)
         if self.attrs.get("reduction") == "mean" and self.receives_result(comm.rank):
             comm.finish_mean(mean_view)
-
-    def skipped(self, values: list, xp) -> list:
-        """The outputs without communication (``xp``: numpy or cupy): each rank's own values where
-        the op passes them through, zeros where it would receive. Results are wrong by design."""
-        return [xp.zeros(s.shape, s.dtype) for s in self.output_specs]
 
 
 def _attr_value(attr: onnx.AttributeProto):

@@ -26,6 +26,3 @@ class Reduce(CollectiveOp):
 
     def receives_result(self, rank):
         return rank == self.attrs["root"]
-
-    def skipped(self, values, xp):
-        return [v.copy() for v in values][:len(self.outputs)]

@@ -56,14 +56,14 @@ class _Node:
 
 
 class BatchNormRunner(LaunchRunner):
-    """A NativeGroup of BatchNormTraining/BatchNormTrainingGrad nodes, run by cuDNN on the backend's
+    """A NativeGroup of BatchNormTraining/BatchNormTrainingGrad nodes, run by cuDNN on the device's
     compute stream (the module docstring)."""
 
-    def __init__(self, group, where: str, backend):
+    def __init__(self, group, where: str, device):
         super().__init__(group.outputs)
-        self.cp = backend.cp
-        self.stream = backend.compute
-        self.backend = backend
+        self.cp = device.cp
+        self.stream = device.compute
+        self.device = device
         self.where = f"{where}: BatchNorms in {place(group)}"
         self.ops = [_Node.from_node(node, self.where) for node in group.nodes]
 
@@ -93,7 +93,7 @@ class BatchNormRunner(LaunchRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        handle = self.backend.cudnn().handle
+        handle = self.device.cudnn().handle
         with self.stream:
             for op in self.ops:
                 forward = op.op_type == BATCHNORM_TRAINING

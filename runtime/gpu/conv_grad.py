@@ -8,9 +8,9 @@ batch 256, one H100: ~8.7 against ~1.9 ms per step), which is what PyTorch runs.
 Algorithm: chosen once per node on its first call by ``cudnnFindConvolutionBackwardFilterAlgorithmEx``
 (cuDNN times every algorithm on the real buffers, as onnxruntime's default EXHAUSTIVE search and
 ``torch.backends.cudnn.benchmark`` do), among those needing at most WORKSPACE_LIMIT bytes. Every
-runner of a backend shares one cuDNN handle and one workspace (``CudnnContext``): they all run in
-turn on the backend's compute stream. The workspace only grows, and each launch reads its current
-pointer, so a node's chosen algorithm always fits it. TF32 follows the backend (tensor-core
+runner of a device shares one cuDNN handle and one workspace (``CudnnContext``): they all run in
+turn on the device's compute stream. The workspace only grows, and each launch reads its current
+pointer, so a node's chosen algorithm always fits it. TF32 follows the device (tensor-core
 math allowed with ``tf32``, FMA-only math without it, as onnxruntime's ``use_tf32`` does for its
 Convs), so the equality tests (TF32 off) compare exact float32 products; the summation order is
 cuDNN's, within the tests' 1e-5 of the CPU backend.
@@ -71,39 +71,18 @@ class _WeightGrad:
                    attrs["strides"], attrs["dilations"], attrs["pads"][:k])
 
 
-class CudnnContext:
-    """The cuDNN handle (bound to the backend's compute stream) and the workspace that every
-    ConvGradRunner of one backend shares (GpuBackend.cudnn)."""
-
-    def __init__(self, cp, stream):
-        self.cp = cp
-        self.handle = cudnn.Handle(stream.ptr)
-        self.workspace = None
-        self.workspace_bytes = 0
-
-    def reserve(self, nbytes: int) -> None:
-        """A workspace of at least ``nbytes``; the old one is freed in stream order (CuPy's pool
-        reuses a block only on the stream that freed it)."""
-        if nbytes > self.workspace_bytes:
-            self.workspace = self.cp.empty(nbytes, dtype=np.uint8)
-            self.workspace_bytes = nbytes
-
-    def pointer(self) -> int:
-        return self.workspace.data.ptr if self.workspace is not None else 0
-
-
 class ConvGradRunner(LaunchRunner):
-    """A NativeGroup of ConvWeightGrad nodes, run by cuDNN on the backend's compute stream."""
+    """A NativeGroup of ConvWeightGrad nodes, run by cuDNN on the device's compute stream."""
 
-    def __init__(self, group, where: str, backend):
+    def __init__(self, group, where: str, device):
         super().__init__(group.outputs)
-        self.cp = backend.cp
-        self.tf32 = backend.tf32
-        self.stream = backend.compute
+        self.cp = device.cp
+        self.tf32 = device.tf32
+        self.stream = device.compute
         self.where = f"{where}: Conv weight gradients in {place(group)}"
         self.ops = [_WeightGrad.from_node(node, self.where) for node in group.nodes]
-        self.backend = backend
-        self.context: CudnnContext | None = None  # the backend's, from the first call on
+        self.device = device
+        self.context: cudnn.CudnnContext | None = None  # the device's, from the first call on
 
     def _check(self, op: _WeightGrad, x, dy) -> None:
         for label, value in (("X", x), ("dY", dy)):
@@ -114,7 +93,7 @@ class ConvGradRunner(LaunchRunner):
     def _configure(self, op: _WeightGrad, x, dy, dw) -> None:
         """Descriptors for these shapes, and the fastest algorithm on these buffers."""
         if self.context is None:
-            self.context = self.backend.cudnn()
+            self.context = self.device.cudnn()
         handle = self.context.handle
         if op.descriptors:
             cudnn.destroy(*op.descriptors)

@@ -183,3 +183,24 @@ def batchnorm_backward(handle: Handle, x_desc, x: int, dy: int, dx: int, stat_de
          ctypes.byref(_ONE), ctypes.byref(_ZERO), x_desc, ctypes.c_void_p(x), x_desc, ctypes.c_void_p(dy), x_desc,
          ctypes.c_void_p(dx), stat_desc, ctypes.c_void_p(scale), ctypes.c_void_p(dscale), ctypes.c_void_p(dbias),
          ctypes.c_double(epsilon), ctypes.c_void_p(saved_mean), ctypes.c_void_p(saved_inv_std))
+
+
+class CudnnContext:
+    """The cuDNN handle (bound to the device's compute stream) and the workspace that every
+    cuDNN runner of one device shares (GpuDevice.cudnn)."""
+
+    def __init__(self, cp, stream):
+        self.cp = cp
+        self.handle = Handle(stream.ptr)
+        self.workspace = None
+        self.workspace_bytes = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """A workspace of at least ``nbytes``; the old one is freed in stream order (CuPy's pool
+        reuses a block only on the stream that freed it)."""
+        if nbytes > self.workspace_bytes:
+            self.workspace = self.cp.empty(nbytes, dtype='uint8')
+            self.workspace_bytes = nbytes
+
+    def pointer(self) -> int:
+        return self.workspace.data.ptr if self.workspace is not None else 0

@@ -18,12 +18,12 @@ with no function that cannot be taken is an error naming it).
 Per compute call: the input and output pointers from onnxruntime, wrapped as CuPy arrays of the
 static shapes, then the runner's ``launch``: the first call with ``allocate`` (checks, descriptors,
 cuDNN's algorithm search), later calls without. The first call also checks that onnxruntime runs
-the node on the backend's compute stream, on which the runners enqueue.
+the node on the device's compute stream, on which the runners enqueue.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import onnx
 from onnx import helper
@@ -33,20 +33,17 @@ from runtime.ort_custom_ops import KernelContext, PythonOp
 from runtime.segments import build_native
 from runtime.specialize import static_values
 
-if TYPE_CHECKING:
-    from runtime.gpu.backend import GpuBackend
-
 DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
 
 
 class _NodeKernel:
     """The compute of one taken node (the module docstring)."""
 
-    def __init__(self, runner, node: onnx.NodeProto, ins: list, outs: list, backend: GpuBackend, where: str):
+    def __init__(self, runner, node: onnx.NodeProto, ins: list, outs: list, device, where: str):
         self.runner = runner
         self.node_name = node.name or node.op_type
         self.ins, self.outs = ins, outs  # [(name, shape, numpy dtype)]
-        self.backend = backend
+        self.device = device  # a GpuDevice (device.py)
         self.where = where
         self.first = True
 
@@ -54,7 +51,7 @@ class _NodeKernel:
         if self.first:
             self._check(ctx)
         # Views valid for this call only: onnxruntime owns the buffers (no owner kept).
-        array = self.backend.device_array
+        array = self.device.device_array
         values = {name: array(ctx.input_ptr(i), shape, dtype) for i, (name, shape, dtype) in enumerate(self.ins)}
         for j, (name, shape, dtype) in enumerate(self.outs):
             values[name] = array(ctx.output_ptr(j, shape), shape, dtype)
@@ -63,19 +60,20 @@ class _NodeKernel:
 
     def _check(self, ctx: KernelContext) -> None:
         stream = ctx.gpu_stream()
-        if stream != self.backend.compute.ptr:
+        if stream != self.device.compute.ptr:
             raise RunError(f"{self.where}: '{self.node_name}': onnxruntime runs it on stream {stream:#x}, not the "
-                           f"compute stream {self.backend.compute.ptr:#x}")
+                           f"compute stream {self.device.compute.ptr:#x}")
         for i, (name, shape, _) in enumerate(self.ins):
             got, _ = ctx.input_shape(i)
             if got != shape:
                 raise RunError(f"{self.where}: '{self.node_name}': input '{name}' is {got}, specialized as {shape}")
 
 
-def take_native_nodes(model: onnx.ModelProto, domains, backend: GpuBackend, where: str,
+def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device, where: str,
                       here: tuple[int, int, int]) -> tuple[onnx.ModelProto, list[PythonOp]]:
     """``model`` (specialized) with its nodes of ``domains`` made custom ops of ``DOMAIN``, and
-    those ops; functions no node calls any more are dropped."""
+    those ops; functions no node calls any more are dropped. ``runner(group, where)`` makes the
+    runner of a NativeGroup of one node; its kernels run on ``device``'s compute stream."""
     known = static_values(model.graph)
     ops: list[PythonOp] = []
     taken: set[tuple[str, str]] = set()  # (domain, op_type) of the nodes taken in
@@ -92,13 +90,13 @@ def take_native_nodes(model: onnx.ModelProto, domains, backend: GpuBackend, wher
             continue
         original = onnx.NodeProto()
         original.CopyFrom(node)
-        runner = backend.native_runner(build_native([original], here), where)
+        node_runner = runner(build_native([original], here), where)
         spec = lambda name: (name, known[name][0], helper.tensor_dtype_to_np_dtype(known[name][1]))  # noqa: E731
         ins, outs = [spec(n) for n in node.input], [spec(n) for n in node.output]
         op_type = f"{node.op_type}_{len(ops)}"
-        kernel = _NodeKernel(runner, original, ins, outs, backend, where)
+        kernel = _NodeKernel(node_runner, original, ins, outs, device, where)
         ops.append(PythonOp(op_type, [known[n][1] for n in node.input], [known[n][1] for n in node.output], kernel,
-                            provider="CUDAExecutionProvider", label=f"{where}: '{original.name or original.op_type}'"))
+                            provider=device.provider, label=f"{where}: '{original.name or original.op_type}'"))
         taken.add((node.domain, node.op_type))
         node.domain, node.op_type = DOMAIN, op_type
         del node.attribute[:]

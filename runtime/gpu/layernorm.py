@@ -116,12 +116,12 @@ class _Node:
 
 
 class LayerNormRunner(LaunchRunner):
-    """A NativeGroup of LayerNormGrad nodes, run on the backend's compute stream (the module docstring)."""
+    """A NativeGroup of LayerNormGrad nodes, run on the device's compute stream (the module docstring)."""
 
-    def __init__(self, group, where: str, backend):
+    def __init__(self, group, where: str, device):
         super().__init__(group.outputs)
-        self.cp = backend.cp
-        self.stream = backend.compute
+        self.cp = device.cp
+        self.stream = device.compute
         self.where = f"{where}: LayerNorm gradients in {place(group)}"
         self.ops = [_Node.from_node(node, self.where) for node in group.nodes]
         self.kernels: tuple | None = None

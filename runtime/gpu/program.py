@@ -30,24 +30,24 @@ everything is preallocated and bound once, in two IOBindings per segment (one pe
   its own stream). A constant a session folded is written once, when bound, and keeps its buffer.
 A step then is: rebind the few inputs whose pointer changed, run each session, enqueue each NCCL
 call. No tensor goes to the host; the loss is copied on the device into a ring read when logging.
-onnxruntime synchronizes its stream at the end of each run unless GRAPH_TRANSPILER_ORT_ASYNC=1
-(see GpuBackend): the collectives still overlap the following segments.
+The host waits for a collective's completion before the first item that reads its outputs, and
+for every collective at the end of a step: onnxruntime's uncaptured runs end in a stream
+synchronization, so its work is ordered by the host, not by the compute stream alone. The
+collectives still overlap the following segments.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
-from runtime.executor import ProgramBase
+from runtime.executor import Backend, ProgramBase
+from runtime.gpu.device import GpuDevice
 from runtime.gpu.session import OrtCudaSegment, misaligned
 from runtime.segments import CutGraph
-
-if TYPE_CHECKING:
-    from runtime.gpu.backend import GpuBackend
 
 BUFFER_ALIGN = 256  # bytes: where pack_buffers starts each value (cudaMalloc's own alignment)
 
@@ -66,13 +66,14 @@ class _Slots:
 
 
 class GpuProgram(ProgramBase):
-    """Runs a cut graph on the GPU (see the module docstring); the interface of executor.Program."""
+    """Runs a cut graph on ``device`` (see the module docstring); the interface of executor.Program.
+    ``backend`` compiles its items; ``debug_sync`` synchronizes the device after every item."""
 
-    backend: GpuBackend
-
-    def __init__(self, cut: CutGraph, backend: GpuBackend, comm: Communicator):
+    def __init__(self, cut: CutGraph, backend: Backend, comm: Communicator, device: GpuDevice, *,
+                 debug_sync: bool = False):
         super().__init__(cut, backend, comm)  # segments and native groups compiled, constants on the device
-        cp = self.cp = backend.cp
+        self.device, self.debug_sync = device, debug_sync
+        cp = self.cp = device.cp
         producer = self.producer
         # Segment pos -> positions of the collectives whose outputs it reads directly.
         self.waits = {pos: sorted({producer[n] for n in item.inputs if n in producer and self.steps[producer[n]][1] is None})
@@ -83,18 +84,16 @@ class GpuProgram(ProgramBase):
         # on 2 H200s ("operation failed due to a previous error during capture" at
         # cudaStreamEndCapture): the watchdog thread's event queries invalidated onnxruntime's
         # global-mode capture; that thread now runs in relaxed capture mode (watchdog, cuda.py).
-        # Checked on 2 H100s (every strategy; ResNet-18 22.1 -> 19.2 ms per step, docs/gpu.md).
-        # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0 runs them uncaptured, with the static shapes kept; so
-        # does a communicator whose watchdog could not be put in relaxed capture mode.
+        # Checked on 2 H100s (every strategy; ResNet-18 22.1 -> 19.2 ms per step). A communicator
+        # whose watchdog could not be put in relaxed capture mode runs them uncaptured.
         watchdog_safe = getattr(comm, "relaxed", True) is True
-        if self.collective_pos and comm.size > 1 and not (backend.multirank_graphs and watchdog_safe):
+        if self.collective_pos and comm.size > 1 and not watchdog_safe:
             for _, runner in self.steps:
                 if isinstance(runner, OrtCudaSegment):
                     runner.capture_allowed = False
         self.ready = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
         self.done = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
         self.calls = 0
-        self.after_first_call = None  # set by the backend: undoes a setting its first call needed
         self.shapes: dict[str, tuple[tuple, Any]] = {}
         self.slots: dict[int, _Slots] = {}
         self.copy_in: dict[int, list[str]] = {}
@@ -103,11 +102,7 @@ class GpuProgram(ProgramBase):
     def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         if self.calls == 1:
-            try:
-                return self._run_first(feeds)
-            finally:
-                if self.after_first_call is not None:
-                    self.after_first_call()
+            return self._run_first(feeds)
         if self.calls == 2:
             self._allocate(feeds)
         elif self.calls == 3:
@@ -120,7 +115,7 @@ class GpuProgram(ProgramBase):
     # -- first call: allocated as it goes, collectives synchronous -----------------------------
     def _run_first(self, feeds):
         env = {**self.constants, **feeds}
-        self.backend.compute.synchronize()  # constants and fed data are on the device before any run
+        self.device.compute.synchronize()  # constants and fed data are on the device before any run
         keep = set(self.cut.outputs) | set(self.constants) | set(feeds)
         shapes = {name: (tuple(v.shape), v.dtype) for name, v in env.items()}
         for pos, (item, runner) in enumerate(self.steps):
@@ -128,7 +123,7 @@ class GpuProgram(ProgramBase):
             if runner is not None:
                 results = runner.run(dict(zip(item.inputs, values)))
             else:
-                results = item.run(self.comm, values) if not self.backend.skip_collectives else item.skipped(values, self.cp)
+                results = item.run(self.comm, values)
             env.update(zip(item.outputs, results))
             shapes.update((name, (tuple(v.shape), v.dtype)) for name, v in zip(item.outputs, results))
             # A value no later item reads goes back to its allocator now (CuPy's pool; onnxruntime's
@@ -140,7 +135,7 @@ class GpuProgram(ProgramBase):
         self.shapes = shapes
         # The first call's work is done before its values (some in onnxruntime's arenas) are dropped
         # and the second call allocates the program's own buffers.
-        self.backend.compute.synchronize()
+        self.device.compute.synchronize()
         return {name: env[name] for name in self.cut.outputs}
 
     # -- from the second call on: preallocated, bound once, overlapped -------------------------
@@ -189,7 +184,7 @@ class GpuProgram(ProgramBase):
                     bound_into[name] = (pos, name)
                 else:
                     self.copy_in[pos].append(name)
-        aliased = self._in_place(feeds, bound_into) if self.backend.update_in_place else {}
+        aliased = self._in_place(feeds, bound_into)
         internal = self._internal_buffers(bound_into, aliased)
         for pos, (item, runner) in enumerate(self.steps):
             if runner is None:
@@ -239,21 +234,20 @@ class GpuProgram(ProgramBase):
         return internal
 
     def _run_bound(self, feeds, parity: int):
-        backend, comm = self.backend, self.comm
-        compute = backend.compute
+        comm = self.comm
+        compute = self.device.compute
         env = {**self.constants, **feeds}
-        if not backend.async_runs:
-            compute.synchronize()  # the fed data's copies are done before any session reads them
+        compute.synchronize()  # the fed data's copies are done before any session reads them
         waited: set[int] = set()
         for pos, (item, runner) in enumerate(self.steps):
             if runner is not None:
                 for c in self.waits[pos]:
                     if c not in waited:
-                        backend.wait(self.done[c])
+                        self.done[c].synchronize()
                         waited.add(c)
                 runner.run_bound(parity, env)
-                if backend.debug_sync:
-                    self.cp.cuda.Device().synchronize()
+                if self.debug_sync:
+                    self.device.synchronize()
                 env.update(self.outs[pos][parity])
                 continue
             slots = self.slots[pos]
@@ -264,17 +258,15 @@ class GpuProgram(ProgramBase):
                 with comm.stream:
                     for name in self.copy_in[pos]:
                         slots.inputs[p][name][...] = env[name]
-            if not backend.skip_collectives:
-                item.launch_flat(comm, slots.buffers[p], slots.mean_view[p],
-                                 self.labels[pos])
+            item.launch_flat(comm, slots.buffers[p], slots.mean_view[p], self.labels[pos])
             self.done[pos].record(comm.stream)
-            if backend.debug_sync:
-                self.cp.cuda.Device().synchronize()
+            if self.debug_sync:
+                self.device.synchronize()
             comm.track(pos, self.done[pos], self.labels[pos])
             env.update(slots.outputs[p])
         for c in self.collective_pos:
             if c not in waited:
-                backend.wait(self.done[c])
+                self.done[c].synchronize()
         return {name: env[name] for name in self.cut.outputs}
 
 

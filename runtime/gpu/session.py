@@ -1,6 +1,7 @@
-"""OrtCudaSegment: one compute segment as an onnxruntime CUDA EP session, on the backend's compute
+"""OrtCudaSegment: one compute segment as an onnxruntime CUDA EP session, on the device's compute
 stream, bound to device buffers (one IOBinding per step parity) and replayed as a CUDA graph where
-onnxruntime allows it. GpuProgram (program.py) decides which buffers; docs/gpu.md.
+onnxruntime allows it. What every session of a backend shares is its SessionPolicy. GpuProgram
+(program.py) decides which buffers; docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -8,23 +9,16 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import TYPE_CHECKING, Any
-
-import onnx
-import onnx.inliner
+from typing import Any
 
 from runtime import ort_custom_ops
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner, _first_line
+from runtime.gpu.compile import SegmentPass, compile_segment
 from runtime.gpu.cuda import ORT_DTYPES
+from runtime.gpu.device import GpuDevice
 from runtime.gpu.in_session import DOMAIN as IN_SESSION_DOMAIN
-from runtime.gpu.in_session import take_native_nodes
-from runtime.gpu.lowering import lower_for_cuda
 from runtime.segments import Segment, place
-from runtime.specialize import NEVER_FOLDED, specialize
-
-if TYPE_CHECKING:
-    from runtime.gpu.backend import GpuBackend
 
 # Buffers onnxruntime allocates itself start at a multiple of 256 bytes (cudaMalloc, its arena),
 # and some kernels it picks need at least 16: cuDNN's Conv refuses a weight that is not
@@ -40,20 +34,99 @@ def misaligned(value) -> bool:
     return value.data.ptr % ALIGN_BYTES != 0
 
 
+class SessionPolicy:
+    """How every session of one backend is made and run: the CUDA EP's options, the compile passes,
+    the native domains run inside, the run options, the optional dump of optimized graphs."""
+
+    def __init__(self, device: GpuDevice, *, passes: list[SegmentPass], inside: frozenset[str],
+                 ep_options: dict[str, str] | None = None, dump: str = ""):
+        self.device, self.ort = device, device.ort
+        self.passes, self.inside, self.dump = passes, inside, dump
+        # ep_options: the user's --ep-option entries, checked by runtime/config.py (which keeps
+        # the options the runtime owns: the device, the stream, CUDA graphs).
+        ep_options = dict(ep_options or {})
+        self.cuda = {"device_id": str(device.device_id), "user_compute_stream": str(device.compute.ptr),
+                     "has_user_compute_stream": "1", "use_tf32": "1" if device.tf32 else "0",
+                     # Grow the arena by what is asked, not to the next power of two: a training step
+                     # allocates a few large activations, and doubling can reserve up to twice what it uses.
+                     "arena_extend_strategy": "kSameAsRequested",
+                     # cuDNN's heuristic choice of Conv algorithms: on ResNet-18 (one H200) onnxruntime's
+                     # default timed search (EXHAUSTIVE, with the largest workspaces allowed) gave
+                     # 13.29-13.32 ms and 2.90 GiB, the heuristics 13.05-13.17 ms and 2.80 GiB (runs
+                     # h200-s18*). --ep-option cudnn_conv_algo_search=EXHAUSTIVE sets it back.
+                     "cudnn_conv_algo_search": "HEURISTIC", **ep_options}
+        self.arena_shared = False
+        # Uncaptured runs: the first runs of a session give its arena's free chunks back (the first
+        # call's outputs, then the warm-up runs' intermediates, which no later step uses); later
+        # ones, and every run of a session on the shared arena, do not. A replay only enqueues work
+        # on the compute stream, so it never needs onnxruntime's synchronization after the run.
+        self.run_first = self._run_options(-1, shrink=True)
+        self.run_later = self._run_options(-1)
+        self.run_graph = [self._run_options(parity) for parity in (0, 1)]
+
+    def _run_options(self, graph_id: int, *, shrink: bool = False):
+        options = self.ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        if graph_id >= 0:
+            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        if shrink:  # never on a captured run: its graph owns its chunks
+            options.add_run_config_entry("memory.enable_memory_arena_shrinkage", f"gpu:{self.device.device_id}")
+        return options
+
+    def share_arena(self) -> None:
+        """Register one CUDA arena for this device with onnxruntime's (process-wide) environment,
+        once; sessions opt in with ``session.use_env_allocators``. It lives as long as the process
+        (onnxruntime has no call to unregister it) and is never shrunk (GpuBackend.make_program)."""
+        if self.arena_shared:
+            return
+        ort, device_id = self.ort, self.device.device_id
+        info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_id, ort.OrtMemType.DEFAULT)
+        options = {"device_id": str(device_id)}
+        if "gpu_mem_limit" in self.cuda:  # a user's cap (--ep-option) holds for it too
+            options["gpu_mem_limit"] = self.cuda["gpu_mem_limit"]
+        # arena_extend_strategy 1 (kSameAsRequested): grow by what is asked, as the sessions' own arenas do.
+        ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, options, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+        self.arena_shared = True
+
+    def session(self, serialized: bytes, where: str, *, graph: bool, shared_arena: bool, custom_ops: list):
+        ort = self.ort
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        # onnxruntime's memory pattern (one block per session sized by its plan) stays off on the
+        # shared arena, where a session's intermediates are chunks the next session reuses:
+        # ResNet-18 on one H200 3.09 -> 2.90 GiB, its step 13.31 -> 13.12 ms (run h200-s17).
+        options.enable_mem_pattern = not shared_arena
+        if shared_arena:
+            options.add_session_config_entry("session.use_env_allocators", "1")
+        if custom_ops:
+            ort_custom_ops.register(options, IN_SESSION_DOMAIN, custom_ops)
+        if self.dump:
+            options.optimized_model_filepath = os.path.join(self.dump, re.sub(r"\W+", "_", where) + ".onnx")
+        # onnxruntime's constant folding stays off: specialization and the lowering fold what is
+        # cheap to keep, and onnxruntime's would also turn a large zero fill (the token embedding's
+        # gradient starts from [50304, 768] zeros) into a 147 MiB initializer held for good, where the
+        # device fills it in a few microseconds each step (GPT-2-small, one H200: 9.03 -> 8.88 GiB,
+        # same step; run h200-s8-g6).
+        return ort.InferenceSession(serialized, options, providers=[
+            ("CUDAExecutionProvider", {**self.cuda, "enable_cuda_graph": "1"} if graph else self.cuda), "CPUExecutionProvider"],
+            disabled_optimizers=["ConstantFolding"])
+
+
 class OrtCudaSegment(SegmentRunner):
-    """One segment as a CUDA EP session on the backend's compute stream.
+    """One segment as a CUDA EP session on the device's compute stream.
 
     The session is made on the first call, when the shapes of the segment's inputs are known: the
-    segment is specialized to them (runtime/specialize.py), so no shape computation is left to run
-    on the host, and then, unless the backend's ``cuda_graphs`` is off, onnxruntime captures each
-    step parity's run as a CUDA graph (``gpu_graph_id`` = parity) and replays it: a step launches one
-    graph per segment instead of one kernel per node. A graph needs every node on the CUDA EP and
-    the same buffers on every replay, which the parity bindings give (GpuProgram); a segment that
-    onnxruntime will not capture runs as before, and ``graph_refused`` says why.
+    segment is compiled for them (compile.py: specialized, so no shape computation is left to run
+    on the host), and onnxruntime captures each step parity's run as a CUDA graph (``gpu_graph_id``
+    = parity) and replays it: a step launches one graph per segment instead of one kernel per node.
+    A graph needs every node on the CUDA EP and the same buffers on every replay, which the parity
+    bindings give (GpuProgram); a segment that onnxruntime will not capture, or that the program
+    does not let capture (``capture_allowed``), runs uncaptured, and ``graph_refused`` says why.
     """
 
-    def __init__(self, segment: Segment, where: str, backend: GpuBackend):
-        self.backend = backend
+    def __init__(self, segment: Segment, where: str, policy: SessionPolicy):
+        self.policy = policy
+        self.device = policy.device
         self.segment = segment
         self.where = f"{where}: {place(segment)}"
         self.inputs = list(segment.inputs)
@@ -63,7 +136,7 @@ class OrtCudaSegment(SegmentRunner):
         self.output_specs: dict[str, tuple] = {}
         self.compiled = False
         self.custom_ops: list = []  # native nodes run inside the session (in_session.py)
-        self.constants: dict[str, Any] = {}  # outputs computed once from constants (see _take_fixed_outputs)
+        self.constants: dict[str, Any] = {}  # outputs computed once from constants (compile.FixedOutputs)
         self.copies: dict[str, str] = {}  # outputs that copy an input: output -> input
         self.copy_into: list[list] = [[], []]  # per parity: (bound output buffer, input name)
         self.graphs = False  # whether runs from the second call on are CUDA graph replays
@@ -72,9 +145,6 @@ class OrtCudaSegment(SegmentRunner):
         self.capture_allowed = True
         # Set by the backend: allocate from the arena the program's sessions share (never shrunk).
         self.shared_arena = False
-        # Set by the backend: onnxruntime's memory pattern stays off (where the arena is shared),
-        # else it is the backend's setting.
-        self.mem_pattern = True
         self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
         self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
         self.seen = [False, False]  # per parity: bound runs made with the current pointers
@@ -85,53 +155,21 @@ class OrtCudaSegment(SegmentRunner):
         self.realigned: dict[str, Any] = {}
 
     def _compile(self, feeds) -> None:
-        backend, ort = self.backend, self.backend.ort
-        model = self.segment.model
-        inside = backend.in_session_domains
-        if backend.static_shapes:
-            if model.functions:
-                # Nodes of a domain left to onnxruntime (a native runner switched off) run as their
-                # functions; inlined here, their channel reductions are split like the others. Those
-                # of domains run inside the session keep theirs, for shape inference (and to run
-                # as functions where a node cannot be taken in, in_session.py).
-                kept = [(f.domain, f.name) for f in model.functions if f.domain in inside]
-                model = (onnx.inliner.inline_selected_functions(model, kept, exclude=True) if kept
-                         else onnx.inliner.inline_local_functions(model))
-            model = lower_for_cuda(specialize(model, {name: tuple(feeds[name].shape) for name in self.inputs}))
-            model = self._take_fixed_outputs(model, ort)
-            if not model.graph.output:
-                return  # every output is a constant or a copy of an input: no session
-            if inside:
-                segment = self.segment
-                model, self.custom_ops = take_native_nodes(model, inside, backend, self.where,
-                                                           (segment.index, segment.part, segment.stage))
-        serialized = model.SerializeToString()
-        cuda = {"device_id": str(backend.device_id), "user_compute_stream": str(backend.compute.ptr),
-                "has_user_compute_stream": "1", "use_tf32": "1" if backend.tf32 else "0",
-                # Grow the arena by what is asked, not to the next power of two: a training step
-                # allocates a few large activations, and doubling can reserve up to twice what it uses.
-                "arena_extend_strategy": "kSameAsRequested",
-                # cuDNN's heuristic choice of Conv algorithms: on ResNet-18 (one H200) onnxruntime's
-                # default timed search (EXHAUSTIVE, with the largest workspaces allowed) gave
-                # 13.29-13.32 ms and 2.90 GiB, the heuristics 13.05-13.17 ms and 2.80 GiB (runs
-                # h200-s18*). A user's GRAPH_TRANSPILER_CUDA_EP_OPTIONS may set it back.
-                "cudnn_conv_algo_search": "HEURISTIC", **backend.provider_options}
+        policy = self.policy
+        compiled = compile_segment(self.segment, {name: tuple(feeds[name].shape) for name in self.inputs}, self.where,
+                                   policy.passes, policy.inside)
+        self.constants = {name: self.device.from_host(value) for name, value in compiled.constants.items()}
+        self.copies = compiled.copies
+        self.custom_ops = compiled.custom_ops
+        if not compiled.model.graph.output:
+            return  # every output is a constant or a copy of an input: no session
+        serialized = compiled.model.SerializeToString()
 
         def session(graph: bool):
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            options.enable_mem_pattern = backend.mem_pattern and self.mem_pattern
-            if self.shared_arena:
-                options.add_session_config_entry("session.use_env_allocators", "1")
-            if self.custom_ops:
-                ort_custom_ops.register(options, IN_SESSION_DOMAIN, self.custom_ops)
-            if backend.dump_optimized:
-                options.optimized_model_filepath = os.path.join(backend.dump_optimized, re.sub(r"\W+", "_", self.where) + ".onnx")
-            return ort.InferenceSession(serialized, options, providers=[
-                ("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"} if graph else cuda), "CPUExecutionProvider"],
-                disabled_optimizers=[] if backend.ort_constant_folding else ["ConstantFolding"])
+            return policy.session(serialized, self.where, graph=graph, shared_arena=self.shared_arena,
+                                  custom_ops=self.custom_ops)
 
-        if backend.cuda_graphs and backend.static_shapes and self.capture_allowed:
+        if self.capture_allowed:
             try:
                 self.session, self.graphs = session(True), True
             except Exception as exc:  # onnxruntime refuses graphs when a node is not on the CUDA EP
@@ -152,56 +190,13 @@ class OrtCudaSegment(SegmentRunner):
             raise RunError(f"{self.where}: onnxruntime did not enable the CUDA execution provider (CUDA or cuDNN "
                            "libraries not found? onnxruntime-gpu must match the installed CUDA major version)")
 
-    def _take_fixed_outputs(self, model, ort):
-        """Outputs onnxruntime would not compute on the stream take no part in the session: a
-        value computable from constants alone (onnxruntime folds it into an initializer) and an
-        Identity of an input (it removes the Identity). It copies such an output into its bound
-        buffer with a blocking cudaMemcpy when a run starts, which is illegal while a CUDA graph is
-        captured (CUDA error 906, "operation would make the legacy stream depend on a capturing
-        blocking stream"). Segments cut finely (elementwise fusion) pass constants and copies
-        between them; here a constant is computed once on the host and written into its buffers
-        once, and a copy is a device copy on the compute stream each step."""
-        graph = model.graph
-        known = {t.name for t in graph.initializer}
-        inputs = {i.name for i in graph.input}
-        source: dict[str, str] = {}  # Identity output -> the graph input it copies
-        for node in graph.node:
-            ins = [n for n in node.input if n]
-            if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and ins:
-                if ins[0] in inputs or ins[0] in source:
-                    source[node.output[0]] = source.get(ins[0], ins[0])
-            if node.domain in ("", "ai.onnx") and node.op_type not in NEVER_FOLDED and all(n in known for n in ins):
-                known.update(o for o in node.output if o)
-        constant = [o.name for o in graph.output if o.name in known]
-        self.copies = {o.name: source[o.name] for o in graph.output if o.name in source and o.name not in known}
-        self.constants = {}
-        if constant:
-            # A model of the constant nodes alone (no graph inputs), evaluated once on the host.
-            nodes = [n for n in graph.node if n.output and all(o in known for o in n.output if o)]
-            fold = onnx.helper.make_graph(nodes, "constants", [], [onnx.helper.make_empty_tensor_value_info(n) for n in constant],
-                                          list(graph.initializer))
-            fold_model = onnx.helper.make_model(fold, opset_imports=model.opset_import, ir_version=model.ir_version,
-                                                functions=model.functions)
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            values = ort.InferenceSession(fold_model.SerializeToString(), options,
-                                          providers=["CPUExecutionProvider"]).run(constant, {})
-            self.constants = {name: self.backend.from_host(value) for name, value in zip(constant, values)}
-        if not constant and not self.copies:
-            return model
-        fixed = set(constant) | set(self.copies)
-        kept = [o for o in graph.output if o.name not in fixed]
-        del graph.output[:]
-        graph.output.extend(kept)
-        return model
-
     def _fixed_values(self, feeds) -> dict:
         values = dict(self.constants)
         values.update({name: feeds[src].copy() for name, src in self.copies.items()})
         return values
 
     def _bind_input(self, io, name: str, value) -> None:
-        io.bind_input(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+        io.bind_input(name, "cuda", self.device.device_id, value.dtype.type, list(value.shape), value.data.ptr)
 
     def _aligned(self, name: str, value):
         """``value``, or where it is misaligned its copy in ``self.realigned[name]``."""
@@ -212,7 +207,7 @@ class OrtCudaSegment(SegmentRunner):
     def _realign(self, name: str, value):
         copy = self.realigned.get(name)
         if copy is None or copy.shape != value.shape or copy.dtype != value.dtype:
-            copy = self.realigned[name] = self.backend.cp.empty(value.shape, dtype=value.dtype)
+            copy = self.realigned[name] = self.device.cp.empty(value.shape, dtype=value.dtype)
         copy[...] = value
         return copy
 
@@ -237,14 +232,14 @@ class OrtCudaSegment(SegmentRunner):
         for name in computed:
             spec = self.output_specs.get(name)
             if spec is None:
-                io.bind_output(name, "cuda", self.backend.device_id)
+                io.bind_output(name, "cuda", self.device.device_id)
                 continue
-            value = allocated[name] = self.backend.cp.empty(*spec)
-            io.bind_output(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+            value = allocated[name] = self.device.cp.empty(*spec)
+            io.bind_output(name, "cuda", self.device.device_id, value.dtype.type, list(value.shape), value.data.ptr)
         self._run(io, self._uncaptured())
         # get_outputs lists every bound output in binding order, preallocated ones included.
         for name, value in zip(computed, io.get_outputs()):
-            fixed[name] = allocated[name] if name in allocated else self.backend.wrap(value)
+            fixed[name] = allocated[name] if name in allocated else self.device.wrap(value)
         return [fixed[name] for name in self.outputs]
 
     def written_once(self) -> set[str]:
@@ -262,7 +257,7 @@ class OrtCudaSegment(SegmentRunner):
             if name in self.constants or name in self.copies:
                 continue
             value = outputs[name]
-            io.bind_output(name, "cuda", self.backend.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+            io.bind_output(name, "cuda", self.device.device_id, value.dtype.type, list(value.shape), value.data.ptr)
         self.bindings[parity] = io
 
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:
@@ -285,11 +280,11 @@ class OrtCudaSegment(SegmentRunner):
         if not self.graphs:
             # The first bound run of each parity gives the arena's free chunks back (the first
             # call's outputs, which onnxruntime allocated and the program no longer reads); later
-            # runs keep what they use. Uncaptured sessions (GRAPH_TRANSPILER_CUDA_GRAPHS=0 or
-            # GRAPH_TRANSPILER_MULTIRANK_GRAPHS=0) otherwise kept their first call's outputs for good.
+            # runs keep what they use. Uncaptured sessions otherwise kept their first call's
+            # outputs for good.
             warm = self.seen[parity]
             self.seen[parity] = True
-            self._run(io, self.backend.run_options if warm else self._uncaptured())
+            self._run(io, self.policy.run_later if warm else self._uncaptured())
             return
         # A captured graph replays with the pointers it was captured with. The first runs of a
         # parity still read buffers that later steps no longer use (the first call's outputs), so
@@ -301,14 +296,14 @@ class OrtCudaSegment(SegmentRunner):
             self._run(io, self._uncaptured())
             return
         self.captured[parity] = True
-        self._run(io, self.backend.run_options_graph[parity])
+        self._run(io, self.policy.run_graph[parity])
 
     def _uncaptured(self):
         """Run options of an uncaptured run: the arena shrinks after it, unless it is shared."""
-        return self.backend.run_options if self.shared_arena else self.backend.run_options_uncaptured
+        return self.policy.run_later if self.shared_arena else self.policy.run_first
 
     def _run(self, io, run_options) -> None:
         try:
             self.session.run_with_iobinding(io, run_options)
         except Exception as exc:
-            raise RunError(f"{self.where}: onnxruntime failed on device {self.backend.device_id}: {_first_line(exc)}") from None
+            raise RunError(f"{self.where}: onnxruntime failed on device {self.device.device_id}: {_first_line(exc)}") from None

@@ -14,7 +14,7 @@ cycles and saves a separate launch and its buffer.
 Work layout: each tensor is cut into chunks of CHUNK elements and every block runs one chunk
 (``chunks``: tensor index, first element). Each tensor's row in ``table`` holds its pointers, inputs
 then outputs (param, grad, *slots, param', *slots'), and its element count. GpuProgram double-buffers
-state by step parity (runtime/gpu/backend.py), so the pointers of a parity change only in the first
+state by step parity (runtime/gpu/program.py), so the pointers of a parity change only in the first
 calls: the table is rebuilt (one small host-to-device copy) only when a pointer differs from the
 last launch of that parity.
 """
@@ -194,8 +194,8 @@ class FusedUpdateRunner(SegmentRunner):
     first call, then ``prepare`` per parity and ``run_bound``), so GpuProgram treats it like a segment:
     its outputs are bound into the same double buffers and collective slots."""
 
-    def __init__(self, group, where: str, backend):
-        self.cp = backend.cp
+    def __init__(self, group, where: str, device):
+        self.cp = device.cp
         self.where = f"{where}: fused updates in {place(group)}"
         ops = [UpdateOp.from_node(node, where) for node in group.nodes]
         runs: list[list[UpdateOp]] = []
@@ -210,8 +210,8 @@ class FusedUpdateRunner(SegmentRunner):
         self.launches = [_Launch(run) for run in runs]
         self.inputs, self.outputs = list(group.inputs), list(group.outputs)
         self.prepared: list[dict[str, Any] | None] = [None, None]
-        # The backend's compute stream (the one onnxruntime runs on), whatever stream is current.
-        self.stream = getattr(backend, "compute", None)
+        # The device's compute stream (the one onnxruntime runs on), whatever stream is current.
+        self.stream = getattr(device, "compute", None)
 
     def in_place_pairs(self) -> dict[str, str]:
         """Output -> the input it may overwrite: param' -> param, slot' -> slot. Each element is
