@@ -5,7 +5,7 @@ from (the init graph, the first uncaptured steps, the CUDA-graph captures). docs
 
 Prints one JSON line: device memory in use (cudaMemGetInfo, GiB, the whole device) before the
 runtime starts, after the init graph, after each step (synchronized), and CuPy's pool at the end.
-The GRAPH_TRANSPILER_* switches of runtime/gpu/backend.py apply (e.g. GRAPH_TRANSPILER_CUDA_GRAPHS=0).
+GRAPH_TRANSPILER_NATIVE_OFF applies (docs/cli.md); compare code changes with another source tree.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What one more onnxruntime CUDA session costs in device memory: the fixed cost of a program cut
-into many sessions (docs/gpu.md, "programs of many sessions").
+into many sessions (docs/gpu-log.md, "programs of many sessions").
 
     python benchmarks/gpu_session_memory.py relu|conv [--sessions 8] [--shared-arena]
                                                      [--provider-option KEY=VALUE ...]

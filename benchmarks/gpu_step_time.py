@@ -52,8 +52,8 @@ def worker(args) -> int:
     """One rank: build the trainer once, time with collectives, then with them skipped."""
     from mpi4py import MPI
 
-    from runtime.collectives.mpi import MpiCommunicator
     from benchmarks.skipping import skippable_nccl
+    from runtime.collectives.mpi import MpiCommunicator
     from runtime.gpu import GpuBackend
     from runtime.plan import load_plan
     from runtime.trainer import Trainer

@@ -6,7 +6,7 @@
   rare elements (the kernel's fmaf rounds once where the reference rounds twice; CUDA's double pow
   may differ from glibc's in the last bit).
 - The single-device GPT trained on the GPU with the kernel equals the same run with the updates left
-  to onnxruntime (GRAPH_TRANSPILER_FUSED_UPDATE=0), within 1e-6 of each parameter's scale.
+  to onnxruntime (GRAPH_TRANSPILER_NATIVE_OFF=update), within 1e-6 of each parameter's scale.
 
 Marked ``gpu``; skipped without CuPy and a CUDA GPU (the second test also needs onnxruntime-gpu).
 """

@@ -7,18 +7,19 @@ The backward of GELU is ten such nodes over the [batch, T, 4C] MLP activation, t
 LayerNorm's backward a dozen; PyTorch runs each as one or two kernels. A fused kernel reads each
 input once and writes only what is read outside the chain.
 
-``fuse_elementwise`` (before the graph is cut, runtime/segments.py) replaces each cluster by one node
-of the runtime-internal domain ``DOMAIN``; the backend lists the domain in ``native_domains``, so
-the cut takes these nodes out of the onnxruntime segments, and ``ElementwiseRunner`` runs them.
+``fuse_elementwise`` (GpuBackend.prepare_step_graph, before the graph is cut) replaces each cluster
+by one node of the runtime-internal domain ``DOMAIN``, which runs inside its segment's onnxruntime
+session as a custom op (in_session.py; native.py decides where each native kernel runs). Each
+fused node also carries a function of its steps, so onnxruntime can run it where it is not taken.
 
 Clusters: nodes of ``OPS`` whose output is float32 of the same (possibly symbolic) shape, joined
 along producer -> consumer edges; an input may be any float32 tensor that broadcasts (numpy rules,
 as ONNX and CuPy both broadcast), or a scalar constant, which is written into the kernel as its exact
 bits. A cluster stays convex: no path leaves it and comes back (the fused node must be placeable in
 a topological order). Only clusters of at least ``MIN_NODES`` nodes over a tensor with a symbolic
-(batch) dimension or at least ``MIN_ELEMENTS`` elements are kept, and not those of additions only
-(a bias and a residual: onnxruntime folds the bias into its Gemm): every fused node costs a cut of
-the onnxruntime graph.
+(batch) dimension or at least ``MIN_ELEMENTS`` elements are kept; clusters of additions only (a bias
+and a residual, which onnxruntime folds into its Gemm) only with ``additions`` (inside a session a
+fused node costs no cut of the graph, so the backend always passes it).
 
 Arithmetic: each node computes what onnxruntime's kernel computes, in float32, with the
 round-to-nearest intrinsics (``__fadd_rn``...), which the compiler never contracts into an FMA, and
@@ -42,6 +43,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from contract.collectives import consumed
 from runtime.errors import RunError
+from runtime.variables import NATIVE_OFF
 
 DOMAIN = "graph_transpiler.elementwise"
 OP_TYPE = "Fused"
@@ -402,7 +404,7 @@ def _topological(items: list[tuple[int, onnx.NodeProto]], available: set[str]) -
             if waiting[c] == 0:
                 heapq.heappush(ready, (items[c][0], c))
     if len(out) != len(items):  # a cycle: the convexity check failed (a bug, never the user's graph)
-        raise RunError("elementwise fusion made a cycle; set GRAPH_TRANSPILER_FUSE_ELEMENTWISE=0 and report it")
+        raise RunError(f"elementwise fusion made a cycle; set {NATIVE_OFF}=elementwise and report it")
     return out
 
 

@@ -14,7 +14,7 @@ switch (runtime.variables.NATIVE_OFF), and says it in one line for the run's ban
 the same either way up to float32 summation order (each kernel's tests hold it to the CPU backend
 within 1e-5); what changes is speed and memory, which is why it is said, never silent.
 
-Measured reasons for the table's ``between`` column (docs/benchmarks-log.md): between sessions,
+Measured reasons for the table's ``between`` column (docs/gpu-log.md): between sessions,
 each LayerNorm gradient cut GPT-2-small's step into one more session, 25 more sessions cost
 3.1 GiB for no faster step (run h200-s15); fused elementwise chains cost more than they saved
 (48.2 against 37.8 ms, 45.8 GiB). Inside sessions both pay (GPT-2-small 30.6 against 33.0 ms, run
