@@ -1,7 +1,7 @@
 """`python -m benchmarks compare`: PyTorch eager vs graph-transpiler's runtime on the same models.
 
     python -m benchmarks compare [--models gpt2_small,resnet18,perceptron] [--gpus 1]
-        [--variants eager,fused,sdpa] [--ours-variants default,flat-update] [--ours-path DIR]
+        [--variants eager,fused,sdpa] [--ours-variants default,allreduce] [--ours-path DIR]
         [--steps N] [--windows 6] [--warmup N] [--work DIR] [--device auto|cuda|cpu]
     python -m benchmarks prepare ...same options...   # export + transpile only (CPU), fills --work
     python -m benchmarks render [JSONL ...] [--run ID] # re-render docs/benchmarks.md from results
@@ -59,7 +59,6 @@ TORCH_VARIANTS = {
 GPT_ONLY = ("sdpa", "sdpa-compile")
 OURS_PRESETS = {
     "default": [],
-    "flat-update": ["--flat-update"],
     "allreduce": ["--strategy", "allreduce"],
     "zero": ["--strategy", "zero"],
     "balanced": ["--placement", "balanced"],
@@ -75,7 +74,7 @@ def log(message: str) -> None:
 def parse_ours_variant(spec: str, default_path: str | None) -> dict:
     """``LABEL``, ``LABEL=FLAGS`` or ``LABEL[=FLAGS]@DIR``: transpile flags (space-separated) and
     the source tree whose transpiler and runtime run it (DIR is put first on PYTHONPATH).
-    A preset label (default, flat-update, allreduce, zero, balanced) needs no flags; so does any
+    A preset label (default, allreduce, zero, balanced) needs no flags; so does any
     label with @DIR (that tree's defaults)."""
     spec = original = spec.strip()
     path = default_path
@@ -466,7 +465,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default="1", help="world sizes, comma-separated (e.g. 1,2,4); default 1")
     p.add_argument("--variants", default="eager,fused,sdpa",
                    help="PyTorch rows: " + "; ".join(f"{k}: {v}" for k, v in TORCH_VARIANTS.items()) + " ('' for none)")
-    p.add_argument("--ours-variants", default="default,flat-update",
+    p.add_argument("--ours-variants", default="default",
                    help="graph-transpiler rows, comma-separated LABEL[=TRANSPILE FLAGS][@DIR]; presets: "
                         + ", ".join(f"{k} ({' '.join(v) or 'no flags'})" for k, v in OURS_PRESETS.items()) + " ('' for none)")
     p.add_argument("--ours-variant", action="append", metavar="SPEC", help="one more ours row (a SPEC with commas)")

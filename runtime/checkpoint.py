@@ -36,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 import zipfile
 from dataclasses import dataclass, field
@@ -55,9 +54,6 @@ PARTIAL = ".partial-"
 REPLACED = ".replaced-"
 LOCK = ".lock"
 STEP_KEY = "__checkpoint_step__"  # in every rank file: the step it holds
-# Fault injection for the tests: "<point>:<step>" kills rank 0 with SIGKILL at that point of the
-# save of that step (points: mkdir, rank_files, manifest, rename, prune).
-FAULT_ENV = "GRAPH_TRANSPILER_CHECKPOINT_FAULT"
 _NAME = re.compile(rf"^(?:{re.escape(PREFIX)}|{re.escape(PARTIAL)})(\d+)$")
 
 
@@ -146,13 +142,6 @@ class Lock:
             self.fd = -1
 
 
-def _fault(point: str, step: int) -> None:
-    if os.environ.get(FAULT_ENV) == f"{point}:{step}":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def agree(comm: Communicator, error: str | None) -> None:
     """Every rank learns which ranks failed (one host allreduce); the lowest failing rank raises its
     own message, the others PeerFailed (they say nothing: one line for the user, not one per rank)."""
@@ -199,7 +188,6 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
             partial.mkdir(parents=True)
         except OSError as exc:
             error = f"checkpoint {partial}: {os_error_text(exc)}; {kept}"
-        _fault("mkdir", step)
     agree(comm, error)
     mine = partial / f"rank{rank}.npz"
     try:
@@ -218,7 +206,6 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
             shutil.rmtree(partial, ignore_errors=True)
         raise
     if rank == 0:
-        _fault("rank_files", step)
         try:
             files = {}
             for r in range(comm.size):
@@ -231,15 +218,12 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, partial / "meta.json")
-            _fault("manifest", step)
             if final.exists():  # the same step saved again (a resumed run): never delete before publishing
                 replaced = directory / f"{REPLACED}{step}"
                 shutil.rmtree(replaced, ignore_errors=True)
                 os.replace(final, replaced)
             os.replace(partial, final)
-            _fault("rename", step)
             _prune(directory, keep)
-            _fault("prune", step)
         except OSError as exc:
             shutil.rmtree(partial, ignore_errors=True)
             where = exc.filename or partial

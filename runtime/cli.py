@@ -18,13 +18,13 @@ from pathlib import Path
 
 from runtime import checkpoint
 from runtime.collectives import LocalGroup
-from runtime.config import RunConfig, output_file
+from runtime.config import DEFAULT_TIMEOUT_S, RunConfig, check_timeout, output_file, parse_ep_options
 from runtime.data import Dataset, check_ids, id_bounds, shard_size
 from runtime.devices import BACKENDS, check_gpus, resolve_backend
 from runtime.errors import PeerFailed, RunError
 from runtime.evaluate import eval_batch_size, load_eval_data, make_evaluator
 from runtime.executor import CpuBackend
-from runtime.guard import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, timeout_from_env
+from runtime.guard import parent_token
 from runtime.launcher import Host, check_slots, detect_launcher, parse_hostfile, parse_hosts, spawn
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
@@ -75,10 +75,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="cpu (onnxruntime CPU, MPI), nccl (one GPU per rank: onnxruntime CUDA, NCCL) or "
                              "auto (default: nccl when GPUs, CuPy and onnxruntime-gpu are there, else cpu)")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help="stop the job with one line naming the rank that did not arrive when training makes no "
-                             f"progress for SECONDS (a collective waiting for a stopped or dead rank; default "
-                             f"${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})")
+                             "progress for SECONDS (a collective waiting for a stopped or dead rank); bounds every "
+                             "watchdog: the ranks', NCCL's and the torchrun bootstrap's wait for its peers "
+                             f"(default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--eval-data", metavar="EVAL.npz",
                         help="held-out arrays named like --data's: report the mean loss on them (eval mode: BatchNorm "
                              "running statistics, no Dropout) after the last step and every --eval-every steps")
@@ -91,6 +92,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "step's (rank 0 keeps a host copy of them)")
     parser.add_argument("--no-tf32", action="store_true",
                         help="nccl backend: fp32 MatMul/Conv in full fp32 instead of TF32 (for exact comparisons)")
+    parser.add_argument("--ep-option", action="append", metavar="KEY=VALUE",
+                        help="nccl backend only: an option of onnxruntime's CUDA execution provider for every session "
+                             "(e.g. prefer_nhwc=1, cudnn_conv_algo_search=EXHAUSTIVE, gpu_mem_limit=BYTES); repeat "
+                             "for several; the device, stream and CUDA graph options are the runtime's")
     # Several hosts, through the same mpiexec (docs/multi-node.md); the slots must add up to the plan's world size.
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument("--hostfile", metavar="FILE",
@@ -131,9 +136,8 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
         raise RunError("--checkpoint-every needs --checkpoint DIR")
     if args.keep_checkpoints < 1:
         raise RunError(f"--keep-last must be >= 1, got {args.keep_checkpoints}")
-    timeout = timeout_from_env() if args.timeout is None else args.timeout
-    if not 0 < timeout < float("inf"):
-        raise RunError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+    timeout = check_timeout(args.timeout)
+    ep_options = parse_ep_options(args.ep_option)
     eval_data, eval_batch = _check_eval(args, plan, export)
     schedule = Schedule.from_options(args.lr_schedule, args.warmup_steps, min_lr=args.min_lr,
                                      step_size=args.lr_step_size, gamma=args.lr_gamma)
@@ -157,7 +161,7 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
                        checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume,
                        keep_checkpoints=args.keep_checkpoints, timeout=timeout, timings=timings,
                        out=plan.out_dir.resolve(), data=Path(args.data).resolve(), backend=args.backend,
-                       tf32=not args.no_tf32, eval_data=eval_data, eval_every=args.eval_every,
+                       tf32=not args.no_tf32, ep_options=ep_options, eval_data=eval_data, eval_every=args.eval_every,
                        eval_batch=eval_batch, export_best=args.export_best, metrics=metrics, progress=args.progress)
     return plan, dataset, config
 
@@ -200,7 +204,13 @@ def run_command(args: argparse.Namespace) -> int:
                   "which chose the hosts; drop the option (or run transpile run outside the launcher)",
                   file=sys.stderr)
             return 2
-        return run_as_rank(lambda: resolve(args))
+        # Its timeout is needed before setup (the watchdog, the torchrun bootstrap); an invalid one
+        # is reported by resolve, once, through the ranks' agreement.
+        try:
+            timeout = check_timeout(args.timeout)
+        except RunError:
+            timeout = DEFAULT_TIMEOUT_S
+        return run_as_rank(lambda: resolve(args), timeout=timeout)
     try:
         plan, dataset, config = resolve(args)
         hosts = _hosts(args, plan.world_size)
@@ -218,6 +228,11 @@ def run_command(args: argparse.Namespace) -> int:
             if plan.world_size == 1 and hosts is None:
                 return _run_single(plan, dataset, config)
             with tempfile.TemporaryDirectory(prefix="transpile-run.", ignore_cleanup_errors=True) as tmp:
+                # What the ranks must know of this process travels in their configuration: that we
+                # started them and, on this host only, our token for their watchdogs to check and
+                # the directory of their heartbeats (both mean nothing on another host).
+                config = replace(config, spawned=True, **({"parent": parent_token(), "run_dir": Path(tmp)}
+                                                          if hosts is None else {}))
                 path = Path(tmp) / "config.json"  # the ranks read it at start-up, before any step
                 config.save(path)
                 # Ranks on other hosts cannot read a file in this host's /tmp: they get it inline.
@@ -262,8 +277,8 @@ def _run_single(plan: Plan, dataset: Dataset, config: RunConfig) -> int:
     if config.backend == "nccl":
         from runtime.gpu import GpuBackend, NcclCommunicator
 
-        backend = GpuBackend(0, tf32=config.tf32)
-        comm = NcclCommunicator(None, 0)
+        backend = GpuBackend(0, tf32=config.tf32, ep_options=config.ep_options)
+        comm = NcclCommunicator(None, 0, timeout=config.timeout)
         trainer = Trainer(plan, comm, rank=0, backend=backend)
         evaluator = make_evaluator(trainer, config)
         comm.connect()

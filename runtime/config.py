@@ -3,7 +3,10 @@
 ``transpile run`` parses and checks its arguments once (runtime/cli.py ``resolve``); the result is
 a RunConfig with absolute paths and every default applied. The ranks we spawn receive it as a JSON
 file (``save``/``load``: ``python -m runtime.worker --config FILE``), never as a rebuilt command
-line, so a new run option is one field here and one argument in runtime/cli.py.
+line, so a new run option is one field here and one argument in runtime/cli.py. What the parent
+tells the ranks it starts (``spawned``, ``parent``, ``run_dir``) travels in the same file, never in
+environment variables; under an outside launcher (mpirun, srun, torchrun) those fields keep their
+defaults.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import RunError
 from runtime.schedule import Schedule
+
+DEFAULT_TIMEOUT_S = 300.0  # --timeout's default
 
 
 def output_file(option: str, value: str | None) -> Path | None:
@@ -35,7 +40,39 @@ def output_file(option: str, value: str | None) -> Path | None:
     return path
 
 
-_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data", "metrics")
+def check_timeout(seconds: float) -> float:
+    """--timeout: a positive, finite number of seconds (one knob for every watchdog)."""
+    if not 0 < seconds < float("inf"):
+        raise RunError(f"--timeout must be a positive number of seconds, got {seconds:g}")
+    return seconds
+
+
+# Options of onnxruntime's CUDA execution provider that the runtime owns: the device and stream
+# every session must share (the program orders its work by that stream) and CUDA graphs (which
+# sessions capture is the program's decision).
+RESERVED_EP_OPTIONS = ("device_id", "user_compute_stream", "has_user_compute_stream", "enable_cuda_graph")
+
+
+def parse_ep_options(entries: list[str] | None) -> dict[str, str]:
+    """``--ep-option KEY=VALUE`` entries (repeatable) -> ``{KEY: VALUE}``, the last of a key winning
+    as on any command line; a malformed entry or a key the runtime owns is a one-line RunError
+    naming it. Keys and values are onnxruntime's CUDA execution provider options (prefer_nhwc,
+    cudnn_conv_algo_search, gpu_mem_limit, ...), passed through unchecked beyond that."""
+    options: dict[str, str] = {}
+    for entry in entries or []:
+        key, sep, value = entry.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise RunError(f"--ep-option {entry!r} is not KEY=VALUE (an onnxruntime CUDA execution provider "
+                           "option, e.g. --ep-option prefer_nhwc=1)")
+        if key in RESERVED_EP_OPTIONS:
+            raise RunError(f"--ep-option {entry!r}: {key} is set by the runtime and cannot be changed (reserved: "
+                           f"{', '.join(RESERVED_EP_OPTIONS)})")
+        options[key] = value.strip()
+    return options
+
+
+_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data", "metrics", "run_dir")
 
 
 @dataclass(frozen=True)
@@ -61,7 +98,10 @@ class RunConfig:
     data: Path | None = None  # the .npz
     backend: str = "cpu"  # "cpu", "nccl", or "auto" (each rank resolves it: runtime/devices.py)
     tf32: bool = True  # nccl backend: TF32 MatMul/Conv
-    timeout: float = 300.0  # seconds without progress (a collective waiting for a rank) before the job stops
+    ep_options: dict[str, str] = field(default_factory=dict)  # nccl backend: --ep-option, onnxruntime CUDA EP options
+    # --timeout: seconds without progress before the job stops, for every watchdog (the rank's,
+    # NCCL's) and the torch-style bootstrap's wait for its peers.
+    timeout: float = DEFAULT_TIMEOUT_S
     # --eval-data: the held-out .npz (runtime/evaluate.py), evaluated every eval_every steps (0: only
     # after the last step) in global batches of eval_batch rows; export_best: --export writes the
     # parameters of the best evaluation instead of the last step's.
@@ -69,6 +109,15 @@ class RunConfig:
     eval_every: int = 0
     eval_batch: int = 0
     export_best: bool = False
+    # Set by `transpile run` for the ranks it starts itself (runtime/cli.py), unset under an outside
+    # launcher: spawned, a failing rank exits non-zero (our mpiexec stops the others) and the parent
+    # holds the checkpoint lock; parent, the "<pid>:<start time>" of that `transpile run`, which each
+    # rank's watchdog checks (runtime/guard.py); run_dir, a directory private to the run for the
+    # ranks' heartbeat files. A run on several hosts leaves parent and run_dir out: they mean
+    # nothing on another host.
+    spawned: bool = False
+    parent: str | None = None
+    run_dir: Path | None = None
 
     def to_json(self) -> dict:
         raw = dataclasses.asdict(self)

@@ -1,20 +1,23 @@
 """Ranks that never outlive their job and never hang: parent-death signals, a parent-liveness
-check and a collective timeout for every backend (the GPU one has its own NCCL watchdog as well).
+check and a collective timeout for every backend (the GPU one has its own NCCL watchdog as well,
+bounded by the same ``--timeout``).
 
 - ``set_parent_death_signal``: prctl(PR_SET_PDEATHSIG, SIGKILL) through libc (Linux; a no-op
   elsewhere). ``transpile run`` sets it in mpiexec, each rank we spawn in itself: when the parent
   dies, however it dies (kill -9, the OOM killer), the kernel kills the child.
 - ``Watchdog`` (a daemon thread per rank):
-  - kills the rank when the ``transpile run`` that spawned it is gone (its pid and start time are
-    in the environment: ``PARENT_ENV``), so no rank outlives it even if mpiexec's process tree
-    does not pass the death on;
-  - writes a heartbeat file (``RUN_DIR_ENV``/rank{r}.beat: pid, step, phase) once a second, from
-    which a rank that times out, and the launcher, name the rank that stopped or died;
+  - kills the rank when the ``transpile run`` that spawned it is gone (its pid and start time, the
+    ``parent`` token of the rank's RunConfig: runtime/config.py), so no rank outlives it even if
+    mpiexec's process tree does not pass the death on;
+  - writes a heartbeat file (``run_dir``/rank{r}.beat, the RunConfig's run directory: pid, step,
+    phase) once a second, from which a rank that times out, and the launcher, name the rank that
+    stopped or died;
   - stops the job when the training loop has made no progress (no step, no checkpoint phase) for
-    ``timeout`` seconds: a collective whose peer stopped (SIGSTOP), died under an outside launcher,
-    or runs another number of steps never returns. The lowest rank still alive prints the one line
-    naming the ranks that did not arrive; every rank then exits with status 1 (MPI_Abort under an
-    outside launcher). The check costs nothing per step (the loop stores an int and a float).
+    ``timeout`` seconds (``--timeout``): a collective whose peer stopped (SIGSTOP), died under an
+    outside launcher, or runs another number of steps never returns. The lowest rank still alive
+    prints the one line naming the ranks that did not arrive; every rank then exits with status 1
+    (MPI_Abort under an outside launcher). The check costs nothing per step (the loop stores an int
+    and a float).
 """
 
 from __future__ import annotations
@@ -28,10 +31,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-PARENT_ENV = "GRAPH_TRANSPILER_PARENT"  # "<pid>:<start time>" of the `transpile run` that spawned the ranks
-RUN_DIR_ENV = "GRAPH_TRANSPILER_RUN_DIR"  # a directory private to one run: heartbeats, rank pids
-TIMEOUT_ENV = "GRAPH_TRANSPILER_COLLECTIVE_TIMEOUT"
-DEFAULT_TIMEOUT_S = 300.0
 STALE_S = 3.0  # a heartbeat older than this: the rank is not running (stopped, hung in C, dead)
 _PR_SET_PDEATHSIG = 1
 
@@ -58,6 +57,7 @@ def start_time(pid: int) -> str | None:
 
 
 def parent_token() -> str:
+    """This process's token, ``<pid>:<start time>``: what its ranks' watchdogs check (``alive``)."""
     pid = os.getpid()
     return f"{pid}:{start_time(pid) or ''}"
 
@@ -72,14 +72,6 @@ def alive(token: str) -> bool:
     except PermissionError:
         return True
     return not started or start_time(pid) in (None, started)
-
-
-def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        return default
 
 
 def read_beats(run_dir: Path, size: int) -> dict[int, tuple[float, int, str, int]]:
@@ -181,7 +173,7 @@ class Watchdog:
                         f"rank {r} {phase} {step}" for r, (_, step, phase, _) in behind)
         if speaker:
             print(f"transpile: error: rank {self.rank}: collective timeout: no progress for {idle:.0f} s in {where}; "
-                  f"{absent} (--timeout / {TIMEOUT_ENV})", file=sys.stderr, flush=True)
+                  f"{absent} (--timeout)", file=sys.stderr, flush=True)
         else:
             time.sleep(1.0)  # let the speaker's line out before the job is torn down
         self._exit(1)

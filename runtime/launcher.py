@@ -4,7 +4,9 @@ Under mpirun/mpiexec/srun/torchrun every process already is a rank: it reads its
 size and its local rank from the launcher's environment (``LAUNCHERS``) and must not spawn anything.
 Otherwise ``transpile run`` is the parent: it validates once, then runs ``mpiexec -n N python -m
 runtime.worker --config FILE`` (with ``--hostfile``/``--hosts``: on those hosts, the configuration
-inline) and returns its exit status (mpiexec tears all ranks down when one exits non-zero).
+inline) and returns its exit status (mpiexec tears all ranks down when one exits non-zero). What the
+ranks need to know of their parent travels in that configuration (runtime/config.py), not in the
+environment.
 """
 
 from __future__ import annotations
@@ -21,12 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime import variables
 from runtime.errors import RunError
-from runtime.guard import PARENT_ENV, RUN_DIR_ENV, parent_token, read_beats, set_parent_death_signal
+from runtime.guard import read_beats, set_parent_death_signal
 
-# Set in the environment of the ranks we spawn, so a failing rank knows that exiting non-zero is
-# enough to tear the others down (no MPI_Abort banner).
-SPAWNED_ENV = "GRAPH_TRANSPILER_SPAWNED"
 
 # Every launcher we recognise, first match wins. The order settles processes that see the variables
 # of several: Open MPI also sets PMIX_RANK; ranks that mpirun/mpiexec starts inside a Slurm
@@ -205,10 +205,12 @@ def hostfile_text(hosts: Sequence[Host], flavor: str) -> str:
     return "".join(f"{h.name}:{h.slots}\n" for h in hosts)
 
 
-# Variables the ranks on other hosts must see as they are here. Hydra passes the whole environment
-# on (-genvall, its default); Open MPI passes only what -x names to remote hosts.
-PASS_PREFIXES = ("NCCL_", "UCX_", "GRAPH_TRANSPILER_")
-PASS_NAMES = ("PYTHONPATH",)
+# Variables the ranks on other hosts must see as they are here: NCCL's, UCX's, PYTHONPATH and the
+# runtime's debugging aids (runtime/variables.py); everything else a rank needs is in its RunConfig.
+# Hydra passes the whole environment on (-genvall, its default); Open MPI passes only what -x names
+# to remote hosts.
+PASS_PREFIXES = ("NCCL_", "UCX_")
+PASS_NAMES = ("PYTHONPATH", *variables.ALL)
 
 
 def passed_variables(env: Mapping[str, str]) -> list[str]:
@@ -236,8 +238,9 @@ def mpiexec_command(mpiexec: str, flavor: str, n: int, worker_args: Sequence[str
 
 
 def child_environment() -> dict[str, str]:
+    """The environment of the processes we start (mpiexec and the ranks): ours, with NCCL's NVLS off
+    and this runtime first on PYTHONPATH. This process's own environment is left as it is."""
     env = dict(os.environ)
-    env[SPAWNED_ENV] = "1"
     # NVLink SHARP (multicast) is off on the machines we target (docs/runtime.md); harmless on CPU.
     env["NCCL_NVLS_ENABLE"] = "0"
     # The ranks must import this very runtime even when it is run from a checkout, not installed.
@@ -248,7 +251,8 @@ def child_environment() -> dict[str, str]:
 
 def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts: Sequence[Host] | None = None) -> int:
     """Run N rank processes of ``runtime.worker`` under mpiexec (on ``hosts``, else here); returns
-    the run's exit status.
+    the run's exit status. ``worker_args`` name the ranks' RunConfig, which tells them they were
+    spawned, and (on this host only) this process's token and ``run_dir`` for their heartbeats.
 
     mpiexec runs in its own session (process group). Ctrl-C (SIGINT), SIGTERM or SIGHUP on
     ``transpile run`` kills that whole group at once: the ranks, however blocked (a rank waiting in
@@ -266,14 +270,9 @@ def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts
     flavor = mpiexec_flavor(mpiexec)
     env = child_environment()
     hostfile = None
-    if hosts is None:
-        # The ranks' guards: heartbeats in a local directory, and this process's pid. Both mean
-        # nothing on another host (a remote rank would find no such pid and kill itself), so a
-        # multi-host run leaves them out and relies on mpiexec's proxies and the collective timeout.
-        if run_dir is not None:
-            env[RUN_DIR_ENV] = str(run_dir)
-        env[PARENT_ENV] = parent_token()
-    else:
+    if hosts is not None:
+        # The ranks' heartbeats (in run_dir) and parent check mean nothing on another host: their
+        # RunConfig leaves both out (runtime/cli.py), and so does the banner's lookup of the rank.
         if run_dir is None:
             raise ValueError("spawn on hosts needs run_dir (for the hostfile)")
         hostfile = run_dir / "hostfile"

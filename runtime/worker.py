@@ -4,6 +4,12 @@ hosts) under our mpiexec (the RunConfig that ``transpile run`` resolved, runtime
 host-side agreements go through a host group (runtime/bootstrap.py): MPI, or the TCP bootstrap
 under torchrun.
 
+Before it joins the host group a rank knows how it was started and its ``--timeout``: a spawned
+rank reads its RunConfig first (a small file: whether it was spawned, its parent's token, the run
+directory of its heartbeats), a rank of an outside launcher gets the timeout from its parsed
+arguments (runtime/cli.py). The watchdog runs from then on, also through the host group's join and
+the setup below.
+
 Failure handling keeps the "one line per error, no hang" promise in two phases:
 1. setup (plan, data, world size, building sessions) issues no collective, so every rank finishes
    it, even after an error; then the ranks agree (one allgather) whether anyone failed. On failure
@@ -29,14 +35,14 @@ from pathlib import Path
 from runtime import checkpoint
 from runtime.bootstrap import HostGroup, MpiHost, torch_style_host
 from runtime.collectives.mpi import MpiCommunicator
-from runtime.config import RunConfig
+from runtime.config import DEFAULT_TIMEOUT_S, RunConfig
 from runtime.data import Dataset
 from runtime.devices import pick_gpu, resolve_backend
 from runtime.errors import PeerFailed, RunError
 from runtime.evaluate import make_evaluator
 from runtime.executor import CpuBackend
-from runtime.guard import PARENT_ENV, RUN_DIR_ENV, Watchdog, set_parent_death_signal, timeout_from_env
-from runtime.launcher import SPAWNED_ENV, LaunchEnv, check_mpi_agrees, check_world_size, detect_launcher
+from runtime.guard import Watchdog, set_parent_death_signal
+from runtime.launcher import LaunchEnv, check_mpi_agrees, check_world_size, detect_launcher
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
 from runtime.trainer import Trainer
@@ -69,10 +75,10 @@ def _mpi_local(comm: MpiCommunicator) -> tuple[int, int]:
         local.Free()
 
 
-def _tear_down(host: HostGroup, code: int) -> None:
+def _tear_down(host: HostGroup, code: int, spawned: bool) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    if os.environ.get(SPAWNED_ENV) == "1":
+    if spawned:
         os._exit(code)  # our mpiexec kills the other ranks when one exits non-zero
     # An outside launcher's proxy forwards our stderr asynchronously; MPI_Abort tears it down at
     # once, and the line just printed was lost (seen with Hydra): give it a moment to go out.
@@ -90,11 +96,12 @@ def _agreed_exit(host: HostGroup) -> int:
     return 2
 
 
-def _join_hosts(launch: LaunchEnv | None) -> tuple[HostGroup, MpiCommunicator | None]:
+def _join_hosts(launch: LaunchEnv | None, timeout: float) -> tuple[HostGroup, MpiCommunicator | None]:
     """The ranks' host group, and the MPI communicator where the launcher made MPI processes (our
-    own mpiexec, mpirun, srun); torchrun's ranks meet over the TCP bootstrap instead."""
+    own mpiexec, mpirun, srun); torchrun's ranks meet over the TCP bootstrap instead, waiting up to
+    ``timeout`` seconds for each other."""
     if launch is not None and not launch.mpi:
-        return torch_style_host(os.environ, launch.rank, launch.size, timeout_from_env()), None
+        return torch_style_host(os.environ, launch.rank, launch.size, timeout), None
     comm = MpiCommunicator()
     if launch is not None:
         check_mpi_agrees(launch, comm.rank, comm.size)
@@ -120,29 +127,34 @@ def _make_backend(config: RunConfig, host: HostGroup, comm: MpiCommunicator | No
     if local_rank is None:
         raise RunError(f"{launch.launcher} gave this rank no local rank (LOCAL_RANK): cannot tell which GPU it drives")
     device = pick_gpu(local_rank, local_size)
-    return GpuBackend(device, tf32=config.tf32), NcclCommunicator(host, device)
+    return (GpuBackend(device, tf32=config.tf32, ep_options=config.ep_options),
+            NcclCommunicator(host, device, timeout=config.timeout))
 
 
-def run_as_rank(setup: Setup) -> int:
+def run_as_rank(setup: Setup, *, timeout: float = DEFAULT_TIMEOUT_S, spawned: bool = False,
+                parent: str | None = None, run_dir: Path | None = None) -> int:
     """Run this process as the rank its launcher gave it; returns the exit status. ``setup`` loads
-    the plan, the data and the run's configuration (errors in it are agreed on, phase 1 above)."""
+    the plan, the data and the run's configuration (errors in it are agreed on, phase 1 above).
+
+    What is known before ``setup``, from the rank's RunConfig when ``transpile run`` spawned it
+    (runtime/config.py), else from its command line: ``timeout`` (``--timeout``, for the watchdog
+    and the torch-style bootstrap's wait), ``spawned`` (our mpiexec started this rank: a failing
+    rank just exits), ``parent`` (the token of the ``transpile run`` whose end ends this rank) and
+    ``run_dir`` (where the heartbeat files go)."""
     # Ctrl-C ends a rank at once, with no traceback: Python's handler would only run once the call
     # in progress returns, and a rank blocked in a collective whose peer has gone never returns.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    spawned = os.environ.get(SPAWNED_ENV) == "1"
     if spawned:
         set_parent_death_signal()  # the rank dies with its parent (mpiexec's proxy), however it dies
     try:
         launch = detect_launcher()
-        host, comm = _join_hosts(launch)
+        host, comm = _join_hosts(launch, timeout)
     except RunError as exc:  # no agreement is possible without the host group: each rank says why (its rank in it)
         print(f"transpile: error: {exc}", file=sys.stderr, flush=True)
         return 2
     rank_comm = comm  # the communicator training uses (its ``current`` collective names a timeout)
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    watchdog = Watchdog(host.rank, host.size, timeout=timeout_from_env(), exit=lambda code: _tear_down(host, code),
-                        run_dir=Path(run_dir) if run_dir else None,
-                        parent=os.environ.get(PARENT_ENV) if spawned else None,
+    watchdog = Watchdog(host.rank, host.size, timeout=timeout, exit=lambda code: _tear_down(host, code, spawned),
+                        run_dir=run_dir, parent=parent if spawned else None,
                         activity=lambda: getattr(rank_comm, "current", None)).start()
     watchdog.arm()  # the setup agreement below is a collective too: a rank stopped in setup must not hang the rest
     trainer = evaluator = error = None
@@ -204,11 +216,11 @@ def run_as_rank(setup: Setup) -> int:
         print(f"transpile: error: rank {host.rank}: {exc}", file=sys.stderr, flush=True)
         if getattr(exc, "agreed", False):
             return _agreed_exit(host)
-        _tear_down(host, 2)
+        _tear_down(host, 2, spawned)
     except Exception as exc:  # a bug, not a user error: keep the traceback
         traceback.print_exc()
         print(f"transpile: error: rank {host.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
-        _tear_down(host, 1)
+        _tear_down(host, 1, spawned)
     host.close()
     return 0
 
@@ -266,7 +278,19 @@ def main(argv: list[str] | None = None) -> int:
     # Inline, as ranks on other hosts cannot read a file of the launching host's /tmp.
     given.add_argument("--config-json", metavar="JSON", help="the same, as JSON text")
     args = parser.parse_args(argv)
-    return run_as_rank(lambda: load_setup(RunConfig.load(args.config) if args.config else _parse_config(args.config_json)))
+    # The configuration first (it is small): how this rank was started and its timeout are needed
+    # before the host group is joined; plan and data are loaded in setup, under the watchdog.
+    try:
+        config = RunConfig.load(args.config) if args.config else _parse_config(args.config_json)
+    except RunError as exc:
+        unreadable = exc
+
+        def refuse() -> tuple[Plan, Dataset, RunConfig]:  # still one line, through the ranks' agreement
+            raise unreadable
+
+        return run_as_rank(refuse)
+    return run_as_rank(lambda: load_setup(config), timeout=config.timeout, spawned=config.spawned,
+                       parent=config.parent, run_dir=config.run_dir)
 
 
 def _parse_config(text: str) -> RunConfig:

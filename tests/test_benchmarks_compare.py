@@ -202,7 +202,9 @@ def test_render_command_from_jsonl(jsonl, tmp_path):
 
 def test_ours_variant_specs(tmp_path):
     assert parse_ours_variant("default", None) == {"label": "default", "flags": [], "path": None}
-    assert parse_ours_variant("flat-update", None)["flags"] == ["--flat-update"]
+    assert parse_ours_variant("allreduce", None)["flags"] == ["--strategy", "allreduce"]
+    with pytest.raises(ValueError, match="unknown preset 'flat-update'"):  # transpile --flat-update was removed
+        parse_ours_variant("flat-update", None)
     tree = tmp_path / "tree"
     (tree / "runtime").mkdir(parents=True)
     (tree / "transpiler").mkdir()
@@ -238,14 +240,14 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     results, doc, image = tmp_path / "r.jsonl", tmp_path / "benchmarks.md", tmp_path / "b.png"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "benchmarks", "compare", "--device", "cpu", "--models", "perceptron",
-           "--variants", "eager", "--ours-variants", "default,flat-update", "--batch", "64", "--steps", "3",
+           "--variants", "eager", "--ours-variants", "default,allreduce", "--batch", "64", "--steps", "3",
            "--windows", "3", "--warmup", "2", "--threads", "1", "--work", str(tmp_path / "work"),
            "--results", str(results), "--docs", str(doc), "--image", str(image)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     records = bench_lib.load_jsonl([results])
     assert [(r["system"], r["variant"]) for r in records] == [
-        ("pytorch", "eager"), ("graph-transpiler", "default"), ("graph-transpiler", "flat-update")]
+        ("pytorch", "eager"), ("graph-transpiler", "default"), ("graph-transpiler", "allreduce")]
     for r in records:
         assert set(bench_lib.RECORD_KEYS) <= set(r) and not r.get("error")
         assert r["device"] == "cpu" and r["gpus"] == 1 and r["batch"] == 64 and len({x["run"] for x in records}) == 1
@@ -254,7 +256,7 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     # same module, same data, same start: the first losses agree
     losses = [r["first_loss"] for r in records]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
-    assert "graph-transpiler | flat-update" in doc.read_text() and image.exists()
+    assert "graph-transpiler | allreduce" in doc.read_text() and image.exists()
     # a rerun with the same --run-id reuses the exported model and the OUTs; its row replaces the earlier one
     again = subprocess.run(cmd + ["--variants", "", "--ours-variants", "default", "--run-id", records[0]["run"]],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -204,8 +204,9 @@ class FakeNccl:
         return object()
 
 class FakeNcclCommunicator(Communicator):
-    def __init__(self, host, device):
+    def __init__(self, host, device, *, timeout):
         self.host, self.rank, self.size, self.device = host, host.rank, host.size, device
+        print("nccl-timeout", json.dumps(timeout), file=sys.stderr, flush=True)
     def connect(self):
         join_nccl(FakeNccl(), self.host, self.rank, self.size, self.device)
     def allreduce(self, arrays, reduction):
@@ -227,7 +228,11 @@ class FakeNcclCommunicator(Communicator):
     def allreduce_scalars(self, values, reduction="mean"): return self.host.allreduce_scalars(values, reduction)
     def abort(self, code): self.host.abort(code)
 
-runtime.gpu.GpuBackend = lambda device, tf32: CpuBackend(threads=1)
+def FakeGpuBackend(device, *, tf32, ep_options):
+    print("gpu-backend", json.dumps({"tf32": tf32, "ep_options": ep_options}), file=sys.stderr, flush=True)
+    return CpuBackend(threads=1)
+
+runtime.gpu.GpuBackend = FakeGpuBackend
 runtime.gpu.NcclCommunicator = FakeNcclCommunicator
 runtime.worker.pick_gpu = lambda local_rank, local_size: local_rank
 from runtime.cli import main
@@ -243,7 +248,7 @@ def test_gpu_path_under_a_torch_style_launcher_with_a_fake_nccl(tmp_path):
     np.savez(tmp_path / "d.npz", **data)
     port = free_port()
     command = [sys.executable, "-c", FAKE_GPU_RANK, "run", str(out), "--data", str(tmp_path / "d.npz"), "--batch", "4",
-               "--steps", "3", "--log-every", "1", "--backend", "nccl"]
+               "--steps", "3", "--log-every", "1", "--backend", "nccl", "--timeout", "45", "--ep-option", "prefer_nhwc=1"]
     ranks = [subprocess.Popen(command, env=_rank_env(r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=tmp_path) for r in range(2)]
     outputs = [rank.communicate(timeout=90) for rank in ranks]
@@ -254,6 +259,14 @@ def test_gpu_path_under_a_torch_style_launcher_with_a_fake_nccl(tmp_path):
              if line.startswith("nccl-init")]
     assert sorted((i["rank"], i["size"]) for i in inits) == [(0, 2), (1, 2)]
     assert inits[0]["uid"] == inits[1]["uid"] and bytes.fromhex(inits[0]["uid"]).startswith(b"uid-of-rank-0-")
+
+    def said(word):
+        return [json.loads(line.split(" ", 1)[1]) for _, err in outputs for line in err.splitlines()
+                if line.startswith(word + " ")]
+
+    # The one --timeout bounds the NCCL watchdog too; --ep-option reaches the backend.
+    assert said("nccl-timeout") == [45.0, 45.0]
+    assert said("gpu-backend") == [{"tf32": True, "ep_options": {"prefer_nhwc": "1"}}] * 2
     lines = outputs[0][0].splitlines()
     assert lines[0] == "launcher: torchrun (2 rank(s), backend nccl)"  # rank 0 says how it was started
     assert outputs[1][0] == ""  # the log is rank 0's

@@ -145,6 +145,21 @@ def test_bad_options(perceptron, tmp_path, args, fragments):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("before", [False, True])
+def test_the_removed_flat_update_is_a_usage_error_naming_its_replacement(perceptron, tmp_path, before):
+    """--flat-update was accepted and ignored; now it is refused while the command line is parsed
+    (before -o or the model are even checked), with what replaced it."""
+    args = ["--flat-update", perceptron / "model.onnx", "-o", tmp_path / "out"] if before else \
+        [perceptron / "model.onnx", "--gpus", "2", "--flat-update", "-o", tmp_path / "out"]
+    line = assert_clean_error(transpile_cli(*args, cwd=tmp_path), "--flat-update was removed: ",
+                              "one fused node per tensor", "one multi-tensor kernel", "drop the option")
+    assert line.startswith("transpile: error: --flat-update")
+    assert not (tmp_path / "out").exists()
+    assert_clean_error(transpile_cli(perceptron / "model.onnx", "--flat-update", cwd=tmp_path), "--flat-update was removed")
+    done = transpile_cli("help", "compile", cwd=tmp_path)
+    assert done.returncode == 0 and "--flat-update" not in done.stdout
+
+
 def test_failed_transpile_keeps_an_existing_out(perceptron, tmp_path):
     out = tmp_path / "out"
     assert transpile_cli(perceptron / "model.onnx", "--gpus", "2", "-o", out, cwd=tmp_path).returncode == 0

@@ -166,6 +166,95 @@ def test_resume_refuses_another_lr_unless_overridden(job, tmp_path):
     assert done.returncode == 0, done.stderr
 
 
+# Put first on PYTHONPATH (the ranks inherit it), this sitecustomize kills the process that reaches
+# POINT of the save of checkpoint STEP with SIGKILL (only rank 0 makes the directory, hashes the rank
+# files and renames): through what runtime/checkpoint.py calls to do its work (Path.mkdir, os.replace,
+# its _sha256 and _prune), so the product code has no hook for it.
+FAULT_HOOK = """
+import importlib.abc
+import importlib.machinery
+import os
+import pathlib
+import signal
+import sys
+
+POINT, STEP = {point!r}, {step!r}
+PARTIAL, FINAL = f".partial-{{STEP}}", f"checkpoint-{{STEP}}"
+published = []
+
+
+def die():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+mkdir = pathlib.Path.mkdir
+
+
+def mkdir_then_die(self, *args, **kwargs):
+    mkdir(self, *args, **kwargs)
+    if POINT == "mkdir" and self.name == PARTIAL:
+        die()
+
+
+replace = os.replace
+
+
+def replace_then_die(src, dst, *args, **kwargs):
+    replace(src, dst, *args, **kwargs)
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if POINT == "manifest" and dst.name == "meta.json" and dst.parent.name == PARTIAL:
+        die()
+    if src.name == PARTIAL and dst.name == FINAL:
+        published.append(STEP)
+        if POINT == "rename":
+            die()
+
+
+def wrap(checkpoint):
+    sha256, prune = checkpoint._sha256, checkpoint._prune
+
+    def die_then_sha256(path):  # the first thing rank 0 does once every rank file is on disk
+        if POINT == "rank_files" and pathlib.Path(path).parent.name == PARTIAL:
+            die()
+        return sha256(path)
+
+    def prune_then_die(*args, **kwargs):
+        prune(*args, **kwargs)
+        if POINT == "prune" and published:
+            die()
+
+    checkpoint._sha256, checkpoint._prune = die_then_sha256, prune_then_die
+
+
+class Wrap(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "runtime.checkpoint":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            wrap(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+pathlib.Path.mkdir, os.replace = mkdir_then_die, replace_then_die
+sys.meta_path.insert(0, Wrap())
+"""
+
+
+def kill_at(directory: Path, point: str, step: int) -> Path:
+    """A directory holding FAULT_HOOK's sitecustomize.py for POINT of the save of STEP."""
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(FAULT_HOOK.format(point=point, step=step))
+    return directory
+
+
 @pytest.mark.parametrize("point", ["mkdir", "rank_files", "manifest", "rename", "prune"])
 def test_a_death_inside_a_checkpoint_save_still_resumes(job, tmp_path, point):
     """SIGKILL of rank 0 between the file operations of the save of step 4: the store still
@@ -176,7 +265,7 @@ def test_a_death_inside_a_checkpoint_save_still_resumes(job, tmp_path, point):
     if not whole.exists():
         assert cli("run", out, *common, "--steps", 6, "--export", whole, cwd=root).returncode == 0
     ck = tmp_path / "ck"
-    env = {**ENV, "GRAPH_TRANSPILER_CHECKPOINT_FAULT": f"{point}:4"}
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(kill_at(tmp_path / "fault", point, 4)), ENV["PYTHONPATH"]])}
     died = cli("run", out, *common, "--steps", 6, "--checkpoint", ck, "--checkpoint-every", 2, cwd=tmp_path, env=env)
     assert died.returncode != 0
     assert (ck / "checkpoint-2").is_dir()  # never deleted before a newer one is complete
@@ -460,6 +549,19 @@ def test_transpile_export_writes_a_checkpoints_model(job, tmp_path, strategy):
     assert done.returncode == 0, done.stderr
     one_error_line(cli("export", out, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "d.onnx", cwd=tmp_path),
                    "written for another plan")
+
+
+def test_an_invalid_timeout_under_an_outside_launcher_is_one_line(job, tmp_path):
+    """Each rank needs its --timeout before it joins the others (its watchdog, a torchrun bootstrap's
+    wait): an invalid one is still refused once, through the ranks' agreement on setup errors."""
+    sys.path.insert(0, ENV["PYTHONPATH"])
+    from runtime.launcher import find_mpiexec
+
+    _, out, _, common = job
+    done = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-m", "commands", "run", str(out),
+                           *map(str, common), "--steps", "1", "--timeout", "-1"], capture_output=True, text=True,
+                          cwd=tmp_path, env=ENV, timeout=120)
+    one_error_line(done, "--timeout must be a positive number of seconds, got -1")
 
 
 def test_a_stopped_rank_under_an_outside_launcher_times_out(job, tmp_path):

@@ -112,8 +112,8 @@ def test_a_stuck_or_dead_rank_ends_the_job_within_60_s(model_dir, tmp_path, faul
 
     mpiexec = find_mpiexec()
     cmd = mpiexec_command(mpiexec, mpiexec_flavor(mpiexec), 2, [])
-    cmd = cmd[:cmd.index("-m")] + [__file__, str(out), str(models / "data.npz"), fault]
-    env = {**child_environment(), "GRAPH_TRANSPILER_NCCL_TIMEOUT": "10"}
+    cmd = cmd[:cmd.index("-m")] + [__file__, str(out), str(models / "data.npz"), fault, "--timeout", "10"]
+    env = child_environment()
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     elapsed = time.monotonic() - started
@@ -123,8 +123,10 @@ def test_a_stuck_or_dead_rank_ends_the_job_within_60_s(model_dir, tmp_path, faul
         assert "rank 0: AllReduce" in done.stderr and "did not complete within 10 s" in done.stderr
 
 
-def _faulty_rank(out: str, data: str, fault: str) -> int:
-    """mpiexec -n 2 target: rank 1 hangs (sleeps) or dies after 3 steps; rank 0 keeps stepping."""
+def _faulty_rank(out: str, data: str, fault: str, timeout_option: str, timeout: str) -> int:
+    """mpiexec -n 2 target: rank 1 hangs (sleeps) or dies after 3 steps; rank 0 keeps stepping
+    (its NCCL watchdog bounded by ``--timeout SECONDS``, as transpile run passes it)."""
+    assert timeout_option == "--timeout"
     from runtime.collectives.mpi import MpiCommunicator
     from runtime.data import Dataset
     from runtime.gpu import GpuBackend, NcclCommunicator
@@ -133,7 +135,7 @@ def _faulty_rank(out: str, data: str, fault: str) -> int:
 
     host = MpiCommunicator()
     backend = GpuBackend(host.rank)
-    comm = NcclCommunicator(host, host.rank)
+    comm = NcclCommunicator(host, host.rank, timeout=float(timeout))
     plan = load_plan(out)
     trainer = Trainer(plan, comm, rank=host.rank, backend=backend)
     comm.connect()

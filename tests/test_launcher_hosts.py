@@ -10,7 +10,7 @@ import pytest
 from test_runtime_launcher import _clean_env
 from test_runtime_outdir import make_data, write_out
 
-from runtime import RunError
+from runtime import RunError, variables
 from runtime.cli import main
 from runtime.launcher import Host, check_slots, hostfile_text, mpiexec_command, parse_hostfile, parse_hosts
 
@@ -46,13 +46,15 @@ def test_each_mpi_gets_its_own_hostfile_and_environment(tmp_path):
     assert hostfile_text(hosts, "openmpi") == "n1 slots=2\nn2 slots=2\n"
     assert hostfile_text(hosts, "mpich") == "n1:2\nn2:2\n"
     env = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_NVLS_ENABLE": "0", "UCX_TLS": "rc", "HOME": "/root",
-           "PYTHONPATH": "/src", "GRAPH_TRANSPILER_COLLECTIVE_TIMEOUT": "60"}
+           "PYTHONPATH": "/src", variables.DEBUG_SYNC: "1", variables.NATIVE_OFF: "all",
+           "GRAPH_TRANSPILER_UNKNOWN": "1"}
     openmpi = mpiexec_command("mpirun", "openmpi", 4, ["--config-json", "{}"], tmp_path / "h", env)
     assert openmpi[openmpi.index("--hostfile") + 1] == str(tmp_path / "h")
-    # Open MPI passes only what -x names to remote hosts: NCCL_*, UCX_*, ours and PYTHONPATH, unchanged.
+    # Open MPI passes only what -x names to remote hosts: NCCL_*, UCX_*, PYTHONPATH and the runtime's
+    # debugging aids (runtime/variables.py), unchanged; no other variable of ours is read by a rank.
     passed = [openmpi[i + 1] for i, word in enumerate(openmpi) if word == "-x"]
-    assert passed == ["GRAPH_TRANSPILER_COLLECTIVE_TIMEOUT", "NCCL_NVLS_ENABLE", "NCCL_SOCKET_IFNAME", "PYTHONPATH",
-                      "UCX_TLS"]
+    assert passed == sorted(["NCCL_NVLS_ENABLE", "NCCL_SOCKET_IFNAME", "PYTHONPATH", "UCX_TLS", variables.DEBUG_SYNC,
+                             variables.NATIVE_OFF])
     mpich = mpiexec_command("mpiexec", "mpich", 4, ["--config-json", "{}"], tmp_path / "h", env)
     assert mpich[:5] == ["mpiexec", "-f", str(tmp_path / "h"), "-genvall", "-n"]  # Hydra: the whole environment
     assert mpich[-5:] == [sys.executable, "-m", "runtime.worker", "--config-json", "{}"]

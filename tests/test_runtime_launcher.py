@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from test_runtime_outdir import make_data, write_out
 
 from runtime import RunError, simulate
 from runtime.cli import main
+from runtime.config import RunConfig
+from runtime.guard import parent_token
 from runtime.launcher import LAUNCHERS, check_world_size, child_environment, mpiexec_command
 from runtime.metrics import read_metrics
 
@@ -33,6 +36,8 @@ def test_mpiexec_flags_by_flavor():
     assert "--oversubscribe" in openmpi and ("--allow-run-as-root" in openmpi) == (os.geteuid() == 0)
     assert openmpi[-4:] == [sys.executable, "-m", "runtime.worker", "OUT"]
     assert child_environment()["NCCL_NVLS_ENABLE"] == "0"
+    # What a rank needs of its parent is in its RunConfig: the environment gains no variable of ours.
+    assert not [k for k in child_environment() if k.startswith("GRAPH_TRANSPILER_") and k not in os.environ]
 
 
 def _clean_env(monkeypatch):
@@ -51,6 +56,44 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys, monkeypatch):
     np.savez(tmp_path / "d.npz", x=data["x"])
     assert main(["run", str(out), "--data", str(tmp_path / "d.npz"), "--batch", "4", "--steps", "1"]) == 2
     assert "missing input 'y'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_an_invalid_timeout_is_one_line(tmp_path, capsys, monkeypatch, value):
+    _clean_env(monkeypatch)
+    out = write_out(tmp_path / "out", 2, "allreduce")
+    np.savez(tmp_path / "d.npz", **make_data())
+    assert main(["run", str(out), "--data", str(tmp_path / "d.npz"), "--batch", "4", "--steps", "1", "--timeout",
+                 value]) == 2
+    assert capsys.readouterr().err == f"transpile: error: --timeout must be a positive number of seconds, got {value}\n"
+
+
+def test_the_ranks_learn_of_their_parent_from_their_run_configuration(tmp_path, capsys, monkeypatch):
+    """transpile run tells the ranks it starts that it started them, its token (pid and start time)
+    and the directory of their heartbeats in their RunConfig, not in environment variables; on
+    several hosts the token and the directory (meaningless there) are left out."""
+    _clean_env(monkeypatch)
+    out = write_out(tmp_path / "out", 2, "allreduce")
+    np.savez(tmp_path / "d.npz", **make_data())
+    seen = {}
+
+    def spawn(n, args, run_dir=None, hosts=None):
+        option, given = args
+        seen["config"] = RunConfig.load(given) if option == "--config" else RunConfig.from_json(json.loads(given))
+        seen["run_dir"], seen["hosts"] = run_dir, hosts
+        return 0
+
+    monkeypatch.setattr("runtime.cli.spawn", spawn)
+    run = ["run", str(out), "--data", str(tmp_path / "d.npz"), "--batch", "4", "--steps", "1", "--backend", "cpu",
+           "--timeout", "7"]
+    assert main(run) == 0
+    config = seen["config"]
+    assert config.spawned and config.parent == parent_token() and config.timeout == 7
+    assert config.run_dir == seen["run_dir"] and config.run_dir.name.startswith("transpile-run.")
+    assert main([*run, "--hosts", "a:1,b:1"]) == 0
+    config = seen["config"]
+    assert seen["hosts"] and config.spawned and config.parent is None and config.run_dir is None
+    capsys.readouterr()
 
 
 @pytest.mark.mpi

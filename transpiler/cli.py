@@ -21,6 +21,18 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected numbers like '0.9,0.999', got '{text}'") from None
 
 
+class _Removed(argparse.Action):
+    """An option that no longer exists: giving it is a one-line usage error naming what replaced it
+    (raised while parsing, before any other check; commands/ prints it, status 2)."""
+
+    def __init__(self, option_strings, dest, *, why: str, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise TranspileError(f"{option_string} was removed: {self.why}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``transpile MODEL`` (the parser itself belongs to commands/)."""
     p.add_argument("model", help="the ONNX model; its loss is computed inside the graph")
@@ -36,9 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", metavar="REGEX",
                    help="initializers whose name matches are trained even where the default rules freeze them "
                         "(0-d constants, Pow exponents, rotary inv_freq, masks, ...; docs/models.md)")
-    p.add_argument("--flat-update", action="store_true",
-                   help="deprecated, ignored: every update is one fused node, and the GPU backend updates a "
-                        "bucket in one kernel (docs/optimizers.md)")
+    p.add_argument("--flat-update", action=_Removed,
+                   why="every optimizer update is already one fused node per tensor and the GPU backend updates "
+                       "each bucket in one multi-tensor kernel (docs/optimizers.md); drop the option")
     p.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step: each rank's shard is cut into K, their gradients are "
                         "averaged before the collectives (default 1)")
@@ -95,7 +107,6 @@ def execute(args: argparse.Namespace) -> int:
         optimizer=optimizer_config(args),
         bucket_mb=args.bucket_mb,
         sync_bn=args.sync_bn,
-        flat_update=args.flat_update,
         grad_accumulation=args.grad_accumulation,
     )
     from transpiler.progress import LARGE_MODEL_BYTES, LARGE_WORLD, Progress
