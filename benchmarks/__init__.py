@@ -13,7 +13,7 @@ docs/benchmarks.md (table + docs/images/benchmarks.png). From the repository roo
 
     # before/after of another checkout in the same session (rows LABEL[=FLAGS][@DIR])
     python -m benchmarks compare --work /tmp/bench-work --models gpt2_small --variants eager \
-        --ours-variants 'default,allreduce,base@/path/to/old,baseflat=--flat-update@/path/to/old'
+        --ours-variants 'default,allreduce,base@/path/to/old,basezero=--strategy zero@/path/to/old'
 
     # no GPU: torch on CPU and the CPU backend, tiny sizes
     python -m benchmarks compare --device cpu --models perceptron,gpt2_small,resnet18 --layers 2 \

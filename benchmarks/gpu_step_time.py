@@ -107,7 +107,6 @@ def main() -> int:
                    help="basic: benchmarks/gpu_gpt.py (basic ops, one-hot embedding; the model measured so far); "
                         "pytorch: models/gpt.py's GPT-2-small exported from PyTorch (Gather embedding, "
                         "LayerNorm, Softmax: the layout behind the DDP reference; needs torch)")
-    p.add_argument("--flat-update", action="store_true", help="transpile with --flat-update")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -141,7 +140,6 @@ def main() -> int:
         if not (out / "plan.json").exists():
             cmd = [sys.executable, "-m", "transpiler.cli", str(work / "model.onnx"), "-o", str(out), "--gpus",
                    str(args.gpus), "--strategy", s, "--optimizer", "adamw", "--lr", "1e-4"]
-            cmd += ["--flat-update"] if args.flat_update else []
             jobs[s] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     errors = {}
     for s, job in jobs.items():
@@ -154,7 +152,7 @@ def main() -> int:
     mpiexec = find_mpiexec()
     flavor = mpiexec_flavor(mpiexec)
     # Same shape either way; the PyTorch model's LM head is not tied to the embedding (162.7M vs 124M).
-    report = {"model": {"kind": args.model, "flat_update": args.flat_update, "shape": shape,
+    report = {"model": {"kind": args.model, "shape": shape,
                         "tied_embedding": args.model == "basic", "per_gpu_batch": PER_GPU_BATCH,
                         "optimizer": "adamw", "tf32": True, "bucket_mb": 25},
               "reference_pytorch_ddp_ms": {"1": 30.2, "4": 31.9}, "results": [], "not_run": errors}

@@ -65,22 +65,3 @@ def test_ranks_equal_one_device(model, opt, world, strategy, placement, model_di
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-5)
     # Training moved the parameters (comparing two untouched models would pass vacuously).
     assert max_rel_error(result.parameters[0], initial_parameters(model_dir(model) / "model.onnx")) > 1e-3
-
-
-@pytest.mark.parametrize("strategy", ["allreduce", "sharded"])
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-def test_flat_update_is_accepted_and_changes_nothing(opt, strategy, model_dir, tmp_path):
-    """--flat-update is deprecated: every update is one fused node (the GPU backend groups a bucket's
-    nodes into one kernel), so the option is accepted and ignored: same state, bit-identical results."""
-    data = load_data(model_dir("perceptron") / "data.npz")
-    results = []
-    for flat in (False, True):
-        out = tmp_path / f"out-{flat}"
-        options = Options(world_size=4, strategy=strategy, optimizer=OPTIMIZERS[opt], flat_update=flat,
-                          placement="balanced")
-        plan = transpile(model_dir("perceptron") / "model.onnx", out, options)
-        results.append(simulate(out, data, batch=BATCH, steps=STEPS, lr=OPTIMIZERS[opt].lr * LR_SCALE["perceptron"]))
-        names = [s["input"] for r in plan["graphs"]["ranks"] for s in r["state"] if s["kind"] == "optimizer"]
-        assert not any(n.startswith("bucket") for n in names)
-    for name, value in results[0].parameters[0].items():
-        np.testing.assert_array_equal(results[1].parameters[0][name], value, err_msg=name)

@@ -33,13 +33,12 @@ def attr(node, name):
     return value.decode() if isinstance(value, bytes) else value
 
 
-@pytest.mark.parametrize("flat_update", [False, True])
 @pytest.mark.parametrize("placement", ["hash", "balanced"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_invariants(model_dir, tmp_path, world, placement, flat_update):
+def test_sharded_invariants(model_dir, tmp_path, world, placement):
     out = tmp_path / "out"
     transpile(model_dir("perceptron") / "model.onnx", out,
-              Options(world_size=world, strategy="sharded", placement=placement, flat_update=flat_update,
+              Options(world_size=world, strategy="sharded", placement=placement,
                       optimizer=OptimizerConfig("adamw")))
     plan, steps, inits = load_out(out)
     params = [p["name"] for p in plan["parameters"]]

@@ -115,10 +115,9 @@ def test_each_gradient_reduced_as_declared(name, world, accumulation, jobs):
             job.problem.params, expected), f"rank {graphs.rank}"
 
 
-@pytest.mark.parametrize("flat_update", [False, True])
 @pytest.mark.parametrize(("name", "world"), CASES, ids=IDS)
-def test_updates_per_parameter_as_declared(name, world, flat_update, jobs):
-    job = jobs(name, world, flat_update=flat_update)
+def test_updates_per_parameter_as_declared(name, world, jobs):
+    job = jobs(name, world)
     low, high = STRATEGIES[name].updates_per_param(world)
     updates = Counter(p for graphs in job.ranks for p in graphs.updates)
     assert all(low <= updates[p] <= high for p in job.problem.params), updates

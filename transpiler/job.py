@@ -35,7 +35,6 @@ class Options:
     sync_bn: bool = False  # BatchNormalization statistics all-reduced across ranks
     # Update each bucket of several parameters as one flat vector (fewer, larger ops: for GPUs,
     # where ~25 small kernels per parameter cost launches; on CPU the copies make it slower).
-    flat_update: bool = False
     # Micro-batches per optimizer step: K-1 accumulate-graph runs, then the step graph, whose
     # gradients are the mean over the K micro-batches (DDP's no_sync, Horovod's backward_passes_per_step).
     grad_accumulation: int = 1

@@ -6,7 +6,7 @@ body the standard-op update), whatever the strategy:
   (the optimizer table's slots) becomes state inputs/outputs of the step graph.
 - ``emit_bucket_update(step, bucket, grads)``: a bucket's parameters, each its own node. A backend
   with a native kernel runs a bucket's consecutive update nodes as one multi-tensor launch, which
-  is what --flat-update used to do with concatenations (it is now accepted and ignored).
+  is what the removed --flat-update did with concatenations.
 """
 
 from __future__ import annotations

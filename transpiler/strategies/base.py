@@ -12,7 +12,7 @@ A strategy decides, per gradient bucket, on each rank:
 and, for the whole graph, ``broadcast_at_init`` (which initial state is Broadcast from its root),
 its placement need (``group_by_root``) and its invariants (``ensures``).
 
-Clipping (--clip-grad-norm), gradient accumulation and --flat-update are not strategies' business:
+Clipping (--clip-grad-norm) and gradient accumulation are not strategies' business:
 the rank builder wraps any strategy with them once (transpiler/rank_step.py, transpiler/update.py).
 
 Invariants every strategy must keep, like DDP's comm hooks: every rank appends the same
