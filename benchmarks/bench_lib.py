@@ -83,6 +83,55 @@ def kernel_summary(events: Iterable[tuple[str, float]], steps: int, top: int = 6
                             for k, (c, t) in ranked]}
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length where two sorted, disjoint interval lists overlap."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline_summary(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
+    """Where one rank's GPU time goes, per step, from (name, start us, end us) of every device
+    activity over ``steps`` steps: the span from the first activity to the last; ``gpu_busy_ms``, the
+    time anything runs (the union of the intervals); ``gpu_idle_ms`` = span - busy, the device
+    waiting for the host (or, on several ranks, for a peer); ``nccl_ms``, the time NCCL kernels run;
+    ``nccl_exposed_ms``, the time they run with nothing else beside them (communication not
+    hidden behind compute)."""
+    if steps < 1:
+        raise ValueError("steps must be >= 1")
+    every, comm, compute = [], [], []
+    for name, start, end in events:
+        every.append((start, end))
+        (comm if "nccl" in name.lower() else compute).append((start, end))
+    if not every:
+        return {}
+    busy, comm_u, compute_u = _union(every), _union(comm), _union(compute)
+    span = max(b for _, b in every) - min(a for a, _ in every)
+    per = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
+    return {"gpu_span_ms": per(span), "gpu_busy_ms": per(_length(busy)), "gpu_idle_ms": per(span - _length(busy)),
+            "nccl_ms": per(_length(comm_u)), "nccl_exposed_ms": per(_length(comm_u) - _intersection(comm_u, compute_u))}
+
+
 # -- records ----------------------------------------------------------------------------------
 
 def make_record(base: dict, measured: dict | None, error: str | None = None) -> dict:

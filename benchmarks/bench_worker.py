@@ -195,9 +195,10 @@ def timed_windows(step, sync, spec: dict) -> list[float]:
     return bench_lib.window_means(times, n)
 
 
-def kernel_profile(step, sync, steps: int) -> dict:
+def kernel_profile(step, sync, steps: int, trace: str | None = None) -> dict:
     """CUDA activity of ``steps`` steps recorded by torch.profiler (CUPTI): it lists onnxruntime's
-    kernels too, since they run in this process."""
+    and NCCL's kernels too, since they run in this process. ``trace``: also write the Chrome trace
+    there (host calls and device activity on one clock: chrome://tracing or Perfetto)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -207,11 +208,13 @@ def kernel_profile(step, sync, steps: int) -> dict:
         for _ in range(steps):
             step()
         sync()
-    events = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            events.append((e.name, float(e.time_range.elapsed_us())))
-    return bench_lib.kernel_summary(events, steps)
+    if trace:
+        prof.export_chrome_trace(trace)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    summary = bench_lib.kernel_summary([(e.name, float(e.time_range.elapsed_us())) for e in events], steps)
+    summary.update(bench_lib.timeline_summary(
+        [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events], steps))
+    return summary
 
 
 def used_bytes(mem_get_info) -> int:
@@ -295,7 +298,8 @@ def run_torch(spec: dict) -> dict:
         result["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
         result["nvml_process_gib"] = (lambda b: None if b is None else round(b / GIB, 3))(nvml_process_bytes(ranks.local))
         if spec["profile_steps"] > 0:
-            result.update(kernel_profile(step, sync, spec["profile_steps"]))
+            trace = spec["result"] + f".rank{ranks.rank}.trace.json" if spec.get("traces") else None
+            result.update(kernel_profile(step, sync, spec["profile_steps"], trace))
     result["first_loss"] = losses[0]
     out = finish(ranks, result)
     if ranks.world > 1:
@@ -324,17 +328,19 @@ def run_ours(spec: dict) -> dict:
 
         cupy.cuda.Device(ranks.local).use()
         base_used = used_bytes(cupy.cuda.runtime.memGetInfo)
-        from runtime.gpu import GpuBackend, NcclCommunicator
+        from skipping import skippable_nccl  # sibling file, like bench_lib (an @DIR tree may lack it)
+
+        from runtime.gpu import GpuBackend
 
         backend = GpuBackend(ranks.local, tf32=True)
-        comm = NcclCommunicator(host_comm, ranks.local)
+        comm = skippable_nccl(host_comm, ranks.local)
         trainer = Trainer(plan, comm, rank=ranks.rank, backend=backend)
         comm.connect()
 
         def sync():
             cupy.cuda.Device(ranks.local).synchronize()
         result["device_name"] = cupy.cuda.runtime.getDeviceProperties(ranks.local)["name"].decode()
-        result["ort_async"] = getattr(backend, "async_runs", None)
+        result["kernels_line"] = getattr(backend, "describe", lambda: None)()  # an @DIR tree may predate it
     else:
         from runtime.collectives import LocalGroup
         from runtime.executor import CpuBackend
@@ -364,9 +370,16 @@ def run_ours(spec: dict) -> dict:
         result["cupy_pool_gib"] = round(cupy.get_default_memory_pool().total_bytes() / GIB, 3)
         result["nvml_process_gib"] = (lambda b: None if b is None else round(b / GIB, 3))(nvml_process_bytes(ranks.local))
         if spec["profile_steps"] > 0:
-            def stepped():
+            trace = spec["result"] + f".rank{ranks.rank}.trace.json" if spec.get("traces") else None
+            result.update(kernel_profile(step, sync, spec["profile_steps"], trace))
+            trainer.collect_losses()
+        if ranks.world > 1:
+            # The same step with no NCCL call: the difference is the communication left exposed.
+            comm.skip = True
+            for _ in range(2):
                 step()
-            result.update(kernel_profile(stepped, sync, spec["profile_steps"]))
+            sync()
+            result["nocomm_step_ms"] = bench_lib.summarize(timed_windows(step, sync, spec))["step_ms"]
             trainer.collect_losses()
         comm.close()
     result["first_loss"] = losses[0] if losses else None

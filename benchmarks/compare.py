@@ -388,7 +388,7 @@ class Session:
                     "out": str(self.out_dir(m, ours, gpus)) if ours else None, "steps": m["steps"],
                     "windows": m["windows"], "warmup": m["warmup"], "port": free_port(), "result": str(result),
                     "profile_steps": self.args.profile_steps if self.device == "cuda" else 0,
-                    "threads": self.args.threads}
+                    "threads": self.args.threads, "traces": self.args.traces}
             spec_path = self.write_spec(label.replace("/", "-"), spec)
             mode = "torch" if system == "pytorch" else "ours"
             cmd = [sys.executable, str(WORKER), mode, str(spec_path)]
@@ -476,6 +476,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=6, help="timed windows (default 6)")
     p.add_argument("--warmup", type=int, help="warm-up steps before timing (default: 8 GPT, 10 ResNet, 20 perceptron)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps recorded by torch.profiler on GPU (0: none)")
+    p.add_argument("--traces", action="store_true",
+                   help="with --profile-steps: each rank also writes its Chrome trace (host calls and GPU activity on "
+                        "one clock) beside the row's result in --work's logs")
     p.add_argument("--batch", type=int, help="per-GPU batch, every model (default: 8 GPT, 256 ResNet, 1000 perceptron)")
     for key in ("layers", "width", "heads", "vocab", "seq"):
         p.add_argument(f"--{key}", type=int, help=f"GPT {key} (default GPT-2-small's)")

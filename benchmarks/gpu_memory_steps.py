@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args()
     backend = GpuBackend(0, tf32=True)
-    cp = backend.cp
+    cp = backend.device.cp
 
     def used() -> float:
         free, total = cp.cuda.runtime.memGetInfo()
@@ -42,13 +42,13 @@ def main() -> None:
     trainer = Trainer(load_plan(args.out), comm, rank=None, backend=backend)
     comm.connect()
     trainer.initialize()
-    backend.compute.synchronize()
+    backend.device.compute.synchronize()
     result["after_init"] = used()
     data = {k: v[:args.rows] for k, v in np.load(args.data).items()}
     result["steps"] = []
     for _ in range(args.steps):
         trainer.step_async(data, args.lr)
-        backend.compute.synchronize()
+        backend.device.compute.synchronize()
         result["steps"].append(used())
     result["cupy_pool"] = round(cp.get_default_memory_pool().total_bytes() / 2**30, 2)
     print(json.dumps(result))

@@ -317,3 +317,13 @@ def test_the_source_digest_names_the_code_an_ours_row_runs(tmp_path):
         tar = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", *SOURCE_DIRS], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(archive)], input=tar, check=True)
         assert source_digest(archive) == source_digest(ROOT)
+
+
+def test_timeline_summary_splits_a_rank_step_into_busy_idle_and_exposed_communication():
+    # Two steps: compute 0-10 and 20-30 us, NCCL 5-21 (6 us of it beside compute), idle 30-40, compute 40-50.
+    events = [("gemm", 0, 10), ("ncclDevKernel_AllReduce_Sum_f32", 5, 21), ("gemm", 20, 30), ("relu", 40, 50),
+              ("relu", 42, 44)]  # nested in the one before: counted once
+    s = bench_lib.timeline_summary(events, steps=2)
+    assert s == {"gpu_span_ms": 0.025, "gpu_busy_ms": 0.02, "gpu_idle_ms": 0.005, "nccl_ms": 0.008,
+                 "nccl_exposed_ms": 0.005}
+    assert bench_lib.timeline_summary([], steps=1) == {}

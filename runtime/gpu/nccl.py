@@ -81,7 +81,11 @@ class NcclCommunicator(Communicator):
         self.size = 1 if host is None else host.size
         self.device = device
         self.cp.cuda.Device(device).use()
-        self.stream = self.cp.cuda.Stream(non_blocking=True)
+        # The highest priority the device offers (as PyTorch's NCCL streams can have): a collective's
+        # kernels are scheduled ahead of the backward's queued ones, so it starts as soon as its
+        # bucket is ready instead of waiting for free SMs.
+        _, highest = self.cp.cuda.runtime.deviceGetStreamPriorityRange()
+        self.stream = self.cp.cuda.Stream(non_blocking=True, priority=highest)
         self.comm = None
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         self._inflight: dict[int, tuple[float, object, str]] = {}

@@ -30,10 +30,15 @@ everything is preallocated and bound once, in two IOBindings per segment (one pe
   its own stream). A constant a session folded is written once, when bound, and keeps its buffer.
 A step then is: rebind the few inputs whose pointer changed, run each session, enqueue each NCCL
 call. No tensor goes to the host; the loss is copied on the device into a ring read when logging.
-The host waits for a collective's completion before the first item that reads its outputs, and
-for every collective at the end of a step: onnxruntime's uncaptured runs end in a stream
-synchronization, so its work is ordered by the host, not by the compute stream alone. The
-collectives still overlap the following segments.
+
+The host never waits for the GPU in a bound step (DDP's ``work.wait()``: a stream wait, not a host
+wait): the order between the two streams is carried by events alone, so the host enqueues the
+whole step and runs ahead into the next while the GPU works. That is sound because everything that
+touches the step's buffers runs on one of the two streams: onnxruntime's kernels, replays and
+copies on the user compute stream (with ``has_user_compute_stream``; a replay or an uncaptured run
+only enqueues there), the native kernels and CuPy's copies on it too, NCCL and the copies into its
+slots on the communication stream. What bounds the run-ahead is the feed of the next step's data
+(HostIO.feed waits for the previous copy of the same input), about one step.
 """
 
 from __future__ import annotations
@@ -108,7 +113,8 @@ class GpuProgram(ProgramBase):
         elif self.calls == 3:
             # The first call's outputs that CuPy allocated (the native update's state, 1.8 GiB for
             # GPT-2-small) were last read by call 2; CuPy's pool keeps freed blocks for reuse, and no
-            # later call allocates, so give them back to the device once.
+            # later call allocates, so give them back to the device once, after call 2 is done.
+            self.device.compute.synchronize()
             self.cp.get_default_memory_pool().free_all_blocks()
         return self._run_bound(feeds, self.calls % 2)
 
@@ -236,14 +242,13 @@ class GpuProgram(ProgramBase):
     def _run_bound(self, feeds, parity: int):
         comm = self.comm
         compute = self.device.compute
-        env = {**self.constants, **feeds}
-        compute.synchronize()  # the fed data's copies are done before any session reads them
+        env = {**self.constants, **feeds}  # fed data: copied on the compute stream, in order
         waited: set[int] = set()
         for pos, (item, runner) in enumerate(self.steps):
             if runner is not None:
                 for c in self.waits[pos]:
                     if c not in waited:
-                        self.done[c].synchronize()
+                        compute.wait_event(self.done[c])
                         waited.add(c)
                 runner.run_bound(parity, env)
                 if self.debug_sync:
@@ -264,9 +269,10 @@ class GpuProgram(ProgramBase):
                 self.device.synchronize()
             comm.track(pos, self.done[pos], self.labels[pos])
             env.update(slots.outputs[p])
+        # The next step writes buffers NCCL may still read (slots, their inputs): it starts after them.
         for c in self.collective_pos:
             if c not in waited:
-                self.done[c].synchronize()
+                compute.wait_event(self.done[c])
         return {name: env[name] for name in self.cut.outputs}
 
 

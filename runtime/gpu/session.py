@@ -299,8 +299,12 @@ class OrtCudaSegment(SegmentRunner):
         self._run(io, self.policy.run_graph[parity])
 
     def _uncaptured(self):
-        """Run options of an uncaptured run: the arena shrinks after it, unless it is shared."""
-        return self.policy.run_later if self.shared_arena else self.policy.run_first
+        """Run options of an uncaptured run: the arena shrinks after it, unless it is shared or a
+        parity is captured already: a shrink frees the chunks that are free after a run, which is
+        where a captured graph keeps its intermediates (onnxruntime does not protect them)."""
+        if self.shared_arena or any(self.captured):
+            return self.policy.run_later
+        return self.policy.run_first
 
     def _run(self, io, run_options) -> None:
         try:
