@@ -84,8 +84,9 @@ class NcclCommunicator(Communicator):
         # The highest priority the device offers (as PyTorch's NCCL streams can have): a collective's
         # kernels are scheduled ahead of the backward's queued ones, so it starts as soon as its
         # bucket is ready instead of waiting for free SMs.
-        _, highest = self.cp.cuda.runtime.deviceGetStreamPriorityRange()
-        self.stream = self.cp.cuda.Stream(non_blocking=True, priority=highest)
+        # CUDA clamps a priority outside the device's range to the nearest valid one (Hopper: 0 to
+        # -5, lower is higher), so the lowest int asks for the highest there is.
+        self.stream = self.cp.cuda.Stream(non_blocking=True, priority=-(2**31))
         self.comm = None
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         self._inflight: dict[int, tuple[float, object, str]] = {}
