@@ -43,6 +43,7 @@ slots on the communication stream. What bounds the run-ahead is the feed of the 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -85,17 +86,6 @@ class GpuProgram(ProgramBase):
                       for pos, (item, runner) in enumerate(self.steps) if runner is not None}
         self.collective_pos = [pos for pos, (_, runner) in enumerate(self.steps) if runner is None]
         self.labels = {pos: f"{self.steps[pos][0].label} of {cut.where}" for pos in self.collective_pos}
-        # Programs with collectives on several ranks are captured like one-rank ones. It once failed
-        # on 2 H200s ("operation failed due to a previous error during capture" at
-        # cudaStreamEndCapture): the watchdog thread's event queries invalidated onnxruntime's
-        # global-mode capture; that thread now runs in relaxed capture mode (watchdog, cuda.py).
-        # Checked on 2 H100s (every strategy; ResNet-18 22.1 -> 19.2 ms per step). A communicator
-        # whose watchdog could not be put in relaxed capture mode runs them uncaptured.
-        watchdog_safe = getattr(comm, "relaxed", True) is True
-        if self.collective_pos and comm.size > 1 and not watchdog_safe:
-            for _, runner in self.steps:
-                if isinstance(runner, OrtCudaSegment):
-                    runner.capture_allowed = False
         self.ready = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
         self.done = {pos: cp.cuda.Event(disable_timing=True) for pos in self.collective_pos}
         self.calls = 0
@@ -118,8 +108,28 @@ class GpuProgram(ProgramBase):
             self.cp.get_default_memory_pool().free_all_blocks()
         return self._run_bound(feeds, self.calls % 2)
 
+    def _allow_capture(self) -> None:
+        """Whether the sessions may be captured as CUDA graphs, decided at the first call: programs
+        are made before the communicator connects (NCCL init waits until every rank is set up),
+        and what decides is the watchdog thread that connect() starts. Its event queries
+        invalidated onnxruntime's global-mode capture once (2 H200s, "operation failed due to a
+        previous error during capture"); it runs in relaxed capture mode since (cuda.py). Where it
+        could not be put in that mode, programs with collectives run uncaptured, which costs a
+        host round trip per session: said once. (Decided at construction, before connect(), this
+        left every multi-rank program uncaptured: 4 H100s, GPT-2-small 600 kernel launches and
+        15 stream synchronizations per step from the host, run h100x4-s23.)"""
+        relaxed = getattr(self.comm, "relaxed", True)
+        if not self.collective_pos or self.comm.size == 1 or relaxed is True:
+            return
+        print(f"transpile: warning: {self.cut.where}: no CUDA graphs (the NCCL watchdog could not enter relaxed "
+              "capture mode): every session runs uncaptured", file=sys.stderr, flush=True)
+        for _, runner in self.steps:
+            if isinstance(runner, OrtCudaSegment):
+                runner.capture_allowed = False
+
     # -- first call: allocated as it goes, collectives synchronous -----------------------------
     def _run_first(self, feeds):
+        self._allow_capture()
         env = {**self.constants, **feeds}
         self.device.compute.synchronize()  # constants and fed data are on the device before any run
         keep = set(self.cut.outputs) | set(self.constants) | set(feeds)
