@@ -24,8 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--svg", metavar="FILE.svg", help="draw a rank's step graph (the first --rank, default 0) with graphviz")
     p.add_argument("--timeline", metavar="FILE.png",
                    help=f"draw the step's schedule per rank (format by extension: {', '.join(TIMELINE_FORMATS)})")
-    p.add_argument("--collapse", choices=("auto", "on", "off"), default="auto",
-                   help="--svg: fold repeated blocks (h.1, h.2, ...) and per-parameter updates (auto: big graphs)")
+    p.add_argument("--collapse", choices=("auto", "off", "blocks", "segments", "on"), default="auto",
+                   help="--svg: off: a box per node; blocks (or on): fold repeated blocks (h.1, h.2, ...), scopes "
+                        "and per-parameter updates; segments: one box per segment and class; auto (default): off "
+                        "up to 100 nodes, else blocks if that gives at most 40 boxes, else segments")
+    p.add_argument("--constants", action="store_true",
+                   help="--svg: also draw Constant nodes and initializers (not drawn by default)")
     p.add_argument("--rows", type=int, default=DEFAULT_ROWS_PER_RANK,
                    help=f"rows per rank assumed by the cost estimates (default {DEFAULT_ROWS_PER_RANK})")
     p.add_argument("--timings", metavar="FILE.json", help="measured seconds per segment/collective for the timeline")
@@ -53,7 +57,7 @@ def execute(args: argparse.Namespace) -> int:
 
         graph_path, rank = rank_graph(path, args.rank[0] if args.rank else None)
         plan = load_plan(path) if path.is_dir() else None
-        n = draw_svg(graph_path, rank, args.svg, plan=plan, collapse=args.collapse)
+        n = draw_svg(graph_path, rank, args.svg, plan=plan, collapse=args.collapse, constants=args.constants)
         print(f"wrote {args.svg}: {graph_path.name} ({n} boxes)")
         drew = True
     if args.timeline:

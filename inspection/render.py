@@ -213,17 +213,22 @@ def render(rep: dict, diff_only: bool = False, console=None, file: TextIO | None
         console.file.write(plain(sections) + "\n")
         return
     from rich.table import Table
+    from rich.text import Text
 
+    # Every string here is the user's (tensor names, shapes like "[batch, 10]", paths): Text objects,
+    # never markup, so rich shows them as they are. The title is a line of its own, wrapped at the
+    # console's width (between words), not squeezed into the table's width.
     for s in sections:
+        console.print(Text(s.title, style="bold"), highlight=False)
         if s.columns:
-            table = Table(title=s.title, title_justify="left", title_style="bold")
+            table = Table()
             for i, c in enumerate(s.columns):
-                table.add_column(c, justify="right" if i in s.numeric else "left")
+                table.add_column(Text(c), justify="right" if i in s.numeric else "left")
             for row in s.rows:
-                table.add_row(*row)
-            console.print(table)
-        else:
-            console.print(f"[bold]{s.title}[/bold]", highlight=False)
-        for n in s.notes:
-            console.print("  " + n, highlight=False, markup=False)
+                table.add_row(*(Text(cell) for cell in row))
+            console.print(table, highlight=False)
+        for n in s.notes:  # indented by two, wrapped lines too
+            for line in Text(n).wrap(console, max(console.width - 2, 20)):
+                line.rstrip()
+                console.print(Text("  ") + line, highlight=False, soft_wrap=True)
         console.print()
