@@ -447,6 +447,66 @@ SPECS = [
             ("SequenceAt", (4, 3), None, {"axis": 0}, [3], "-keepdims"),
         ]
     ),
+    # The rest of the activation set (rules/activation_set.py). onnxruntime has Celu in float32 only.
+    # Points within a step of a kink (ThresholdedRelu's alpha, Shrink's +-lambd) would fail: seed 0's
+    # inputs are not.
+    Spec("Elu", [(3, 4)]),
+    Spec("Elu", [(3, 4)], {"alpha": 0.5}, name="-alpha"),
+    Spec("Selu", [(3, 4)]),
+    Spec("Selu", [(3, 4)], {"alpha": 1.5, "gamma": 0.8}, name="-alpha-gamma"),
+    Spec("Celu", [(3, 4)], {"alpha": 0.7}, dtype=np.float32, eps=1e-2, rtol=1e-3),
+    Spec("PRelu", [(3, 4), (4,)]),
+    Spec("PRelu", [(2, 3, 4, 5), (3, 1, 1)], name="-per-channel"),
+    Spec("PRelu", [(2, 3), (1,)], name="-shared-slope"),
+    Spec("PRelu", [(3, 4), (3, 4)], wrt=(1,), name="-slope-only"),
+    Spec("Softplus", [(3, 4)]),
+    Spec("Softsign", [(3, 4)]),
+    Spec("Mish", [(3, 4)]),
+    Spec("Swish", [(3, 4)], {"alpha": 0.8}, opset=24),
+    Spec("ThresholdedRelu", [(3, 4)], {"alpha": 0.5}),
+    Spec("ThresholdedRelu", [(3, 4)], ranges={0: (-3.0, 3.0)}, name="-default-alpha"),
+    # onnxruntime computes Shrink in float32 even for float64 (x - bias is off by 4e-9): a float32
+    # spec with a step that crosses no kink (piecewise linear: central differences are exact).
+    Spec("Shrink", [(3, 4)], dtype=np.float32, eps=1e-2, rtol=1e-4),
+    Spec("Shrink", [(3, 4)], {"lambd": 0.7, "bias": 0.3}, dtype=np.float32, eps=1e-2, rtol=1e-4, name="-soft"),
+    # The rest of the Reduce family (rules/reduce.py).
+    Spec("ReduceSumSquare", [(3, 4), np.array([1])]),
+    Spec("ReduceSumSquare", [(2, 3, 4)], {"keepdims": 0}, name="all-axes"),
+    Spec("ReduceL1", [(3, 4), np.array([0])], {"keepdims": 0}),
+    Spec("ReduceL1", [(3, 4)], {"noop_with_empty_axes": 1}, name="noop"),
+    Spec("ReduceL2", [(2, 3, 4), np.array([0, 1])]),
+    Spec("ReduceL2", [(3, 4), np.array([-1])], {"keepdims": 0}),
+    Spec("ReduceL2", [(3, 4)], {"keepdims": 0}, name="all-axes"),
+    Spec("ReduceLogSum", [(3, 4), np.array([1])], ranges={0: POSITIVE}),
+    Spec("ReduceLogSum", [(2, 3, 4), np.array([0, 2])], {"keepdims": 0}, ranges={0: POSITIVE}),
+    Spec("ReduceLogSumExp", [(3, 4), np.array([1])]),
+    Spec("ReduceLogSumExp", [(2, 3, 4)], {"keepdims": 0}, name="all-axes"),
+    Spec("ReduceProd", [(3, 4), np.array([1])]),
+    Spec("ReduceProd", [(2, 3, 4), np.array([0, 2])], {"keepdims": 0}),
+    Spec("ReduceProd", [(2, 3)], {"noop_with_empty_axes": 1}, name="noop"),
+    # PixelShuffle / PixelUnshuffle (rules/shape_ops.py).
+    Spec("DepthToSpace", [(2, 8, 3, 2)], {"blocksize": 2}, name="-dcr"),
+    Spec("DepthToSpace", [(2, 18, 2, 3)], {"blocksize": 3, "mode": "CRD"}, name="-crd"),
+    Spec("SpaceToDepth", [(2, 3, 4, 6)], {"blocksize": 2}),
+    # GatherND (rules/indexing.py): repeated and negative tuples, batch_dims, and the exporters'
+    # boolean-mask indexing x[mask] (NonZero -> Transpose -> GatherND; the mask gets no gradient).
+    Spec("GatherND", [(3, 4, 5), np.array([[0, 1], [2, -1], [0, 1]])], name="-repeats-negative"),
+    Spec("GatherND", [(3, 4), np.array([[[2, 3]], [[0, 0]]])], name="-full-tuples"),
+    Spec("GatherND", [(2, 3, 4), np.array([[[1], [-1]], [[0], [1]]])], {"batch_dims": 1}, name="-batch-dims-1"),
+    Spec("GatherND", [(2, 3, 4, 5), np.array([[[1], [3]], [[0], [0]], [[2], [-4]]]).reshape(2, 3, 1)],
+         {"batch_dims": 2}, name="-batch-dims-2"),
+    Spec(
+        "GatherND",
+        [(3, 4, 5), np.array([[True, False, True, True], [False, False, True, False], [True, True, False, True]])],
+        pattern=[
+            onnx.helper.make_node("NonZero", ["in1"], ["nonzero"]),
+            onnx.helper.make_node("Transpose", ["nonzero"], ["positions"], perm=[1, 0]),
+            onnx.helper.make_node("GatherND", ["in0", "positions"], ["y"]),
+        ],
+        pattern_outputs=("y",),
+        wrt=(0,),
+        name="-boolean-mask",
+    ),
 ]
 
 

@@ -375,6 +375,121 @@ def make_rmsnorm_lm() -> nn.Module:
     return _RMSNormLM()
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Ops of the second wave (issue 28): the rest of the activation set, PixelShuffle, boolean-mask
+# indexing, a weight-normalized convolution
+
+
+class _ActivationMLP(nn.Module):
+    """One Linear per activation, side by side (each with its own path to the head, so a wrong
+    gradient shows in its Linear's update): ELU, SELU, CELU, PReLU (per-feature slopes), Softplus,
+    Softsign, Mish, Hardshrink, Softshrink. The exporters write Elu, Selu, Celu, PRelu, Softplus and
+    (dynamo) Mish, the others as their decompositions."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        acts = [nn.ELU(0.7), nn.SELU(), nn.CELU(0.8), nn.PReLU(width), nn.Softplus(), nn.Softsign(), nn.Mish(),
+                nn.Hardshrink(0.3), nn.Softshrink(0.2)]
+        self.fcs = nn.ModuleList(nn.Linear(8, width) for _ in acts)
+        self.acts = nn.ModuleList(acts)
+        self.head = nn.Linear(width * len(acts), 4)
+        with torch.no_grad():  # slopes away from their 0.25 fill, so a wrong slope gradient shows
+            self.acts[3].weight.uniform_(0.1, 0.4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([act(fc(x)) for fc, act in zip(self.fcs, self.acts)], dim=-1)
+        return F.cross_entropy(self.head(h), labels)
+
+
+def make_activations_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return _ActivationMLP()
+
+
+def activations_data(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((rows, 8), dtype=np.float32), "labels": rng.integers(0, 4, size=rows)}
+
+
+class _PixelShuffleCNN(nn.Module):
+    """Super-resolution's sub-pixel upsampling (PixelShuffle: DepthToSpace, CRD mode) and its inverse
+    (PixelUnshuffle: a Reshape/Transpose chain from both exporters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.shuffle = nn.PixelShuffle(2)  # (B, 16, 16, 16) -> (B, 4, 32, 32)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.unshuffle = nn.PixelUnshuffle(8)  # -> (B, 256, 4, 4)
+        self.head = nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.unshuffle(self.conv2(F.relu(self.shuffle(self.conv1(x)))))
+        return F.cross_entropy(self.head(h.mean(dim=(2, 3))), labels)
+
+
+def make_pixel_shuffle() -> nn.Module:
+    torch.manual_seed(0)
+    return _PixelShuffleCNN()
+
+
+class _MaskedTokens(nn.Module):
+    """Boolean-mask indexing, ``h[mask]`` over the non-padding tokens (NonZero -> Transpose -> GatherND
+    from both exporters), regressed onto ``target[mask]``. dynamo cannot export cross_entropy over a
+    data-dependent number of rows (it guards on it), hence the squared error."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, input_ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        mask = input_ids != 0
+        h = torch.tanh(self.embed(input_ids))
+        return ((self.fc(h[mask]) - target[mask]) ** 2).mean()
+
+
+def make_masked_tokens() -> nn.Module:
+    torch.manual_seed(0)
+    return _MaskedTokens()
+
+
+def masked_tokens_data(rows: int) -> dict[str, np.ndarray]:
+    # Two padding tokens (0) per row at random places: every rank selects as many tokens, so the
+    # mean over a rank's selection averages to the mean over the global batch's.
+    rng = np.random.default_rng(0)
+    tokens = _tokens(rows, low=1)
+    for row in tokens:
+        row[rng.choice(SEQ, size=2, replace=False)] = 0
+    return {"input_ids": tokens, "target": rng.standard_normal((rows, SEQ, 16), dtype=np.float32)}
+
+
+class _WeightNormConv(nn.Module):
+    """wav2vec2's positional convolution: a grouped Conv1d under ``weight_norm(dim=2)`` (the norm over
+    the other axes, ReduceL2 from both exporters), GELU, a residual; logsumexp pooling over time
+    (ReduceLogSumExp) and a linear head."""
+
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        conv = nn.Conv1d(channels, channels, 5, padding=2, groups=4)
+        self.conv = nn.utils.parametrizations.weight_norm(conv, name="weight", dim=2)
+        self.head = nn.Linear(channels, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = x + F.gelu(self.conv(x))
+        return F.cross_entropy(self.head(torch.logsumexp(h, dim=-1)), labels)
+
+
+def make_weight_norm_conv() -> nn.Module:
+    torch.manual_seed(0)
+    return _WeightNormConv()
+
+
+def weight_norm_data(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((rows, 16, 12), dtype=np.float32), "labels": rng.integers(0, 4, size=rows)}
+
 ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("gpt2", make_gpt2, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
     ZooModel("gpt2_sdpa", make_gpt2_sdpa, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
@@ -389,4 +504,8 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("vit", make_vit, _images),
     ZooModel("unet", make_unet, unet_data),
     ZooModel("rmsnorm_lm", make_rmsnorm_lm, lambda rows: {"input_ids": _tokens(rows)}),
+    ZooModel("activations_mlp", make_activations_mlp, activations_data),
+    ZooModel("pixel_shuffle", make_pixel_shuffle, _images),
+    ZooModel("masked_tokens", make_masked_tokens, masked_tokens_data),
+    ZooModel("weight_norm_conv", make_weight_norm_conv, weight_norm_data),
 ]}

@@ -16,6 +16,7 @@ import onnx_ir as ir
 from contract.plan import SOURCE_MODEL_FILE
 from transpiler.autodiff import check_supported, differentiable_values
 from transpiler.autodiff._context import FLOAT_TYPES
+from transpiler.batch_constants import baked_batch_size
 from transpiler.batchnorm import decompose_batchnorm
 from transpiler.errors import TranspileError, UnsupportedOpsError
 from transpiler.lazy_weights import LazyModel, read_lazy
@@ -274,6 +275,11 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         check_supported(graph, loss_value, [graph.initializers[p] for p in params])
     except UnsupportedOpsError as exc:
         raise UnsupportedOpsError(exc.nodes, where=str(path)) from None
+    # An exporter rewrite that cannot be warned about and trained anyway: a size taken from the
+    # example batch (transpiler/batch_constants.py). Read, like the warnings below, on the graph as exported.
+    baked = baked_batch_size(model.graph, BATCH_DIM)
+    if baked is not None:
+        raise TranspileError(f"{path}: {baked}")
 
     problem = Problem(
         path=path,

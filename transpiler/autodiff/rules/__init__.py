@@ -5,6 +5,7 @@ Modules group rules by kind of op; each rule is a small function registered with
 """
 
 from . import (
+    activation_set,
     activations,
     attention,
     batchnorm,
@@ -22,6 +23,7 @@ from . import (
 )
 
 __all__ = [
+    "activation_set",
     "activations",
     "attention",
     "batchnorm",

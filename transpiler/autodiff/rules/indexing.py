@@ -1,6 +1,6 @@
 """Ops that select, repeat or pad elements: their gradients scatter, sum or crop the gradient back.
 
-Gather/GatherElements scatter-add into zeros (repeated indices accumulate); Slice scatters into
+Gather/GatherElements/GatherND scatter-add into zeros (repeated indices accumulate); Slice scatters into
 zeros along each sliced axis (any starts/ends/steps, negative steps too) or, when everything is
 static with unit steps, is a Pad; Split concatenates; Tile sums the tiles; Pad (constant mode) pads
 by the negated pads, which crops.
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from transpiler.autodiff._context import RuleContext
+from transpiler.autodiff._context import RuleContext, producer_of
 from transpiler.autodiff._registry import linear, register
 
 
@@ -223,3 +223,52 @@ def _pad(ctx: RuleContext, dy: ir.Value) -> ir.Value:
     if ctx.has_input(3):
         inputs += [None, ctx.inputs[3]]
     return ctx.op("Pad", inputs, like=ctx.inputs[0])
+
+
+def _nd_indices(ctx: RuleContext, indices: ir.Value, data: ir.Value, batch_dims: int) -> ir.Value:
+    """GatherND's index tuples with negative components wrapped by the data's dims they index."""
+    if ir.convenience.get_const_tensor(indices) is not None and not (ctx.const_input(1) < 0).any():
+        return indices
+    source = producer_of(indices, "Transpose")
+    if producer_of(indices if source is None else source.inputs[0], "NonZero") is not None:
+        return indices  # boolean-mask indexing (x[mask]): NonZero's positions are never negative
+    depth = indices.shape[-1] if indices.shape is not None and indices.shape.rank() else None
+    if not isinstance(depth, int):
+        raise ctx.error("the length of the index tuples (the last dim of indices) is unknown")
+    dims = ctx.shape_of(data, batch_dims, batch_dims + depth)
+    negative = ctx.op("Less", [indices, ctx.const(np.array(0, dtype=np.int64))])
+    return ctx.op("Where", [negative, ctx.op("Add", [indices, dims]), indices])
+
+
+@register("GatherND", inputs=(0,))
+def _gather_nd(ctx: RuleContext) -> list[ir.Value | None]:
+    # dy has shape indices.shape[:-1] + data.shape[batch_dims + k:]: exactly ScatterND's updates for
+    # those indices, so the gradient is ScatterND(reduction=add) into zeros (tuples may repeat).
+    # ScatterND has no batch_dims: the leading batch_dims axes are flattened into one, B, and each
+    # index tuple gets its row number in front.
+    data, indices = ctx.inputs
+    batch_dims = ctx.node.attributes.get_int("batch_dims", 0)
+
+    def grad() -> ir.Value:
+        idx = _nd_indices(ctx, indices, data, batch_dims)
+        if not batch_dims:
+            return ctx.op("ScatterND", [ctx.zeros_like(data), idx, ctx.dy], {"reduction": "add"}, like=data)
+        rows = ctx.const([-1])
+
+        def flat(value: ir.Value, shape_source: ir.Value) -> ir.Value:
+            return ctx.op("Reshape", [value, ctx.op("Concat", [rows, ctx.shape_of(shape_source, batch_dims)],
+                                                    {"axis": 0})])
+
+        tuples = flat(idx, indices)  # (B, i_b, ..., k)
+        depth = ctx.rank(indices) - batch_dims  # rank of `tuples` minus 1
+        count = ctx.op("Slice", [ctx.op("Shape", [tuples]), ctx.const([0]), ctx.const([1])])
+        row = ctx.op("Range", [ctx.const(np.array(0, dtype=np.int64)), ctx.op("Squeeze", [count, ctx.const([0])]),
+                               ctx.const(np.array(1, dtype=np.int64))])
+        row = ctx.op("Reshape", [row, ctx.const([-1] + [1] * depth)])
+        target = ctx.op("Concat", [ctx.op("Shape", [tuples], {"end": -1}), ctx.const([1])], {"axis": 0})
+        tuples = ctx.op("Concat", [ctx.op("Expand", [row, target]), tuples], {"axis": -1})
+        scattered = ctx.op("ScatterND", [flat(ctx.zeros_like(data), data), tuples, flat(ctx.dy, ctx.output)],
+                           {"reduction": "add"})
+        return ctx.op("Reshape", [scattered, ctx.shape_of(data)], like=data)
+
+    return ctx.wanted_grads(grad)

@@ -11,7 +11,7 @@ non_differentiable(
 )  # fmt: skip
 
 # Piecewise constant: the derivative is zero wherever it exists.
-non_differentiable("Floor", "Ceil", "Round", "Sign")
+non_differentiable("Floor", "Ceil", "Round", "Sign", "Hardmax")
 
 # One-hot encodings and bitwise ops produce masks or integers.
 non_differentiable(

@@ -1,4 +1,5 @@
-"""Reductions: the gradient is the output gradient broadcast back over the reduced axes."""
+"""Reductions: the gradient is the output gradient broadcast back over the reduced axes, times the
+local derivative (ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSum, ReduceLogSumExp, ReduceProd)."""
 
 from __future__ import annotations
 
@@ -72,13 +73,93 @@ def _reduce_extremum(ctx: RuleContext) -> list[ir.Value | None]:
 
     def grad() -> ir.Value:
         hit = ctx.op("Cast", [ctx.op("Equal", [x, _expand_back(ctx, y)])], {"to": ctx.dtype(x)}, like=x)
-        # The tie count per output: ReduceSum of the hits with this node's own axes and flags.
-        attrs = {
-            name: ctx.node.attributes.get_int(name, default)
-            for name, default in (("keepdims", 1), ("noop_with_empty_axes", 0))
-        }
-        axes = ctx.node.inputs[1] if len(ctx.node.inputs) > 1 else None
-        count = ctx.op("ReduceSum", [hit, axes] if axes is not None else [hit], attrs, like=y)
+        count = _reduce_like_node(ctx, "ReduceSum", hit)  # the tie count per output
         return ctx.op("Mul", [hit, _expand_back(ctx, ctx.op("Div", [ctx.dy, count], like=y))], like=x)
+
+    return ctx.wanted_grads(grad)
+
+
+def _reduce_like_node(ctx: RuleContext, op_type: str, x: ir.Value) -> ir.Value:
+    """``op_type`` over ``x`` with this node's own axes and flags (its output is shaped like y)."""
+    attrs = {
+        name: ctx.node.attributes.get_int(name, default)
+        for name, default in (("keepdims", 1), ("noop_with_empty_axes", 0))
+    }
+    axes = ctx.node.inputs[1] if len(ctx.node.inputs) > 1 else None
+    return ctx.op(op_type, [x, axes] if axes is not None else [x], attrs, like=ctx.output)
+
+
+def _times_expanded(ctx: RuleContext, local: ir.Value, per_output: ir.Value) -> ir.Value:
+    """``local`` (shaped like x) times ``per_output`` (shaped like y) broadcast back over x."""
+    return ctx.op("Mul", [local, _expand_back(ctx, per_output)], like=ctx.inputs[0])
+
+
+@register("ReduceSumSquare", inputs=(0,))
+def _reduce_sum_square(ctx: RuleContext) -> list[ir.Value | None]:
+    # y = sum x^2: dx = 2 x dy.
+    x, y = ctx.inputs[0], ctx.output
+    return ctx.wanted_grads(lambda: _times_expanded(ctx, x, ctx.op("Mul", [ctx.dy, ctx.scalar(2, like=y)], like=y)))
+
+
+@register("ReduceL1", inputs=(0,))
+def _reduce_l1(ctx: RuleContext) -> list[ir.Value | None]:
+    # y = sum |x|: dx = sign(x) dy (0 at 0, as torch's norm(p=1) backward).
+    x = ctx.inputs[0]
+    return ctx.wanted_grads(lambda: _times_expanded(ctx, ctx.op("Sign", [x]), ctx.dy))
+
+
+@register("ReduceL2", inputs=(0,))
+def _reduce_l2(ctx: RuleContext) -> list[ir.Value | None]:
+    # y = sqrt(sum x^2): dx = x dy / y, and 0 where y = 0 (torch's norm backward masks those).
+    x, y = ctx.inputs[0], ctx.output
+
+    def grad() -> ir.Value:
+        zero = ctx.scalar(0, like=y)
+        scale = ctx.op("Where", [ctx.op("Equal", [y, zero]), zero, ctx.op("Div", [ctx.dy, y])], like=y)
+        return _times_expanded(ctx, x, scale)
+
+    return ctx.wanted_grads(grad)
+
+
+@register("ReduceLogSum", inputs=(0,))
+def _reduce_log_sum(ctx: RuleContext) -> list[ir.Value | None]:
+    # y = log(sum x): dx = dy / sum x, the sum recomputed (exp(y) would round it).
+    x = ctx.inputs[0]
+
+    def grad() -> ir.Value:
+        total = _reduce_like_node(ctx, "ReduceSum", x)
+        return _expand_back(ctx, ctx.op("Div", [ctx.dy, total], like=ctx.output))
+
+    return ctx.wanted_grads(grad)
+
+
+@register("ReduceLogSumExp", inputs=(0,))
+def _reduce_log_sum_exp(ctx: RuleContext) -> list[ir.Value | None]:
+    # y = log(sum exp x): dx = dy exp(x - y), as torch's logsumexp backward.
+    x, y = ctx.inputs[0], ctx.output
+
+    def grad() -> ir.Value:
+        softmax = ctx.op("Exp", [ctx.op("Sub", [x, _expand_back(ctx, y)])], like=x)
+        return _times_expanded(ctx, softmax, ctx.dy)
+
+    return ctx.wanted_grads(grad)
+
+
+@register("ReduceProd", inputs=(0,))
+def _reduce_prod(ctx: RuleContext) -> list[ir.Value | None]:
+    # dx_i = dy * prod_{j != i} x_j. Without zeros in the group that is y / x_i. With one zero, only
+    # the zero gets a gradient, the product of the others; with two or more, nothing does. So:
+    # Where(x == 0, [one zero] * prod(nonzero x), y / x), with y / x = 0 where the group has a zero.
+    x, y = ctx.inputs[0], ctx.output
+
+    def grad() -> ir.Value:
+        zero = ctx.scalar(0, like=x)
+        is_zero = ctx.op("Equal", [x, zero])
+        zeros = _reduce_like_node(ctx, "ReduceSum", ctx.op("Cast", [is_zero], {"to": ctx.dtype(x)}))
+        others = _reduce_like_node(ctx, "ReduceProd", ctx.op("Where", [is_zero, ctx.scalar(1, like=x), x]))
+        lone = ctx.op("Where", [ctx.op("Equal", [zeros, ctx.scalar(1, like=y)]), others, zero], like=y)
+        at_zero = _expand_back(ctx, ctx.op("Mul", [ctx.dy, lone], like=y))
+        elsewhere = ctx.op("Div", [_expand_back(ctx, ctx.op("Mul", [ctx.dy, y], like=y)), x], like=x)
+        return ctx.op("Where", [is_zero, at_zero, elsewhere], like=x)
 
     return ctx.wanted_grads(grad)

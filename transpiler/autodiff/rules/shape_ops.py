@@ -1,4 +1,5 @@
-"""Ops that move elements without changing them: their gradients move the gradient back."""
+"""Ops that move elements without changing them (Reshape, Transpose, Expand, Concat, Resize,
+DepthToSpace, SpaceToDepth): their gradients move the gradient back."""
 
 from __future__ import annotations
 
@@ -113,3 +114,31 @@ def _resize(ctx: RuleContext) -> list[ir.Value | None]:
         return ctx.op("ReduceSum", [blocks, odd], {"keepdims": 0}, like=x)
 
     return ctx.wanted_grads(grad)
+
+
+@linear("DepthToSpace")
+def _depth_to_space(ctx: RuleContext, dy: ir.Value) -> ir.Value:
+    # A permutation of the elements, so the gradient is the inverse permutation. DCR mode:
+    # y[n, c, h*b + i, w*b + j] = x[n, (i*b + j)*C' + c, h, w], undone by SpaceToDepth. CRD mode
+    # (torch's PixelShuffle): x[n, c*b*b + i*b + j, h, w]; dy viewed as (N, C', H, b, W, b), the two
+    # block axes moved next to the channel, viewed as x.
+    x = ctx.inputs[0]
+    block = ctx.node.attributes.get_int("blocksize")
+    if block is None:
+        raise ctx.error("DepthToSpace has no 'blocksize' attribute")
+    if ctx.node.attributes.get_string("mode", "DCR") == "DCR":
+        return ctx.op("SpaceToDepth", [dy], {"blocksize": block}, like=x)
+    b = ctx.const([block])
+    view = ctx.op("Concat", [ctx.shape_of(x, 0, 1), ctx.const([-1]), ctx.shape_of(x, 2, 3), b, ctx.shape_of(x, 3, 4), b],
+                  {"axis": 0})
+    blocks = ctx.op("Transpose", [ctx.op("Reshape", [dy, view])], {"perm": [0, 1, 3, 5, 2, 4]})
+    return ctx.op("Reshape", [blocks, ctx.shape_of(x)], like=x)
+
+
+@linear("SpaceToDepth")
+def _space_to_depth(ctx: RuleContext, dy: ir.Value) -> ir.Value:
+    # The inverse of DepthToSpace in DCR mode (see above).
+    block = ctx.node.attributes.get_int("blocksize")
+    if block is None:
+        raise ctx.error("SpaceToDepth has no 'blocksize' attribute")
+    return ctx.op("DepthToSpace", [dy], {"blocksize": block, "mode": "DCR"}, like=ctx.inputs[0])
