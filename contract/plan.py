@@ -23,7 +23,7 @@ FORMAT = "graph-transpiler/plan"
 FORMAT_VERSION = 2
 READS_VERSIONS = (1, 2)
 SAME_AS = "same_as"
-STATE_KINDS = ("param", "buffer", "optimizer", "step")
+STATE_KINDS = ("param", "buffer", "optimizer", "step", "loss_scale")  # loss_scale: --precision fp16
 EXPORTED_KINDS = ("param", "buffer")  # state written back into the user's model by --export
 PLAN_FILE = "plan.json"
 SOURCE_MODEL_FILE = "model.onnx"  # the user's model, copied unchanged
@@ -37,6 +37,11 @@ REPORT_FIELDS = {"frozen": list, "placement": dict, "buckets": list, "collective
 # the exporter rewrites it warned about. Checked for shape where present.
 TRAINABLE_FIELD = "trainable"
 TRAINABLE_STATUSES = ("trained", "frozen", "buffer")
+# Optional (absent: float32 everywhere, as every plan written before it): the compute dtype of the
+# step graphs' matrix products, the dtype of their gradient collectives, and fp16's loss scaling
+# (docs/precision.md). Readers need it only to report the loss scale and skipped steps.
+PRECISION_FIELD = "precision"
+PRECISION_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def rank_stem(rank: int) -> str:
@@ -108,6 +113,30 @@ class EvalGraph:
 
 
 @dataclass(frozen=True)
+class LossScaling:
+    """fp16's dynamic loss scaling (torch.amp.GradScaler's rule), as the step graphs do it: the
+    scale is state ``scale_state`` (0 before the first step, meaning ``init_scale``; after a step
+    its output holds the scale the next step uses, GradScaler.get_scale() after update()), the
+    growth tracker state ``growth_tracker_state``; the step graph's output ``skipped_output`` is
+    1.0 where the step's update was skipped (a gradient was not finite), else 0.0."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    scale_state: str
+    growth_tracker_state: str
+    skipped_output: str
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: str  # "fp32" | "bf16" | "fp16": the matrix products' dtype
+    grad_dtype: str  # the gradient collectives' dtype
+    loss_scaling: LossScaling | None = None
+
+
+@dataclass(frozen=True)
 class Parameter:
     name: str
     shape: tuple[int, ...]
@@ -132,6 +161,7 @@ class Plan:
     grad_accumulation: int = 1  # micro-batches per optimizer step
     grad_norm: str | None = None  # the step graphs' squared-gradient-norm output (--clip-grad-norm)
     eval: EvalGraph | None = None  # None: an OUT written before evaluation graphs existed
+    precision: Precision | None = None  # None: float32 everywhere (the field is absent)
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the JSON document, as read
 
     @property
@@ -289,6 +319,7 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
         grad_accumulation=accumulation,
         grad_norm=r.get(raw, "grad_norm_output", str, "", optional=True),
         eval=_eval_graph(r.get(raw, EVAL_FIELD, dict, "", optional=True), r),
+        precision=_precision(r.get(raw, PRECISION_FIELD, dict, "", optional=True), r),
         raw=raw,
     )
 
@@ -304,6 +335,29 @@ def _eval_graph(section: dict | None, r: _Reader) -> EvalGraph | None:
         if not isinstance(name, str):
             raise r.fail(f"{EVAL_FIELD}.state[{i}]", f"must be a string, got {name!r}")
     return EvalGraph(path, r.get(section, "loss", str, EVAL_FIELD), tuple(state))
+
+
+def _precision(section: dict | None, r: _Reader) -> Precision | None:
+    if section is None:
+        return None
+    dtypes = {}
+    for key in ("compute", "grad_dtype"):
+        dtypes[key] = r.get(section, key, str, PRECISION_FIELD)
+        if dtypes[key] not in PRECISION_DTYPES:
+            raise r.fail(f"{PRECISION_FIELD}.{key}", f"is {dtypes[key]!r}, expected one of {', '.join(PRECISION_DTYPES)}")
+    scaling = r.get(section, "loss_scaling", dict, PRECISION_FIELD, optional=True)
+    if scaling is not None:
+        where = f"{PRECISION_FIELD}.loss_scaling"
+        numbers = {key: float(r.get(scaling, key, (int, float), where))
+                   for key in ("init_scale", "growth_factor", "backoff_factor")}
+        interval = r.get(scaling, "growth_interval", int, where)
+        if not (numbers["init_scale"] > 0 and numbers["growth_factor"] > 1 and 0 < numbers["backoff_factor"] < 1
+                and interval >= 1):
+            raise r.fail(where, "needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+        names = {key: r.get(scaling, key, str, where)
+                 for key in ("scale_state", "growth_tracker_state", "skipped_output")}
+        scaling = LossScaling(**numbers, growth_interval=interval, **names)
+    return Precision(dtypes["compute"], dtypes["grad_dtype"], scaling)
 
 
 def _trainable(raw: dict, r: _Reader) -> None:

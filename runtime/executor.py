@@ -113,6 +113,8 @@ class OrtCpuSegment(SegmentRunner):
     def __init__(self, segment: Segment, where: str, threads: int | None):
         import onnxruntime as ort
 
+        from runtime.low_precision import lower
+
         self.where = f"{where}: segment {segment.index}"
         self.outputs = list(segment.outputs)
         options = ort.SessionOptions()
@@ -121,7 +123,10 @@ class OrtCpuSegment(SegmentRunner):
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
         try:
-            self.session = ort.InferenceSession(segment.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            # bf16/fp16 nodes as float32 compute rounded like a GPU (runtime/low_precision.py); a
+            # step graph is lowered whole before the cut (prepare_step_graph), this catches the rest.
+            model = lower(segment.model)
+            self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/NotImplemented types
             raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
 
@@ -133,7 +138,8 @@ class OrtCpuSegment(SegmentRunner):
 
 
 class CpuBackend(Backend):
-    """onnxruntime CPU execution provider; ``threads`` caps each session's intra-op threads."""
+    """onnxruntime CPU execution provider; ``threads`` caps each session's intra-op threads.
+    Low-precision (bf16/fp16) graphs run as float32 with their roundings (runtime/low_precision.py)."""
 
     name = "cpu"
     records_timings = True
@@ -144,6 +150,14 @@ class CpuBackend(Backend):
 
     def compile(self, segment, where):
         return OrtCpuSegment(segment, where, self.threads)
+
+    def prepare_step_graph(self, model):
+        """A step graph with bfloat16/float16 values (--precision, --grad-dtype) as float32 compute
+        with the low-precision roundings (runtime/low_precision.py): onnxruntime's CPU provider
+        has almost no bf16 kernel. Others unchanged."""
+        from runtime.low_precision import lower
+
+        return lower(model)
 
 
 def _first_line(exc: Exception) -> str:

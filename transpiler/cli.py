@@ -56,6 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "averaged before the collectives (default 1)")
     p.add_argument("--sync-bn", action="store_true",
                    help="BatchNormalization statistics over the global batch (all-reduced), so N ranks equal one device")
+    m = p.add_argument_group("mixed precision (docs/precision.md)")
+    m.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="compute dtype of the matrix products and convolutions (torch.autocast's op lists); "
+                        "master weights and optimizer state stay fp32; fp16 adds dynamic loss scaling "
+                        "(GradScaler's: skipped steps on overflow) (default fp32)")
+    m.add_argument("--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="dtype of the gradient buckets in the collectives (DDP's bf16_compress_hook: half the "
+                        "bytes); the update reads them as fp32 (default fp32)")
     o = p.add_argument_group("optimizer (torch.optim formulas, docs/optimizers.md)")
     o.add_argument("--optimizer", default="sgd", help="sgd, momentum, adam or adamw (default sgd)")
     o.add_argument("--lr", type=float, default=None, help="default learning rate (run --lr overrides it)")
@@ -108,6 +116,8 @@ def execute(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb,
         sync_bn=args.sync_bn,
         grad_accumulation=args.grad_accumulation,
+        precision=args.precision,
+        grad_dtype=args.grad_dtype,
     )
     from transpiler.progress import LARGE_MODEL_BYTES, LARGE_WORLD, Progress
 

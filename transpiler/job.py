@@ -18,11 +18,50 @@ from transpiler.optimizer import OptimizerConfig
 from transpiler.placement import Placement
 from transpiler.strategies import DEFAULT_STRATEGY, user_strategies
 
-__all__ = ["ACC", "AFTER_GRADIENTS", "LR_INPUT", "NEXT", "STEP_STATE", "Job", "Options", "RankGraphs", "StateEntry",
-           "reduced_gradient_name"]
+__all__ = ["ACC", "AFTER_GRADIENTS", "DTYPES", "GRAD_DTYPES", "GROWTH_TRACKER_STATE", "LOSS_SCALE_CURRENT",
+           "LOSS_SCALE_KIND", "LOSS_SCALE_STATE", "LR_INPUT", "NEXT", "PRECISIONS", "SKIPPED_OUTPUT", "STEP_STATE", "Job",
+           "LossScale", "Options", "RankGraphs", "StateEntry", "reduced_gradient_name"]
 
 MAX_GRAD_ACCUMULATION = 1024
+# --precision: the dtype the matrix products (and what follows them) compute in (docs/precision.md).
+PRECISIONS = ("fp32", "bf16", "fp16")
+# --grad-dtype: the dtype gradient buckets travel in through the collectives (DDP's compress hooks).
+GRAD_DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = {"fp32": ir.DataType.FLOAT, "bf16": ir.DataType.BFLOAT16, "fp16": ir.DataType.FLOAT16}
+# Values the fp16 step graphs add for loss scaling (plan.json's precision section names them).
+LOSS_SCALE_STATE = "amp.loss_scale"  # state: the scale (0 before the first step, meaning init_scale)
+GROWTH_TRACKER_STATE = "amp.growth_tracker"  # state: finite steps since the scale last changed
+LOSS_SCALE_CURRENT = "amp.loss_scale.current"  # the scale this step multiplies the loss by
+SKIPPED_OUTPUT = "amp.skipped"  # step graph output: 1.0 where the update was skipped, else 0.0
+LOSS_SCALE_KIND = "loss_scale"  # the state kind of the two state values
 MAX_WORLD_SIZE = 4096  # zero still builds and writes every rank's graphs: docs/scale.md says how far N goes
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss scaling of --precision fp16, torch.amp.GradScaler's defaults and rule: the loss
+    is multiplied by the scale before the backward, the gradients divided by it after the
+    collectives; a step whose gradients are not all finite is skipped and the scale multiplied by
+    ``backoff_factor``; after ``growth_interval`` consecutive finite steps it is multiplied by
+    ``growth_factor`` (never to inf)."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def validate(self) -> None:
+        if not (0 < self.init_scale < float("inf")):
+            raise TranspileError(f"loss scaling: init_scale must be positive and finite (got {self.init_scale})")
+        if not (1 < self.growth_factor < float("inf")) or not (0 < self.backoff_factor < 1):
+            raise TranspileError(f"loss scaling: growth_factor must be > 1 and backoff_factor in (0, 1) (got "
+                                 f"{self.growth_factor}, {self.backoff_factor})")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or self.growth_interval < 1:
+            raise TranspileError(f"loss scaling: growth_interval must be a positive integer (got {self.growth_interval})")
+
+    def to_json(self) -> dict:
+        return {"init_scale": self.init_scale, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
 
 
 @dataclass(frozen=True)
@@ -38,6 +77,11 @@ class Options:
     # Micro-batches per optimizer step: K-1 accumulate-graph runs, then the step graph, whose
     # gradients are the mean over the K micro-batches (DDP's no_sync, Horovod's backward_passes_per_step).
     grad_accumulation: int = 1
+    # Mixed precision (docs/precision.md): the compute dtype of the matrix products, the dtype of the
+    # gradient collectives, and fp16's dynamic loss scaling. fp32/fp32 leaves every graph as it was.
+    precision: str = "fp32"
+    grad_dtype: str = "fp32"
+    loss_scale: LossScale = field(default_factory=LossScale)
 
     def validate(self) -> None:
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
@@ -50,14 +94,24 @@ class Options:
                                  f"(got {self.grad_accumulation})")
         if not 0 < self.bucket_mb < float("inf"):
             raise TranspileError(f"--bucket-mb must be a positive finite number (got {self.bucket_mb})")
+        if self.precision not in PRECISIONS:
+            raise TranspileError(f"--precision '{self.precision}' is not one of: {', '.join(PRECISIONS)}")
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise TranspileError(f"--grad-dtype '{self.grad_dtype}' is not one of: {', '.join(GRAD_DTYPES)}")
+        self.loss_scale.validate()
         self.optimizer.validate()
+
+    @property
+    def loss_scaling(self) -> LossScale | None:
+        """The loss scaling the step graphs do: fp16's (bf16 has fp32's exponent range and needs none)."""
+        return self.loss_scale if self.precision == "fp16" else None
 
 
 @dataclass
 class StateEntry:
     input: str
     output: str
-    kind: str  # "param" | "buffer" | "optimizer" | "step"
+    kind: str  # "param" | "buffer" | "optimizer" | "step" | "loss_scale"
     param: str | None  # the parameter or buffer it belongs to (None: the step counter, zero's slices)
     shape: tuple[int, ...] = ()
     dtype: ir.DataType = ir.DataType.FLOAT
@@ -99,6 +153,11 @@ class Job:
     # forward), each with its BatchNorm buffers. BatchNormPass sets it; AutodiffPass appends the
     # backward to these models in place, so afterwards they are the forward + backward.
     variants: dict[str, tuple[ir.Model, list]] = field(default_factory=dict)
+    # --precision fp16: the output the backward differentiates (the loss times the loss scale, made by
+    # PrecisionPass); None: the loss itself.
+    differentiated: str | None = None
+    # What PrecisionPass did (ops per precision, casts, opset), for plan.json's precision section.
+    precision_report: dict = field(default_factory=dict)
     # How far the running pass is, for the progress display (transpiler/progress.py); no output by default.
     note: Callable[[str], None] = field(default=lambda detail: None, repr=False, compare=False)
 

@@ -3,9 +3,14 @@ accumulation (before it) and clipping (between its reduction and its update).
 
     step graph = forward/backward
                  -> mean of the micro-batches' gradients       (--grad-accumulation K > 1)
+                 -> cast to the bucket dtype                   (--grad-dtype bf16|fp16, N > 1)
                  -> strategy.reduce, per bucket                (gradient collectives)
+                 -> back to float32                            (--grad-dtype)
+                 -> unscale, finite check                      (--precision fp16: loss scaling)
                  -> clip the gradients this rank holds         (--clip-grad-norm)
-                 -> strategy.update, strategy.publish          (via transpiler.update)
+                 -> strategy.update, strategy.publish          (via transpiler.update; skipped
+                                                                where a gradient is not finite)
+                 -> the loss scale's update                    (--precision fp16)
 """
 
 from __future__ import annotations
@@ -16,9 +21,19 @@ import onnx_ir as ir
 
 from transpiler.collectives import DOMAIN, VERSION, append_collective
 from transpiler.graph_utils import number_collectives, remove_unused
-from transpiler.job import Job, StateEntry
+from transpiler.job import (
+    DTYPES,
+    GROWTH_TRACKER_STATE,
+    LOSS_SCALE_CURRENT,
+    LOSS_SCALE_KIND,
+    LOSS_SCALE_STATE,
+    SKIPPED_OUTPUT,
+    Job,
+    StateEntry,
+    reduced_gradient_name,
+)
 from transpiler.names import ACC, AFTER_GRADIENTS, GRAD_NORM_OUTPUT, LR_INPUT, NEXT, STEP_STATE
-from transpiler.optimizer import emit_clip, emit_squared_norm, emit_step_increment
+from transpiler.optimizer import Emitter, emit_clip, emit_squared_norm, emit_step_increment
 from transpiler.strategies import Strategy
 
 
@@ -47,6 +62,9 @@ class RankStep:
         self.state: list[StateEntry] = []
         self.outputs: list[ir.Value] = []
         self.updates: list[str] = []
+        # --precision fp16: the bool scalar "every gradient is finite"; the updates keep the old
+        # values where it is false (transpiler/update.py). None: no loss scaling.
+        self.finite: ir.Value | None = None
         self._order = 0
 
     def add_state(self, value_in: ir.Value, value_out: ir.Value, kind: str, param: str | None) -> None:
@@ -55,6 +73,18 @@ class RankStep:
         shape = tuple(int(d) for d in value_in.shape.numpy())
         self.state.append(StateEntry(value_in.name, value_out.name, kind, param, shape, value_in.dtype))
         self.outputs.append(value_out)
+
+    def unless_skipped(self, new: ir.Value, old: ir.Value) -> ir.Value:
+        """``new`` where the step applies its update, ``old`` where fp16 loss scaling skips it
+        (``self.finite`` false): GradScaler.step's skip. The result takes ``new``'s name, ``new``
+        becomes NAME.unchecked."""
+        name = new.name
+        new.name = f"{name}.unchecked"
+        node = ir.node("Where", [self.finite, new, old], name=f"{name}/kept_if_skipped")
+        self.graph.append(node)
+        kept = node.outputs[0]
+        kept.name, kept.dtype, kept.shape = name, new.dtype, ir.Shape(new.shape) if new.shape is not None else None
+        return kept
 
     def next_order(self) -> int:
         """A provisional collective order (``number_collectives`` gives the final one)."""
@@ -109,17 +139,31 @@ def build_step(job: Job, rank: int | None, strategy: Strategy, protos: dict[str,
     for name in problem.buffers:
         step.add_state(inputs[name], values[name + NEXT], "buffer", name)
 
+    scaling = job.options.loss_scaling
+    step_in = None
     if step.config.uses_step():
         step_in = ir.val(STEP_STATE, ir.DataType.FLOAT, [])
         graph.inputs.append(step_in)
         step.step_counter = emit_step_increment(graph, step_in)
-        step.add_state(step_in, step.step_counter, "step", None)
+        if scaling is None:
+            step.add_state(step_in, step.step_counter, "step", None)
+        else:  # kept where the step is skipped: added once the finite flag exists
+            step.step_counter.name = STEP_STATE + ".incremented"
 
+    # --grad-dtype: the buckets travel in the low dtype where there are collectives (DDP's compress hook).
+    wire = DTYPES[job.options.grad_dtype] if step.world > 1 and job.options.grad_dtype != "fp32" else None
+    if wire is not None:
+        _gradients_in(step, wire)
     held = []
     for bucket in job.buckets:
         grads = strategy.reduce(step, bucket)
         if grads is not None:
-            held.append((bucket, grads))
+            held.append((bucket, grads if wire is None else _received_as_float(step, grads, wire)))
+    if scaling is not None:
+        unscaled = iter(_unscale_and_check(step, [g for _, grads in held for g in grads]))
+        held = [(bucket, [next(unscaled) for _ in grads]) for bucket, grads in held]
+        if step_in is not None:
+            step.add_state(step_in, step.unless_skipped(step.step_counter, step_in), "step", None)
     clipped = _clip(step, [grads for _, grads in held])
     if strategy.publish_after_all_updates:
         new_values = {bucket.id: strategy.update(step, bucket, grads) for (bucket, _), grads in zip(held, clipped)}
@@ -129,6 +173,8 @@ def build_step(job: Job, rank: int | None, strategy: Strategy, protos: dict[str,
         for (bucket, _), grads in zip(held, clipped):
             strategy.publish(step, bucket, strategy.update(step, bucket, grads))
 
+    if scaling is not None:
+        _update_loss_scale(step)
     graph.outputs.extend(step.outputs)
     remove_unused(graph)
     number_collectives(graph)
@@ -151,6 +197,12 @@ def _clip(step: RankStep, grads: list[list[ir.Value]]) -> list[list[ir.Value]]:
         )[0]
     # The global squared norm also leaves the graph (contract GRAD_NORM_OUTPUT): the runtime stops a
     # run at the step where it is not finite, like a non-finite loss.
+    if step.finite is not None:
+        # A skipped step (fp16 loss scaling) applies no gradient: it reports 0, not its non-finite
+        # norm, which the runtime would stop at (the skip is reported by SKIPPED_OUTPUT).
+        zero = Emitter(graph, prefix="grad_norm").constant32(0.0, "skipped")
+        squared = Emitter(graph, prefix="grad_norm").op("Where", [step.finite, squared, zero], "if_applied",
+                                                         squared.dtype, [])
     norm_out = ir.node("Identity", [squared], num_outputs=1).outputs[0]
     graph.append(norm_out.producer())
     norm_out.name, norm_out.dtype, norm_out.shape = GRAD_NORM_OUTPUT, squared.dtype, squared.shape
@@ -182,3 +234,109 @@ def _mean_of_micro_batches(step: RankStep) -> None:
         else:
             graph.insert_after(producer, [add, mul])
         grads[name] = mul.outputs[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed precision (docs/precision.md): the gradient dtype on the wire, fp16's loss scaling
+
+
+def _gradients_in(step: RankStep, dtype: ir.DataType) -> None:
+    """Every gradient the collectives send, in ``dtype``, under the name the strategy's checks know
+    (``reduced_gradient_name``; the float32 one becomes NAME.fp32). A float32 gradient that is a
+    cast of a ``dtype`` value (the backward's matrix product, cast back by the Cast rule) is sent
+    as that value: the round trip is exact."""
+    graph = step.graph
+    for param, grad in list(step.grads.items()):
+        name = reduced_gradient_name(step.job, param)
+        producer = grad.producer()
+        source = producer.inputs[0] if producer is not None and producer.op_type == "Cast" else None
+        grad.name = name + ".fp32"
+        if source is not None and source.dtype == dtype:
+            low = source
+        else:
+            node = ir.node("Cast", [grad], {"to": dtype}, name=f"grad_dtype/{param}")
+            low = node.outputs[0]
+            low.dtype, low.shape = dtype, ir.Shape(grad.shape) if grad.shape is not None else None
+            if producer is None:
+                graph.insert_before(next(iter(graph)), node)
+            else:
+                graph.insert_after(producer, node)  # where the gradient is: its bucket's order stays
+        low.name = name
+        step.grads[param] = low
+
+
+def _received_as_float(step: RankStep, grads: list[ir.Value], dtype: ir.DataType) -> list[ir.Value]:
+    """A bucket's reduced gradients (the strategy types its outputs like the parameters: they are
+    ``dtype`` here), cast to float32 for the update."""
+    emitter = Emitter(step.graph, prefix="grad_dtype")
+    out = []
+    for grad in grads:
+        grad.dtype = dtype
+        out.append(emitter.op("Cast", [grad], f"{grad.name}/fp32", ir.DataType.FLOAT, grad.shape,
+                              {"to": ir.DataType.FLOAT}, output_name=grad.name + ".fp32"))
+    return out
+
+
+def _named(graph: ir.Graph, name: str) -> ir.Value:
+    return next(out for node in graph for out in node.outputs if out.name == name)
+
+
+def _unscale_and_check(step: RankStep, grads: list[ir.Value]) -> list[ir.Value]:
+    """GradScaler.unscale_: the gradients this rank holds times 1/scale, and ``step.finite``: whether
+    every gradient of every rank is finite (the ranks that hold parts sum their flags, 0 or NaN,
+    with one scalar AllReduce, so every rank decides the same)."""
+    graph = step.graph
+    e = Emitter(graph, prefix="amp")
+    scale = _named(graph, LOSS_SCALE_CURRENT)
+    inverse = e.op("Div", [e.constant32(1.0, "one"), scale], "inv_scale", ir.DataType.FLOAT, [])
+    zero = e.constant32(0.0, "zero")
+    unscaled, flags = [], []
+    for i, grad in enumerate(grads):
+        value = e.op("Mul", [grad, inverse], f"unscale{i}", grad.dtype, grad.shape, output_name=f"{grad.name}.unscaled")
+        unscaled.append(value)
+        # 0 where every element is finite, NaN where one is not (inf * 0 and NaN * 0 are NaN).
+        zeros = e.op("Mul", [value, zero], f"nonfinite{i}/times_zero", grad.dtype, grad.shape)
+        flags.append(e.op("ReduceSum", [zeros], f"nonfinite{i}", ir.DataType.FLOAT, [], {"keepdims": 0}))
+    total = flags[0] if len(flags) == 1 else e.op("Sum", flags, "nonfinite", ir.DataType.FLOAT, []) if flags else zero
+    if step.strategy.holds_part_of_gradients:
+        total = append_collective(graph, "AllReduce", [total], like=[total], output_names=["amp.nonfinite.global"],
+                                  order=AFTER_GRADIENTS, bucket=-1, phase="step", reduction="sum")[0]
+    step.finite = e.op("Equal", [total, zero], "all_finite", ir.DataType.BOOL, [])
+    return unscaled
+
+
+def _update_loss_scale(step: RankStep) -> None:
+    """GradScaler.update (torch's _amp_update_scale_): a skipped step multiplies the scale by the
+    backoff factor and zeroes the tracker; a finite one counts, and the growth_interval-th in a
+    row multiplies the scale by the growth factor (unless that overflows) and zeroes the tracker.
+    The factors apply in float64, rounded to float32 once, as torch's kernel does."""
+    graph, scaling = step.graph, step.job.options.loss_scaling
+    f32, f64, b = ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.BOOL
+    e = Emitter(graph, prefix="amp")
+    inputs = {v.name: v for v in graph.inputs}
+    scale_in = inputs[LOSS_SCALE_STATE]
+    tracker_in = ir.val(GROWTH_TRACKER_STATE, f32, ir.Shape([]))
+    graph.inputs.append(tracker_in)
+    scale = _named(graph, LOSS_SCALE_CURRENT)
+
+    def times(factor: float, what: str) -> ir.Value:
+        wide = e.op("Cast", [scale], f"{what}/f64", f64, [], {"to": f64})
+        product = e.op("Mul", [wide, e.constant(factor, f64, f"{what}_factor")], f"{what}/f64_product", f64, [])
+        return e.op("Cast", [product], what, f32, [], {"to": f32})
+
+    counted = e.op("Add", [tracker_in, e.constant32(1.0, "one")], "growth_tracker_counted", f32, [])
+    reached = e.op("Equal", [counted, e.constant32(float(scaling.growth_interval), "growth_interval")],
+                   "growth_interval_reached", b, [])
+    grown = times(scaling.growth_factor, "grown")
+    grows = e.op("And", [reached, e.op("Not", [e.op("IsInf", [grown], "grown_is_inf", b, [])], "grown_finite", b, [])],
+                 "grows", b, [])
+    kept = e.op("Where", [grows, grown, scale], "scale_if_finite", f32, [])
+    scale_next = e.op("Where", [step.finite, kept, times(scaling.backoff_factor, "backed_off")], "scale_next", f32, [])
+    zero = e.constant32(0.0, "zero")
+    tracker_kept = e.op("Where", [reached, zero, counted], "tracker_if_finite", f32, [])
+    tracker_next = e.op("Where", [step.finite, tracker_kept, zero], "tracker_next", f32, [])
+    step.add_state(scale_in, scale_next, LOSS_SCALE_KIND, None)
+    step.add_state(tracker_in, tracker_next, LOSS_SCALE_KIND, None)
+    skipped = e.op("Cast", [e.op("Not", [step.finite], "skipped_bool", b, [])], "skipped", f32, [],
+                   {"to": f32}, output_name=SKIPPED_OUTPUT)
+    step.outputs.append(skipped)

@@ -7,6 +7,9 @@ body the standard-op update), whatever the strategy:
 - ``emit_bucket_update(step, bucket, grads)``: a bucket's parameters, each its own node. A backend
   with a native kernel runs a bucket's consecutive update nodes as one multi-tensor launch, which
   is what the removed --flat-update did with concatenations.
+
+With fp16 loss scaling every updated value (parameter, optimizer state) is
+``step.unless_skipped(new, old)``: ``Where(all gradients finite, new, old)``, GradScaler.step's skip.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def emit_param_update(step: RankStep, name: str, grad: ir.Value, param: ir.Value
     new_param, new_slots = emit_fused_update(
         step.model, step.config, param=param, grad=grad, lr=step.lr, step=step.step_counter, state=slots, name=name
     )
+    if step.finite is not None:  # fp16 loss scaling: a step with a non-finite gradient changes nothing
+        new_param = step.unless_skipped(new_param, param)
+        new_slots = {slot: step.unless_skipped(value, slots[slot]) for slot, value in new_slots.items()}
     for slot, value in slots.items():
         step.add_state(value, new_slots[slot], "optimizer", owner)
     return new_param

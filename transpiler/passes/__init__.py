@@ -1,6 +1,8 @@
 """The rewrite, as composable passes over one shared ``Job``; ``PIPELINE`` is the whole of it.
 
     BatchNormPass    BatchNormalization decomposed (--sync-bn: a second variant for the ranks)
+    PrecisionPass    --precision bf16|fp16: the forward in mixed precision, casts once per value
+                     (fp16: the loss times the loss scale); nothing for fp32
     AutodiffPass     forward -> forward + backward (gradients as outputs)
     PlacementPass    root rank of every parameter (hash or balanced)
     BucketingPass    gradients grouped in backward order, as the strategy needs
@@ -33,17 +35,18 @@ from transpiler.passes.autodiff import AutodiffPass
 from transpiler.passes.batchnorm import BatchNormPass
 from transpiler.passes.bucketing import BucketingPass
 from transpiler.passes.placement import PlacementPass
+from transpiler.passes.precision import PrecisionPass
 from transpiler.passes.split_ranks import SplitRanksPass
 from transpiler.progress import Progress, Quiet
 from transpiler.strategies import STRATEGIES
 
 __all__ = [
     "LR_INPUT", "NEXT", "PIPELINE", "STEP_STATE", "STRATEGIES", "AutodiffPass", "BatchNormPass", "BucketingPass",
-    "Job", "Options", "PlacementPass", "RankGraphs", "SplitRanksPass", "StateEntry", "reduced_gradient_name",
+    "Job", "Options", "PlacementPass", "PrecisionPass", "RankGraphs", "SplitRanksPass", "StateEntry", "reduced_gradient_name",
     "run_passes",
 ]
 
-PIPELINE = [BatchNormPass, AutodiffPass, PlacementPass, BucketingPass, SplitRanksPass]
+PIPELINE = [BatchNormPass, PrecisionPass, AutodiffPass, PlacementPass, BucketingPass, SplitRanksPass]
 
 
 def run_passes(job: Job, progress: Progress | None = None) -> None:

@@ -41,7 +41,9 @@ class AutodiffPass(InPlacePass):
     def _differentiate(self, model: ir.Model, buffers: list) -> None:
         graph = model.graph
         job = self.job
-        loss = next(v for v in graph.outputs if v.name == job.problem.loss)
+        # --precision fp16: the loss times the loss scale (PrecisionPass), so every gradient is scaled.
+        target = job.differentiated or job.problem.loss
+        loss = next(v for v in graph.outputs if v.name == target)
         wrt = [graph.initializers[p] for p in job.problem.params]
         grads = build_gradients(graph, loss, wrt)
         add_op_functions(model)  # the functions of backend-native gradient nodes the rules emitted
