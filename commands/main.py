@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import logging
 import signal
@@ -133,12 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"transpile: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file that cannot be read or written, not caught closer to it: still one line
+        print(f"transpile: error: {_os_error_line(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("transpile: interrupted", file=sys.stderr)
         return 130
     except _Terminated:
         print("transpile: terminated", file=sys.stderr)
         return 143
+
+
+def _os_error_line(exc: OSError) -> str:
+    """'PATH: No space left on device (ENOSPC)' (runtime/errors.py has the same words; importing it
+    here would load the runtime for every command)."""
+    name = errno.errorcode.get(exc.errno or 0)
+    text = exc.strerror or (str(exc).splitlines() or [type(exc).__name__])[0]
+    where = f"{exc.filename}: " if exc.filename is not None else ""
+    return f"{where}{text} ({name})" if name else f"{where}{text}"
 
 
 class _Terminated(BaseException):

@@ -218,11 +218,13 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, partial / "meta.json")
+            _fsync_directory(partial)  # the rank files' and the manifest's names are on disk before the publish
             if final.exists():  # the same step saved again (a resumed run): never delete before publishing
                 replaced = directory / f"{REPLACED}{step}"
                 shutil.rmtree(replaced, ignore_errors=True)
                 os.replace(final, replaced)
             os.replace(partial, final)
+            _fsync_directory(directory)  # the publish itself survives a power loss
             _prune(directory, keep)
         except OSError as exc:
             shutil.rmtree(partial, ignore_errors=True)
@@ -232,13 +234,26 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
     return final
 
 
+def _fsync_directory(directory: Path) -> None:
+    """fsync a directory: the entries renamed or created in it are durable (power loss)."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno_module.EINVAL, errno_module.ENOTSUP):  # a file system without directory fsync
+            raise
+    finally:
+        os.close(fd)
+
+
 def _prune(directory: Path, keep: int) -> None:
-    """Only after a newer checkpoint is complete: drop all but the ``keep`` newest, and leftovers."""
-    complete = complete_checkpoints(directory)
+    """Only after a newer checkpoint is complete: drop all but the ``keep`` newest, and leftovers.
+    Only the store's own directories: an entry that is a symlink is never followed or removed."""
+    complete = [(step, path) for step, path in complete_checkpoints(directory) if not path.is_symlink()]
     for _, path in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(path, ignore_errors=True)
     for path in directory.iterdir():
-        if path.name.startswith((PARTIAL, REPLACED)):
+        if path.name.startswith((PARTIAL, REPLACED)) and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -11,8 +11,11 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
+import stat
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,14 +27,14 @@ from runtime.devices import BACKENDS, check_gpus, resolve_backend
 from runtime.errors import PeerFailed, RunError
 from runtime.evaluate import eval_batch_size, load_eval_data, make_evaluator
 from runtime.executor import CpuBackend
-from runtime.guard import parent_token
+from runtime.guard import alive, parent_token
 from runtime.launcher import Host, check_slots, detect_launcher, parse_hostfile, parse_hosts, spawn
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
 from runtime.progress import VIEWS
 from runtime.schedule import SCHEDULES, Schedule
 from runtime.trainer import Trainer
-from runtime.worker import run_as_rank
+from runtime.worker import os_error_line, run_as_rank
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,18 +230,20 @@ def run_command(args: argparse.Namespace) -> int:
         try:
             if plan.world_size == 1 and hosts is None:
                 return _run_single(plan, dataset, config)
-            with tempfile.TemporaryDirectory(prefix="transpile-run.", ignore_cleanup_errors=True) as tmp:
+            sweep_run_directories()
+            with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX, ignore_cleanup_errors=True) as tmp:
                 # What the ranks must know of this process travels in their configuration: that we
                 # started them and, on this host only, our token for their watchdogs to check and
                 # the directory of their heartbeats (both mean nothing on another host).
                 config = replace(config, spawned=True, **({"parent": parent_token(), "run_dir": Path(tmp)}
                                                           if hosts is None else {}))
                 path = Path(tmp) / "config.json"  # the ranks read it at start-up, before any step
+                (Path(tmp) / OWNER_FILE).write_text(parent_token() + "\n")  # for sweep_run_directories
                 config.save(path)
                 # Ranks on other hosts cannot read a file in this host's /tmp: they get it inline.
                 given = ["--config", str(path)] if hosts is None else ["--config-json", json.dumps(config.to_json())]
                 try:
-                    return spawn(plan.world_size, given, run_dir=Path(tmp), hosts=hosts)
+                    return spawn(plan.world_size, given, run_dir=Path(tmp), hosts=hosts, timeout=config.timeout)
                 finally:
                     if config.tty is not None:  # a rank killed mid-bar leaves the terminal's cursor hidden
                         print("\x1b[?25h", end="", flush=True)
@@ -249,6 +254,41 @@ def run_command(args: argparse.Namespace) -> int:
         if not isinstance(exc, PeerFailed):
             print(f"transpile: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file of the run (its run directory, OUT, the data) cannot be read or written
+        print(f"transpile: error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
+
+
+RUN_DIR_PREFIX = "transpile-run."
+OWNER_FILE = "owner"  # in a run directory: the token of the `transpile run` that made it
+
+
+def sweep_run_directories(temp: Path | None = None) -> None:
+    """Remove the run directories ($TMPDIR/transpile-run.*) of earlier ``transpile run``s that
+    are gone without removing theirs (kill -9, the OOM killer): only this user's own real
+    directories (never through a symlink), whose owner token names a process that no longer runs,
+    or that hold no token and are more than a day old (the run died before writing it)."""
+    temp = Path(tempfile.gettempdir()) if temp is None else temp
+    try:
+        entries = [e for e in os.scandir(temp) if e.name.startswith(RUN_DIR_PREFIX)]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            try:
+                token = (Path(entry.path) / OWNER_FILE).read_text().strip()
+            except FileNotFoundError:
+                token = None
+            if token is not None and alive(token):
+                continue
+            if token is None and time.time() - info.st_mtime < 86400:
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _view(progress: str) -> dict:

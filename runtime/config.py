@@ -72,6 +72,53 @@ def parse_ep_options(entries: list[str] | None) -> dict[str, str]:
     return options
 
 
+# Every RunConfig field, decided once: AGREED fields are part of the fingerprint the ranks compare
+# in their first exchange, before any training collective (runtime/worker.py ``fingerprint``): they
+# change the sequence of collectives (a checkpoint, log or evaluation step runs host agreements),
+# the state the replicas hold, or where the ranks' shared files go; ranks started by an outside
+# launcher (``mpiexec -n 1 A : -n 1 B``, srun) resolve their own command lines and could differ.
+# LOCAL fields may differ between ranks (rank 0 alone reads them, or they describe one process).
+# A new field must be added here (tests/test_faults_agreement.py fails otherwise). The second
+# element is how the user names the field in the one-line message that refuses a difference.
+AGREED, LOCAL = "agreed", "local"
+AGREEMENT: dict[str, tuple[str, str]] = {
+    "batch": (AGREED, "--batch"),
+    "steps": (AGREED, "--steps"),
+    "lr": (AGREED, "--lr"),
+    "shuffle": (AGREED, "--shuffle"),
+    "seed": (AGREED, "--seed"),  # compared only with --shuffle (the order does not depend on it otherwise)
+    "log_every": (AGREED, "--log-every"),  # losses are read (a host reduction) at log steps
+    "export": (AGREED, "--export"),  # the export's outcome and the state check are host agreements
+    "checkpoint": (AGREED, "--checkpoint"),  # every rank writes its file into the same store
+    "checkpoint_every": (AGREED, "--checkpoint-every"),  # each save holds three host agreements
+    "keep_checkpoints": (LOCAL, "--keep-last"),  # rank 0 alone prunes
+    "resume": (AGREED, "--resume"),
+    "timings": (AGREED, "--timings"),  # the ranks agree on writing it, rank 0 reads their parts
+    "schedule": (AGREED, "the lr schedule"),
+    "metrics": (LOCAL, "--metrics"),  # rank 0's file
+    "progress": (LOCAL, "--progress"),  # rank 0's view
+    "tty": (LOCAL, "the terminal"),
+    "out": (AGREED, "plan"),  # compared as the plan's hash, which covers every rank's collectives
+    "data": (AGREED, "data"),  # compared as the arrays' names, shapes and dtypes
+    "backend": (AGREED, "backend"),  # resolved on each rank: hosts with and without GPUs must not mix
+    "tf32": (AGREED, "--no-tf32"),  # the replicas' arithmetic
+    "ep_options": (LOCAL, "--ep-option"),  # a host's onnxruntime tuning (memory limits differ by GPU)
+    "timeout": (LOCAL, "--timeout"),  # each rank's own watchdog
+    "eval_data": (AGREED, "--eval-data"),  # compared as its arrays' shapes: the evaluation is collective
+    "eval_every": (AGREED, "--eval-every"),
+    "eval_batch": (AGREED, "--eval-batch"),
+    "export_best": (AGREED, "--export-best"),
+    "spawned": (LOCAL, "spawned"),  # how this process was started
+    "parent": (LOCAL, "parent"),
+    "run_dir": (LOCAL, "run directory"),
+}
+
+
+def agreed_fields() -> list[str]:
+    """The RunConfig fields every rank must hold the same value of, in declaration order."""
+    return [f.name for f in dataclasses.fields(RunConfig) if AGREEMENT[f.name][0] == AGREED]
+
+
 _PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data", "metrics", "run_dir")
 
 

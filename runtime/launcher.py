@@ -11,9 +11,7 @@ environment.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -24,8 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import variables
+from runtime.config import DEFAULT_TIMEOUT_S
 from runtime.errors import RunError
-from runtime.guard import read_beats, set_parent_death_signal
+from runtime.guard import set_parent_death_signal
+from runtime.launcher_output import Output, relay
+from runtime.supervisor import Supervisor, kill_group, listen
 
 
 # Every launcher we recognise, first match wins. The order settles processes that see the variables
@@ -249,7 +250,8 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts: Sequence[Host] | None = None) -> int:
+def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts: Sequence[Host] | None = None,
+          timeout: float = DEFAULT_TIMEOUT_S) -> int:
     """Run N rank processes of ``runtime.worker`` under mpiexec (on ``hosts``, else here); returns
     the run's exit status. ``worker_args`` name the ranks' RunConfig, which tells them they were
     spawned, and (on this host only) this process's token and ``run_dir`` for their heartbeats.
@@ -262,9 +264,12 @@ def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts
     OOM killer), the kernel kills mpiexec (PR_SET_PDEATHSIG) and each rank's watchdog sees that its
     parent is gone (runtime/guard.py): no rank outlives it.
 
-    mpiexec's stderr passes through this process: the ranks' lines go on unchanged, MPI's "BAD
-    TERMINATION" banner is replaced by one ``transpile:`` line naming the rank that died (its pid is
-    in the heartbeat files of ``run_dir``), its host and its exit status or signal.
+    mpiexec's output passes through this process: the ranks' lines go on unchanged; MPI's "BAD
+    TERMINATION" banner and mpiexec's own ``[mpiexec@host]`` lines are held back. Every fault ends
+    with exactly one line: the failing rank's own, else one from here naming what died first, as
+    the kernel ordered the deaths (runtime/supervisor.py: the ranks' pids come from their heartbeat files
+    in ``run_dir``, never from the banner), or what stopped; the held-back lines come out only
+    when nothing else explains a failure.
     """
     mpiexec = find_mpiexec()
     flavor = mpiexec_flavor(mpiexec)
@@ -272,7 +277,7 @@ def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts
     hostfile = None
     if hosts is not None:
         # The ranks' heartbeats (in run_dir) and parent check mean nothing on another host: their
-        # RunConfig leaves both out (runtime/cli.py), and so does the banner's lookup of the rank.
+        # RunConfig leaves both out (runtime/cli.py), and so does the supervision below.
         if run_dir is None:
             raise ValueError("spawn on hosts needs run_dir (for the hostfile)")
         hostfile = run_dir / "hostfile"
@@ -286,21 +291,26 @@ def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts
         if os.getppid() != me:  # transpile run died before the prctl took effect
             os._exit(1)
 
+    lifeline = listen(run_dir) if run_dir is not None else None  # before any rank can connect
     try:
         job = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, preexec_fn=die_with_me)
     except OSError as exc:
+        if lifeline is not None:
+            lifeline.close()
         raise RunError(f"cannot start {mpiexec}: {exc.strerror or exc}") from None
-    banner = _Banner()
-    relays = [threading.Thread(target=_relay, args=(pipe, out, banner), daemon=True)
+    output = Output()
+    relays = [threading.Thread(target=relay, args=(pipe, out, output), daemon=True)
               for pipe, out in ((job.stdout, sys.stdout), (job.stderr, sys.stderr))]
-    for relay in relays:
-        relay.start()
+    for thread in relays:
+        thread.start()
+    supervisor = (Supervisor(job, n, run_dir, timeout, output, Path(mpiexec).name, lifeline)
+                  if run_dir is not None else None)
     received: list[int] = []
 
     def stop(signum, _frame) -> None:
         received.append(signum)
-        _kill_group(job)
+        kill_group(job, supervisor)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -309,71 +319,30 @@ def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if job.poll() is None:  # an exception in here, not a signal: leave nothing running either
-            _kill_group(job)
+            kill_group(job, supervisor)
             job.wait()
     if received or code != 0:
-        _kill_group(job)  # stragglers of a failed job, if any
-    for relay in relays:
-        relay.join(timeout=5)
+        kill_group(job, supervisor)  # stragglers of a failed job (a dead mpiexec leaves its proxy and ranks), if any
+    if supervisor is not None:
+        supervisor.finish()
+    for thread in relays:
+        thread.join(timeout=5)
     if received:
         name = signal.Signals(received[0]).name
         print(f"transpile: interrupted by {name}: the {n} rank(s) were stopped", file=sys.stderr, flush=True)
         return 128 + received[0]
-    if banner.pid is not None:
-        print(f"transpile: error: {banner.describe(run_dir, n)}; the other ranks were stopped", file=sys.stderr, flush=True)
-        return 1
-    return code
-
-
-class _Banner:
-    """What MPICH's (Hydra's) "BAD TERMINATION" banner said: the pid, host and exit of a rank."""
-
-    LINES = (re.compile(r"^=+\s*$"), re.compile(r"^=   "), re.compile(r"^YOUR APPLICATION TERMINATED WITH THE EXIT STRING"),
-             re.compile(r"^This typically refers to a problem with your application"),
-             re.compile(r"^Please see the FAQ page for debugging suggestions"))
-
-    def __init__(self):
-        self.pid: int | None = None
-        self.host = self.exit_code = self.exit_string = None
-
-    def take(self, line: str) -> bool:
-        """True when ``line`` belongs to the banner (and is swallowed)."""
-        if not any(p.search(line) for p in self.LINES):
-            return False
-        if (m := re.search(r"PID (\d+) RUNNING AT (\S+)", line)) and self.pid is None:
-            self.pid, self.host = int(m.group(1)), m.group(2)
-        if (m := re.search(r"EXIT CODE: (\d+)", line)) and self.exit_code is None:
-            self.exit_code = int(m.group(1))
-        if (m := re.search(r"EXIT STRING: (.*)$", line)) and self.exit_string is None:
-            self.exit_string = m.group(1).strip()
-        return True
-
-    def describe(self, run_dir: Path | None, n: int) -> str:
-        rank = None
-        if run_dir is not None:
-            rank = next((r for r, (*_, pid) in read_beats(run_dir, n).items() if pid == self.pid), None)
-        who = f"rank {rank}" if rank is not None else "a rank"
-        how = f"exited with status {self.exit_code}"
-        if self.exit_code is not None and self.exit_code > 0:
-            with contextlib.suppress(ValueError):
-                how = f"was killed by signal {self.exit_code} ({signal.Signals(self.exit_code).name})"
-            if self.exit_string and "signal" not in self.exit_string.lower():
-                how = f"exited with status {self.exit_code}"
-        return f"{who} (pid {self.pid} on {self.host}) {how}"
-
-
-def _relay(stream, out, banner: _Banner) -> None:
-    """Copy one of mpiexec's streams to ours line by line, without MPI's banner (Hydra prints it
-    on stdout)."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        if not banner.take(line.rstrip("\n")):
-            with contextlib.suppress(OSError, ValueError):
-                out.write(line)
-                out.flush()
-    stream.close()
-
-
-def _kill_group(job: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(job.pid, signal.SIGKILL)
+    if supervisor is not None and supervisor.verdict is not None:
+        return 1  # the supervisor ended the job, with its line (or after a rank's)
+    if code == 0:
+        return 0
+    if output.rank_error:
+        # A rank said what went wrong: its line is the one line; its own status is the run's.
+        return (supervisor.rank_status() if supervisor is not None else None) or (code if 0 < code < 128 else 1)
+    line = supervisor.explain(code) if supervisor is not None else None
+    if line is None and output.banner.pid is not None:
+        line = output.banner.describe()
+    if line is None:
+        output.release()  # nothing here explains it: mpiexec's own lines may
+        return code if 0 < code < 128 else 1
+    print(f"transpile: error: {line}", file=sys.stderr, flush=True)
+    return 1

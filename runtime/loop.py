@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -49,7 +48,15 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         error = None
         try:
             meta = checkpoint.read_meta(config.resume)
-            trainer.load_state(checkpoint.load(config.resume, rank, meta.step), f"{config.resume}/rank{rank}.npz")
+            state = checkpoint.load(config.resume, rank, meta.step)
+            # A checkpoint this runtime writes is finite (checked before every save); one that is
+            # not (an older version's, a damaged one) is refused here rather than resumed and later
+            # called the last good checkpoint.
+            bad = _first_non_finite(state)
+            if bad is not None:
+                raise RunError(f"--resume {config.resume}/rank{rank}.npz: '{bad}' holds non-finite values; this "
+                               "checkpoint cannot be resumed (resume from an earlier one)")
+            trainer.load_state(state, f"{config.resume}/rank{rank}.npz")
             start = meta.step
         except RunError as exc:
             error = str(exc)
@@ -67,6 +74,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
            progress: Callable[[int, str], None], evaluator: Evaluator | None) -> list[float]:
     rank, world_size = trainer.comm.rank, trainer.comm.size
     losses: list[float] = []
+    skipped: list[bool] = []  # --precision fp16: each step's, as the losses
     last_checkpoint = config.resume
     # Each record reports averages over the steps since the previous one: a single step's time
     # and loss are too noisy to read (one batch; a rank descheduled for a moment).
@@ -96,6 +104,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
             first = start + len(losses) + 1
             new = trainer.collect_losses()
             losses.extend(new)
+            skipped.extend(trainer.skipped)
             _check_losses(new, first, rank, last_checkpoint, trainer)
             _check_grad_norms(trainer.grad_norms, first, rank, last_checkpoint, trainer)
         report.advance(done)  # (a silent Report on the other ranks)
@@ -112,7 +121,9 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
             step_s = (now - window_start) / len(window)
             report.log(done, loss=losses[-1], mean_loss=sum(window) / len(window), learning_rate=lr,
                        samples_per_second=round(config.batch / step_s, 1), step_time_ms=round(step_s * 1e3, 4),
-                       **({"grad_norm": trainer.grad_norms[-1]} if trainer.grad_norms else {}), **evaluated)
+                       **({"grad_norm": trainer.grad_norms[-1]} if trainer.grad_norms else {}),
+                       **({"loss_scale": trainer.loss_scale, "skipped_steps": sum(skipped[since:])}
+                          if trainer.loss_scale is not None else {}), **evaluated)
             since, window_start = len(losses), now
         if save_now:
             progress(done, "checkpoint")
@@ -163,6 +174,8 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
                       samples_per_second=round(run * config.batch / runtime, 1) if runtime > 0 else None,
                       step_time_ms=round(runtime * 1e3 / run, 4) if run else None,
                       final_loss=losses[-1] if losses else None,
+                      **({"skipped_steps": sum(skipped), "loss_scale": trainer.loss_scale}
+                         if trainer.loss_scale is not None else {}),
                       mean_loss=sum(losses) / len(losses) if losses else None,
                       epoch=round(config.steps * config.batch / dataset.rows, 4),
                       export=config.export, checkpoint=last_checkpoint if last_checkpoint != config.resume else None,
@@ -187,12 +200,29 @@ def _meta(trainer: Trainer, config: RunConfig, step: int) -> checkpoint.Meta:
                            schedule=dataclasses.asdict(config.schedule), steps=config.steps)
 
 
+RESCUE_PREFIX = "transpile-rescue-"
+_PATH_BYTES = 4096  # the longest rescue path rank 0 can hand to the others
+
+
 def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
-    """--export failed and no checkpoint holds the final state: save one into the temporary
-    directory (another file system than the export's, as a rule), for 'transpile export'."""
+    """--export failed and no checkpoint holds the final state: save one into a new directory of
+    the temporary directory (another file system than the export's, as a rule), for 'transpile
+    export'. Rank 0 creates it with mkdtemp: an unpredictable name, created exclusively (never an
+    existing path, never through a symlink someone planted), mode 0700, owned by this user; the
+    other ranks learn its path from rank 0. Pruning (keep 1) stays inside this new store."""
     comm = trainer.comm
-    key = hashlib.sha256(f"{config.out}|{config.export}|{config.steps}".encode()).hexdigest()[:12]
-    store = Path(tempfile.gettempdir()) / f"transpile-rescue-{key}"
+    store, failure = None, None
+    if comm.rank == 0:
+        try:
+            store = Path(tempfile.mkdtemp(prefix=RESCUE_PREFIX))
+        except OSError as exc:
+            failure = f"cannot create a directory in {tempfile.gettempdir()}: {os_error_text(exc)}"
+    store = _share_path(comm, store)
+    if store is None:
+        if comm.rank != 0:
+            raise PeerFailed("--export failed")
+        raise AgreedError(f"{error or f'--export {config.export} failed'}; saving the final state failed too "
+                          f"({failure or 'its path is too long'}); the trained state is lost")
     meta = _meta(trainer, config, config.steps)
     try:
         return checkpoint.save(store, trainer.state_dict(), meta, rank=comm.rank, comm=comm, keep=1)
@@ -203,16 +233,39 @@ def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
                           f"too ({exc}); the trained state is lost") from None
 
 
+def _share_path(comm: Communicator, path: Path | None) -> Path | None:
+    """Rank 0's ``path`` on every rank (None on every rank when rank 0 has none), through the one
+    host reduction every backend has: rank 0 contributes the path's bytes, the others zeros."""
+    values = [0.0] * (1 + _PATH_BYTES)
+    if comm.rank == 0 and path is not None:
+        data = os.fsencode(str(path))
+        if len(data) <= _PATH_BYTES:
+            values[0] = float(len(data))
+            values[1:1 + len(data)] = [float(b) for b in data]
+    shared = comm.allreduce_scalars(values, "sum")
+    length = int(shared[0])
+    if length == 0:
+        return None
+    return Path(os.fsdecode(bytes(int(v) for v in shared[1:1 + length])))
+
+
 def _where(last_checkpoint) -> str:
     return (f"{last_checkpoint} is the last good checkpoint" if last_checkpoint is not None
             else "no checkpoint was written")
+
+
+def _skipped(trainer: Trainer, i: int) -> bool:
+    """Whether fp16 loss scaling skipped step ``i`` of the last collect_losses (its gradients
+    overflowed): it changed nothing, and its non-finite loss or norm is the scaler's business, as
+    with torch's GradScaler."""
+    return i < len(trainer.skipped) and trainer.skipped[i]
 
 
 def _check_grad_norms(norms: list[float], first: int, rank: int, last_checkpoint, trainer: Trainer) -> None:
     """Stop at the first step whose global gradient norm (--clip-grad-norm) is not finite, even if
     its loss was: clipping by a non-finite norm makes every parameter non-finite."""
     for i, value in enumerate(norms):
-        if not math.isfinite(value):
+        if not math.isfinite(value) and not _skipped(trainer, i):
             if rank != 0:
                 raise PeerFailed("non-finite gradient norm")
             raise AgreedError(f"step {first + i}: the gradient norm is {value} (non-finite); training stopped, no "
@@ -222,7 +275,7 @@ def _check_grad_norms(norms: list[float], first: int, rank: int, last_checkpoint
 def _check_losses(new: list[float], first: int, rank: int, last_checkpoint, trainer: Trainer) -> None:
     """Stop at the first non-finite loss (every rank holds the same global losses, so all stop)."""
     for i, value in enumerate(new):
-        if not math.isfinite(value):
+        if not math.isfinite(value) and not _skipped(trainer, i):
             if rank != 0:
                 raise PeerFailed("non-finite loss")
             # Stopping anyway: naming the first non-finite tensor of rank 0's state (which holds every

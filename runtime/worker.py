@@ -21,6 +21,8 @@ Failure handling keeps the "one line per error, no hang" promise in two phases:
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,10 +37,10 @@ from pathlib import Path
 from runtime import checkpoint
 from runtime.bootstrap import HostGroup, MpiHost, torch_style_host
 from runtime.collectives.mpi import MpiCommunicator
-from runtime.config import DEFAULT_TIMEOUT_S, RunConfig
+from runtime.config import AGREEMENT, DEFAULT_TIMEOUT_S, RunConfig, agreed_fields
 from runtime.data import Dataset
 from runtime.devices import pick_gpu, resolve_backend
-from runtime.errors import PeerFailed, RunError
+from runtime.errors import PeerFailed, RunError, os_error_text
 from runtime.evaluate import make_evaluator
 from runtime.executor import CpuBackend
 from runtime.guard import Watchdog, set_parent_death_signal
@@ -75,10 +77,12 @@ def _mpi_local(comm: MpiCommunicator) -> tuple[int, int]:
         local.Free()
 
 
-def _tear_down(host: HostGroup, code: int, spawned: bool) -> None:
+def _tear_down(host: HostGroup | None, code: int, spawned: bool, watchdog: Watchdog) -> None:
+    """End this rank now with ``code`` (the others are stopped by our mpiexec, or by MPI_Abort)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if spawned:
+    watchdog.note_exit(code)
+    if spawned or host is None:
         os._exit(code)  # our mpiexec kills the other ranks when one exits non-zero
     # An outside launcher's proxy forwards our stderr asynchronously; MPI_Abort tears it down at
     # once, and the line just printed was lost (seen with Hydra): give it a moment to go out.
@@ -96,16 +100,88 @@ def _agreed_exit(host: HostGroup) -> int:
     return 2
 
 
+def _finish(host: HostGroup, comm: MpiCommunicator | None, watchdog: Watchdog, code: int) -> int:
+    """The rank's last collective steps, still under the watchdog: closing the host group and MPI
+    finalization (a peer stopped there would hang this rank for ever otherwise); then the exit is
+    recorded for ``transpile run``. Returns ``code``."""
+    watchdog.progress(watchdog.step, "shutdown")
+    host.close()
+    if comm is not None:
+        finalize_mpi()
+    watchdog.disarm()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    watchdog.note_exit(code)
+    return code
+
+
 def _join_hosts(launch: LaunchEnv | None, timeout: float) -> tuple[HostGroup, MpiCommunicator | None]:
     """The ranks' host group, and the MPI communicator where the launcher made MPI processes (our
     own mpiexec, mpirun, srun); torchrun's ranks meet over the TCP bootstrap instead, waiting up to
     ``timeout`` seconds for each other."""
     if launch is not None and not launch.mpi:
         return torch_style_host(os.environ, launch.rank, launch.size, timeout), None
+    init_mpi()
     comm = MpiCommunicator()
     if launch is not None:
         check_mpi_agrees(launch, comm.rank, comm.size)
     return MpiHost(comm), comm
+
+
+def init_mpi() -> None:
+    """MPI_Init_thread without holding Python's GIL, so that this rank's watchdog thread keeps
+    running (heartbeats, the timeout) while it waits there for a peer that is stopped or never
+    comes: mpi4py's own initialization, on import, holds the GIL through the call. The call goes
+    through ctypes (which releases the GIL) into the MPI library mpi4py has loaded; mpi4py then
+    finds MPI initialized (and still finalizes it at exit if nobody did)."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = True
+    from mpi4py import MPI
+
+    if MPI.Is_initialized():
+        return
+    library = _loaded_mpi_library()
+    if library is None:
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)  # as mpi4py would (with the GIL held)
+        return
+    provided = ctypes.c_int(0)
+    code = library.MPI_Init_thread(None, None, ctypes.c_int(MPI.THREAD_MULTIPLE), ctypes.byref(provided))
+    if code != 0:
+        raise RunError(f"MPI initialization failed (MPI_Init_thread returned error {code})")
+
+
+def finalize_mpi() -> None:
+    """MPI_Finalize without holding the GIL (see ``init_mpi``): a peer stopped before its own
+    finalization can hold this rank there, and the watchdog must still run."""
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    library = _loaded_mpi_library()
+    if library is None:
+        MPI.Finalize()
+    else:
+        library.MPI_Finalize()
+
+
+def _loaded_mpi_library():
+    """The MPI library in this process (ctypes), from /proc/self/maps; None where unknown."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+        if "/libmpi" in path and ".so" in path:
+            try:
+                library = ctypes.CDLL(path)
+                library.MPI_Init_thread  # noqa: B018 - present, or try the next one
+            except (OSError, AttributeError):
+                continue
+            return library
+    return None
 
 
 def _make_backend(config: RunConfig, host: HostGroup, comm: MpiCommunicator | None, launch: LaunchEnv | None):
@@ -148,15 +224,41 @@ def run_as_rank(setup: Setup, *, timeout: float = DEFAULT_TIMEOUT_S, spawned: bo
         set_parent_death_signal()  # the rank dies with its parent (mpiexec's proxy), however it dies
     try:
         launch = detect_launcher()
+    except RunError as exc:
+        print(f"transpile: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    # The watchdog runs, armed, from before the rank joins the others (MPI initialization, a
+    # torch-style bootstrap) until after MPI finalization: a peer stopped at any stage ends the job
+    # within --timeout. Until the host group exists its rank is the launcher's (the same as MPI's:
+    # check_mpi_agrees).
+    watchdog = Watchdog(launch.rank if launch else 0, (launch.size or 1) if launch else 1, timeout=timeout,
+                        exit=lambda code: _tear_down(None, code, spawned, watchdog), run_dir=run_dir,
+                        parent=parent if spawned else None)
+    if spawned:
+        watchdog.record_endings()  # crashes and signals are written down for transpile run
+    watchdog.start().arm()
+    try:
+        return _rank_life(setup, launch, watchdog, timeout=timeout, spawned=spawned)
+    except SystemExit as exc:  # every way out is recorded for transpile run (runtime/supervisor.py)
+        watchdog.note_exit(exc.code if isinstance(exc.code, int) else 1)
+        raise
+    except BaseException:
+        watchdog.note_exit(1)
+        raise
+
+
+def _rank_life(setup: Setup, launch: LaunchEnv | None, watchdog: Watchdog, *, timeout: float, spawned: bool) -> int:
+    """``run_as_rank`` from joining the other ranks to finalization, under ``watchdog``."""
+    try:
         host, comm = _join_hosts(launch, timeout)
     except RunError as exc:  # no agreement is possible without the host group: each rank says why (its rank in it)
         print(f"transpile: error: {exc}", file=sys.stderr, flush=True)
+        watchdog.note_exit(2)
         return 2
+    watchdog.rank, watchdog.size = host.rank, host.size
+    watchdog.exit = lambda code: _tear_down(host, code, spawned, watchdog)
     rank_comm = comm  # the communicator training uses (its ``current`` collective names a timeout)
-    watchdog = Watchdog(host.rank, host.size, timeout=timeout, exit=lambda code: _tear_down(host, code, spawned),
-                        run_dir=run_dir, parent=parent if spawned else None,
-                        activity=lambda: getattr(rank_comm, "current", None)).start()
-    watchdog.arm()  # the setup agreement below is a collective too: a rank stopped in setup must not hang the rest
+    watchdog.activity = lambda: getattr(rank_comm, "current", None)
     trainer = evaluator = error = None
     try:
         plan, dataset, config = setup()
@@ -172,12 +274,14 @@ def run_as_rank(setup: Setup, *, timeout: float = DEFAULT_TIMEOUT_S, spawned: bo
             lock = checkpoint.Lock(config.checkpoint)  # noqa: F841 (held until the process ends)
     except RunError as exc:
         error = str(exc)
+    except OSError as exc:  # a file of the run that cannot be read or written: one line naming it
+        error = os_error_line(exc)
     except Exception as exc:  # a bug: keep its traceback, but still reach the agreement below
         traceback.print_exc()
         error = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0]
     if error is None:
         try:
-            mine = fingerprint(plan, dataset, config)
+            mine = fingerprint(plan, dataset, config, evaluator)
         except Exception as exc:  # noqa: BLE001 - reach the agreement whatever happened
             error = f"internal error: fingerprint: {type(exc).__name__}: {exc}".splitlines()[0]
     # One small exchange: every rank's setup error (if any) and its fingerprint of the run.
@@ -185,6 +289,7 @@ def run_as_rank(setup: Setup, *, timeout: float = DEFAULT_TIMEOUT_S, spawned: bo
         gathered = host.allgather([error, None if error else mine])
     except RunError as exc:  # the TCP bootstrap lost a rank: no agreement to be had
         print(f"transpile: error: rank {host.rank}: {exc}", file=sys.stderr, flush=True)
+        watchdog.note_exit(2)
         return 2
     errors = [e for e, _ in gathered]
     if not any(errors):
@@ -198,9 +303,8 @@ def run_as_rank(setup: Setup, *, timeout: float = DEFAULT_TIMEOUT_S, spawned: bo
                 ranks = [r for r, e in enumerate(errors) if e == message]
                 where = "" if len(ranks) == host.size else f"rank {', '.join(map(str, ranks))}: "
                 print(f"transpile: error: {where}{message}", file=sys.stderr, flush=True)
-        code = _agreed_exit(host)  # no rank exits (and has its launcher stop rank 0) before the line is out
-        host.close()
-        return code
+        # No rank exits (and has its launcher stop rank 0) before the line is out.
+        return _finish(host, comm, watchdog, _agreed_exit(host))
     if host.rank == 0 and launch is not None and not spawned:
         print(f"launcher: {launch.launcher} ({host.size} rank(s), backend {config.backend})", flush=True)
     try:
@@ -208,44 +312,63 @@ def run_as_rank(setup: Setup, *, timeout: float = DEFAULT_TIMEOUT_S, spawned: bo
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
         train(trainer, dataset, config, log=lambda line: print(line, flush=True), progress=watchdog.progress,
               evaluator=evaluator)
-        watchdog.disarm()
     except PeerFailed:
         # Every rank knows (a host agreement): the rank that failed prints its line; all exit 2.
-        return _agreed_exit(host)
+        return _finish(host, comm, watchdog, _agreed_exit(host))
     except RunError as exc:
         print(f"transpile: error: rank {host.rank}: {exc}", file=sys.stderr, flush=True)
         if getattr(exc, "agreed", False):
-            return _agreed_exit(host)
-        _tear_down(host, 2, spawned)
+            return _finish(host, comm, watchdog, _agreed_exit(host))
+        _tear_down(host, 2, spawned, watchdog)
+    except OSError as exc:  # a write the loop does not handle itself (stdout closed, ...): one line
+        print(f"transpile: error: rank {host.rank}: {os_error_line(exc)}", file=sys.stderr, flush=True)
+        _tear_down(host, 2, spawned, watchdog)
     except Exception as exc:  # a bug, not a user error: keep the traceback
         traceback.print_exc()
         print(f"transpile: error: rank {host.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
-        _tear_down(host, 1, spawned)
-    host.close()
-    return 0
+        _tear_down(host, 1, spawned, watchdog)
+    return _finish(host, comm, watchdog, 0)
 
 
-def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig) -> dict[str, str]:
-    """What every rank must agree on before the first collective, as short printable values: the
-    plan (its hash covers the collectives of every rank in order), the run configuration, the data
-    and the runtime's version. Ranks started by hand or by an outside launcher can differ in any."""
-    from dataclasses import asdict
+def os_error_line(exc: OSError) -> str:
+    """An OSError as the one-line message: the path and the error."""
+    where = exc.filename if exc.filename is not None else "I/O"
+    return f"{where}: {os_error_text(exc)}"
 
+
+def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig, evaluator=None) -> dict[str, str]:
+    """What every rank must agree on before the first collective, as short printable values keyed
+    by how the user names them: each AGREED field of the RunConfig (runtime/config.py ``AGREEMENT``,
+    the one place that decides), the plan (its hash covers the collectives of every rank in order)
+    and the data as their signatures, and the runtime's version. Ranks started by hand or by an
+    outside launcher can differ in any."""
+    values = {}
+    for name in agreed_fields():
+        label = AGREEMENT[name][1]
+        value = getattr(config, name)
+        if name == "out":
+            values[label] = checkpoint.plan_hash(plan)[:16]
+        elif name == "data":
+            values[label] = _data_signature(dataset)
+        elif name == "eval_data":
+            values[label] = "none" if value is None else _data_signature(evaluator.dataset if evaluator else None)
+        elif name == "seed":
+            values[label] = str(value if config.shuffle else 0)
+        elif name == "schedule":
+            values[label] = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(value).items())
+        elif isinstance(value, float):
+            values[label] = f"{value:g}"
+        else:
+            values[label] = str(value)
+    values["runtime version"] = _version()
+    return values
+
+
+def _data_signature(dataset: Dataset | None) -> str:
+    if dataset is None:
+        return "unknown"
     data = ",".join(f"{name}{list(a.shape)}{a.dtype}" for name, a in sorted(dataset.arrays.items()))
-    return {
-        "lr": f"{config.lr:g}",
-        "lr schedule": ",".join(f"{k}={v}" for k, v in asdict(config.schedule).items()),
-        "steps": str(config.steps),
-        "batch": str(config.batch),
-        "data order": f"shuffle={config.shuffle},seed={config.seed if config.shuffle else 0}",
-        "data": hashlib.sha256(data.encode()).hexdigest()[:16] if len(data) > 60 else data,
-        "resume": str(config.resume),
-        "evaluation": (f"every={config.eval_every},batch={config.eval_batch},best={config.export_best}"
-                       if config.eval_data is not None else "none"),
-        "backend": config.backend,  # resolved on each rank: hosts with and without GPUs must not mix
-        "plan": checkpoint.plan_hash(plan)[:16],
-        "runtime version": _version(),
-    }
+    return hashlib.sha256(data.encode()).hexdigest()[:16] if len(data) > 60 else data
 
 
 def compare_fingerprints(prints: list[dict[str, str]]) -> str | None:

@@ -77,10 +77,10 @@ def test_the_ranks_learn_of_their_parent_from_their_run_configuration(tmp_path, 
     np.savez(tmp_path / "d.npz", **make_data())
     seen = {}
 
-    def spawn(n, args, run_dir=None, hosts=None):
+    def spawn(n, args, run_dir=None, hosts=None, timeout=None):
         option, given = args
         seen["config"] = RunConfig.load(given) if option == "--config" else RunConfig.from_json(json.loads(given))
-        seen["run_dir"], seen["hosts"] = run_dir, hosts
+        seen["run_dir"], seen["hosts"], seen["timeout"] = run_dir, hosts, timeout
         return 0
 
     monkeypatch.setattr("runtime.cli.spawn", spawn)
@@ -90,6 +90,7 @@ def test_the_ranks_learn_of_their_parent_from_their_run_configuration(tmp_path, 
     config = seen["config"]
     assert config.spawned and config.parent == parent_token() and config.timeout == 7
     assert config.run_dir == seen["run_dir"] and config.run_dir.name.startswith("transpile-run.")
+    assert seen["timeout"] == 7  # the parent's own deadlines (runtime/launcher.py) use the same knob
     assert main([*run, "--hosts", "a:1,b:1"]) == 0
     config = seen["config"]
     assert seen["hosts"] and config.spawned and config.parent is None and config.run_dir is None

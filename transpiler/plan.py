@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -22,6 +24,7 @@ from contract.plan import (
     FORMAT,
     FORMAT_VERSION,
     PLAN_FILE,
+    PRECISION_FIELD,
     SAME_AS,
     SINGLE_STEM,
     SOURCE_MODEL_FILE,
@@ -34,6 +37,7 @@ from transpiler.collectives import bucket_tensors, collective_nodes
 from transpiler.errors import TranspileError
 from transpiler.eval_graph import build_eval_graph, eval_entry
 from transpiler.job import Job, RankGraphs, reduced_gradient_name
+from transpiler.passes.precision import precision_json
 from transpiler.placement import METHODS, place
 from transpiler.weights import attach_weights, detach_weights
 
@@ -203,6 +207,8 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         "optimizer": opts.optimizer.to_json(),
         "bucket_mb": opts.bucket_mb,
         "grad_accumulation": opts.grad_accumulation,
+        # Optional: present only for --precision bf16|fp16 or --grad-dtype (docs/precision.md).
+        **({PRECISION_FIELD: section} if (section := precision_json(job)) is not None else {}),
         # Optional: the step graphs' squared gradient norm (only with --clip-grad-norm).
         **({"grad_norm_output": GRAD_NORM_OUTPUT} if opts.optimizer.max_grad_norm is not None else {}),
         "parameters": params_json,
@@ -269,9 +275,15 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
     """Write every file into a temporary sibling of OUT, then swap it into place.
 
     A failure leaves no OUT behind (and an existing OUT untouched until the new one is complete).
+    An I/O error (a full or read-only file system, no permission, EIO) is one TranspileError naming
+    the path (as it would be in OUT) and the error, after the temporary directory is removed.
     """
     out_dir = check_out_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    existed = out_dir.exists()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TranspileError(f"-o {out_dir}: cannot create {exc.filename or out_dir.parent}: {os_error_text(exc)}") from None
     # Named before it exists and created inside the try: Ctrl-C or SIGTERM (raised as exceptions,
     # commands/main.py) right after the mkdir still removes it. With mkdtemp a signal landing between
     # its mkdir and the try left the directory behind (seen under load in test_cli_safety).
@@ -302,17 +314,49 @@ def write_out(job: Job, out_dir: str | Path) -> dict:
             plan = parse_plan(json.loads(text), tmp / PLAN_FILE, report_fields=True).raw  # as readers see it
         except PlanError as exc:
             raise TranspileError(f"internal error: the plan written breaks the contract: {exc}") from None
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-{os.getpid()}-", dir=out_dir.parent))
-            os.replace(out_dir, old / "out")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        _swap_in(tmp, out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = "; the earlier OUT is unchanged" if existed else ""
+        raise TranspileError(f"-o {out_dir}: cannot write {_as_in_out(exc, tmp, out_dir)}: {os_error_text(exc)}; "
+                             f"nothing was written{kept}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return plan
+
+
+def _swap_in(tmp: Path, out_dir: Path) -> None:
+    """Put the complete ``tmp`` in the place of OUT; on an error an existing OUT is put back."""
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-{os.getpid()}-", dir=out_dir.parent))
+    try:
+        os.replace(out_dir, old / "out")
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            os.replace(old / "out", out_dir)
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _as_in_out(exc: OSError, tmp: Path, out_dir: Path) -> str:
+    """The path of an OSError as the user would see it in OUT (not in the temporary directory)."""
+    names = [Path(os.fsdecode(n)) for n in (exc.filename2, exc.filename) if n is not None]  # a copy's target first
+    for path in names:
+        with contextlib.suppress(ValueError):
+            return str(out_dir / path.relative_to(tmp))
+    return str(names[-1]) if names else str(out_dir)
+
+
+def os_error_text(exc: OSError) -> str:
+    """'No space left on device (ENOSPC)': the OS error of ``exc`` for a one-line message."""
+    name = errno.errorcode.get(exc.errno or 0)
+    text = exc.strerror or (str(exc).splitlines() or [type(exc).__name__])[0]
+    return f"{text} ({name})" if name else text
 
 
 def _remove_stale_temporaries(out_dir: Path) -> None:
