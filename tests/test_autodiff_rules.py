@@ -68,6 +68,8 @@ class Spec:
 
 POSITIVE = (0.5, 2.0)
 AWAY_FROM_ZERO = (0.5, 2.0)
+# Recurrent ops: inputs and weights in (-1, 1), so the gates stay off saturation.
+RNN_RANGES = {i: (-1.0, 1.0) for i in range(8)}
 
 SPECS = [
     # Binary elementwise, with broadcast pairs and scalars.
@@ -288,6 +290,18 @@ SPECS = [
     Spec("Clip", [(3, 4), np.array(-0.5)], name="-min-only"),
     Spec("Clip", [(3, 4), None, np.array(0.5)], name="-max-only"),
     Spec("Clip", [(3, 4)], name="-no-bounds"),
+    # Bounds from Constant nodes (TorchScript's hardtanh: the gradient strictly inside).
+    Spec(
+        "Clip",
+        [(3, 4)],
+        pattern=[
+            onnx.helper.make_node("Constant", [], ["lo"], value=onnx.helper.make_tensor("v", 11, [], [-0.5])),
+            onnx.helper.make_node("Constant", [], ["hi"], value=onnx.helper.make_tensor("v", 11, [], [1.0])),
+            onnx.helper.make_node("Clip", ["in0", "lo", "hi"], ["y"]),
+        ],
+        pattern_outputs=("y",),
+        name="-constant-bounds-hardtanh",
+    ),
     Spec("LeakyRelu", [(3, 4)]),
     Spec("LeakyRelu", [(3, 4)], {"alpha": 0.2}),
     Spec("Max", [(3, 4), (3, 4)]),
@@ -506,6 +520,49 @@ SPECS = [
         pattern_outputs=("y",),
         wrt=(0,),
         name="-boolean-mask",
+    ),
+    # LSTM and GRU (rules/lstm_gru.py): onnxruntime runs them in float32 only. Inputs are X, W, R, B,
+    # sequence_lens, initial_h (, initial_c); hidden size 2, T=3, B=2. Every direction, sequence
+    # lengths, the initial states, and a subset of the outputs read. onnxruntime refuses layout=1
+    # (batch-major) LSTM/GRU nodes: tests/test_autodiff_recurrent.py checks that layout on onnx's
+    # reference evaluator.
+    *(
+        Spec(op, inputs, {"hidden_size": 2, **attrs}, outputs=outputs, loss_outputs=loss, ranges=RNN_RANGES,
+             dtype=np.float32, eps=1e-2, rtol=2e-3, name=name)
+        for op, inputs, attrs, outputs, loss, name in [
+            ("LSTM", [(3, 2, 3), (1, 8, 3), (1, 8, 2), (1, 16), None, (1, 2, 2), (1, 2, 2)], {}, 3, None,
+             "-forward-states"),
+            ("LSTM", [(3, 2, 3), (2, 8, 3), (2, 8, 2)], {"direction": "bidirectional"}, 3, None,
+             "-bidirectional-no-bias"),
+            ("LSTM", [(3, 2, 3), (1, 8, 3), (1, 8, 2), (1, 16), np.array([3, 2], np.int32), (1, 2, 2), (1, 2, 2)],
+             {"direction": "reverse"}, 3, None, "-reverse-lens"),
+            ("LSTM", [(3, 2, 3), (2, 8, 3), (2, 8, 2), (2, 16), np.array([1, 3], np.int32), (2, 2, 2), (2, 2, 2)],
+             {"direction": "bidirectional"}, 3, None, "-bidirectional-lens"),
+            ("LSTM", [(3, 2, 3), (1, 8, 3), (1, 8, 2), (1, 16)], {}, 3, (0,), "-y-only"),
+            ("LSTM", [(3, 2, 3), (2, 8, 3), (2, 8, 2), (2, 16), None, (2, 2, 2), (2, 2, 2)],
+             {"direction": "bidirectional"}, 3, (1, 2), "-final-states-only"),
+            ("GRU", [(3, 2, 3), (2, 6, 3), (2, 6, 2), (2, 12), None, (2, 2, 2)],
+             {"direction": "bidirectional", "linear_before_reset": 1}, 2, None, "-bidirectional-torch"),
+            ("GRU", [(3, 2, 3), (1, 6, 3), (1, 6, 2), (1, 12), None, (1, 2, 2)], {}, 2, None, "-reset-after"),
+            ("GRU", [(3, 2, 3), (1, 6, 3), (1, 6, 2)], {"direction": "reverse"}, 2, None, "-reverse-no-bias"),
+            ("GRU", [(3, 2, 3), (2, 6, 3), (2, 6, 2), (2, 12), np.array([3, 1], np.int32), (2, 2, 2)],
+             {"direction": "bidirectional"}, 2, None, "-bidirectional-lens"),
+            ("GRU", [(3, 2, 3), (1, 6, 3), (1, 6, 2), (1, 12), np.array([2, 3], np.int32)],
+             {"direction": "reverse", "linear_before_reset": 1}, 2, None, "-reverse-lens-torch"),
+        ]
+    ),
+    # dynamo's GRU without its Y output (only the final state is read): the rule switches Y on.
+    Spec(
+        "GRU",
+        [(3, 2, 3), (2, 6, 3), (2, 6, 2), (2, 12)],
+        pattern=[onnx.helper.make_node("GRU", ["in0", "in1", "in2", "in3"], ["", "y"], hidden_size=2,
+                                       direction="bidirectional", linear_before_reset=1)],
+        pattern_outputs=("y",),
+        ranges=RNN_RANGES,
+        dtype=np.float32,
+        eps=1e-2,
+        rtol=2e-3,
+        name="-no-y-output",
     ),
 ]
 

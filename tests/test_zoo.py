@@ -91,7 +91,8 @@ def _export(module, data, path: Path, exporter: str, opset: int) -> None:
 # Ops worth naming in the table: the new rules and opset 23's fused ops.
 NOTABLE = ("SplitToSequence", "HardSwish", "HardSigmoid", "Reciprocal", "Sin", "Cos", "InstanceNormalization",
            "GroupNormalization", "Resize", "Attention", "RMSNormalization", "RotaryEmbedding", "Elu", "Selu",
-           "Celu", "PRelu", "Softplus", "Mish", "DepthToSpace", "GatherND", "ReduceL2", "ReduceLogSumExp")
+           "Celu", "PRelu", "Softplus", "Mish", "DepthToSpace", "GatherND", "ReduceL2", "ReduceLogSumExp", "LSTM",
+           "GRU", "Clip")
 OPS: dict[tuple[str, str, int], list[str]] = {}
 
 

@@ -127,6 +127,23 @@ def t5_data(rows: int) -> dict[str, np.ndarray]:
     return {"input_ids": _tokens(rows, 0), "labels": _tokens(rows, 1)}
 
 
+def make_bart() -> nn.Module:
+    """BART: encoder, decoder with causal self-attention and cross-attention over the encoder's
+    output, embeddings shared by both and the head, learned positions, a final_logits_bias buffer."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, attn_implementation="eager")
+    return _Seq2SeqLM(BartForConditionalGeneration(config))
+
+
+def bart_data(rows: int) -> dict[str, np.ndarray]:
+    # BART's embeddings have padding_idx=1 (pad_token_id): kept out of the data, as BERT's 0.
+    return {"input_ids": _tokens(rows, 0, low=2), "labels": _tokens(rows, 1, low=2)}
+
+
 class _WhisperClassifier(nn.Module):
     """Whisper's encoder (Conv1d + GELU stem, sinusoidal positions, pre-LN transformer) and a
     mean-pooled linear head with cross-entropy."""
@@ -224,6 +241,49 @@ def make_mobilenet_v3() -> nn.Module:
         nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         nn.Linear(32, 32), nn.Hardswish(), nn.Linear(32, 4),
     )
+    return _Classifier(body)
+
+
+class _MobileNetV2Block(nn.Module):
+    """torchvision's MobileNetV2 InvertedResidual: expand 1x1 + ReLU6 (unless the ratio is 1),
+    depthwise 3x3 + ReLU6, linear 1x1 projection; a residual when the shape is kept."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        layers: list[nn.Module] = [] if expand == 1 else [_conv_bn(cin, hidden, 1, act=nn.ReLU6)]
+        layers += [_conv_bn(hidden, hidden, 3, stride, groups=hidden, act=nn.ReLU6), _conv_bn(hidden, cout, 1, act=None)]
+        self.conv = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.residual else self.conv(x)
+
+
+def make_mobilenet_v2() -> nn.Module:
+    """MobileNetV2's layout with torchvision's initialization (convs kaiming-normal fan-out,
+    BatchNorm weight 1 bias 0, the head normal(0, 0.01)): ReLU6 (Clip(0, 6)) after BatchNorm,
+    where a channel that is constant over the batch (e.g. all zeros after the ReLU6 before it)
+    normalizes to exactly 0, a bound of the Clip."""
+    torch.manual_seed(0)
+    features = nn.Sequential(
+        _conv_bn(3, 16, 3, 2, act=nn.ReLU6),
+        _MobileNetV2Block(16, 8, 1, 1),
+        _MobileNetV2Block(8, 12, 2, 6),
+        _MobileNetV2Block(12, 12, 1, 6),
+        _MobileNetV2Block(12, 16, 2, 6),
+        _conv_bn(16, 64, 1, act=nn.ReLU6),
+    )
+    body = nn.Sequential(features, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 4))
+    for m in body.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0, 0.01)
+            nn.init.zeros_(m.bias)
     return _Classifier(body)
 
 
@@ -490,6 +550,60 @@ def weight_norm_data(rows: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {"x": rng.standard_normal((rows, 16, 12), dtype=np.float32), "labels": rng.integers(0, 4, size=rows)}
 
+# ---------------------------------------------------------------------------------------------
+# Recurrent networks (issue 28): the exporters write one LSTM/GRU node per layer and direction set
+
+
+class _LSTMLanguageModel(nn.Module):
+    """A 2-layer LSTM language model whose head shares the embedding matrix (weight tying): the
+    embedding's gradient sums the lookup's and the head's."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.lstm = nn.LSTM(width, width, num_layers=2, batch_first=True)
+        self.head = nn.Linear(width, VOCAB)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(input_ids))
+        logits = self.head(hidden[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1))
+
+
+def make_lstm_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return _LSTMLanguageModel()
+
+
+class _GRUClassifier(nn.Module):
+    """A 2-layer bidirectional GRU (PyTorch's linear_before_reset=1) over a sequence of feature
+    vectors, classified from both directions' final states of the last layer (dynamo then leaves
+    that layer's Y output off) and the mean of the first layer's outputs."""
+
+    def __init__(self, features: int = 8, width: int = 12) -> None:
+        super().__init__()
+        self.first = nn.GRU(features, width, batch_first=True, bidirectional=True)
+        self.second = nn.GRU(2 * width, width, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(4 * width, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        y, _ = self.first(x)
+        _, h = self.second(y)
+        features = torch.cat([h[0], h[1], y.mean(dim=1)[:, : 2 * h.shape[-1]]], dim=-1)
+        return F.cross_entropy(self.head(features), labels)
+
+
+def make_gru_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return _GRUClassifier()
+
+
+def sequence_data(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((rows, SEQ, 8), dtype=np.float32), "labels": rng.integers(0, 4, size=rows)}
+
+
 ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("gpt2", make_gpt2, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
     ZooModel("gpt2_sdpa", make_gpt2_sdpa, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
@@ -497,6 +611,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("llama", make_llama, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
     ZooModel("llama_sdpa", make_llama_sdpa, lambda rows: {"input_ids": _tokens(rows)}, transformers=True),
     ZooModel("t5", make_t5, t5_data, transformers=True),
+    ZooModel("bart", make_bart, bart_data, transformers=True),
     ZooModel("whisper_encoder", make_whisper, whisper_data, freeze=r"embed_positions", transformers=True),
     ZooModel("mobilenet_v3", make_mobilenet_v3, _images, sync_bn=True),
     ZooModel("efficientnet", make_efficientnet, _images, sync_bn=True),
@@ -508,4 +623,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("pixel_shuffle", make_pixel_shuffle, _images),
     ZooModel("masked_tokens", make_masked_tokens, masked_tokens_data),
     ZooModel("weight_norm_conv", make_weight_norm_conv, weight_norm_data),
+    ZooModel("mobilenet_v2", make_mobilenet_v2, _images, sync_bn=True),
+    ZooModel("lstm_lm", make_lstm_lm, lambda rows: {"input_ids": _tokens(rows)}),
+    ZooModel("gru_classifier", make_gru_classifier, sequence_data),
 ]}

@@ -15,7 +15,7 @@ candidate is **frozen** when its role or its name says it is not a parameter (do
 - ``non-finite``: holds inf or NaN (a mask fill value such as ``-inf``): no update keeps it finite.
 - name rules (``NAME_RULES``), on the last component of the name: rotary embeddings' ``inv_freq``
   and their precomputed ``cos``/``sin`` tables, BatchNorm's ``running_mean``/``running_var``/
-  ``num_batches_tracked``, ``position_ids``, and masks (``masked_bias``, ``*_mask``, or ``bias`` of
+  ``num_batches_tracked``, ``position_ids``, transformers' ``final_logits_bias`` buffer, and masks (``masked_bias``, ``*_mask``, or ``bias`` of
   an attention module whose values are all 0 or 1 with rank >= 2: GPT-2's ``attn.bias`` tril).
 
 Besides: BatchNormalization's running mean and variance (inputs 3 and 4, by role) are buffers, state
@@ -66,6 +66,10 @@ NAME_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("batchnorm-stat", re.compile(_LAST + r"(?:running_mean|running_var|num_batches_tracked)$")),
     ("position-ids", re.compile(_LAST + r"position_ids$")),
     ("mask", re.compile(r"(?:^|[./:])(?:masked_bias|\w*_mask|mask)$")),
+    # transformers' BART family (BART, mBART, Pegasus, Marian, Blenderbot, PLBart) registers this
+    # zeros logit bias with register_buffer: PyTorch never trains it, the exporters write it as a
+    # plain initializer feeding an Add.
+    ("logits-bias-buffer", re.compile(_LAST + r"final_logits_bias$")),
 )
 # GPT-2 registers its causal tril as ``attn.bias``: a mask only if its values say so.
 _ATTENTION_BIAS = re.compile(r"(?:^|\.)(?:attn|attention|self_attn|self_attention)\.(?:bias|masked_bias)$")

@@ -164,6 +164,11 @@ class RuleContext:
     def error(self, reason: str) -> GradientError:
         return GradientError(self.node, reason)
 
+    def unique_name(self, base: str) -> str:
+        """A name no value or node of the model has yet, under this node's backward scope (for the
+        values and nodes of a subgraph a rule builds, e.g. a Scan body)."""
+        return self._emitter.unique(f"{self._scope}/{base}")
+
     def op(
         self,
         op_type: str,

@@ -4,7 +4,9 @@ LeakyRelu, HardSigmoid, HardSwish, and the variadic Max/Min."""
 from __future__ import annotations
 
 import math
+import re
 
+import numpy as np
 import onnx_ir as ir
 
 from transpiler.autodiff._context import RuleContext, producer_of, same_dim, unbroadcast
@@ -220,17 +222,59 @@ def _abs(ctx: RuleContext) -> list[ir.Value | None]:
     return ctx.wanted_grads(lambda: _mul_dy(ctx, ctx.op("Sign", [ctx.inputs[0]])))
 
 
+# PyTorch has two backward conventions for what every exporter writes as one Clip: hardtanh's
+# (nn.ReLU6, F.relu6, nn.Hardtanh, F.hardtanh) passes the gradient strictly inside the bounds,
+# clamp's (torch.clamp, clamp_min/clamp_max) on the closed interval. They differ only where x sits
+# exactly on a bound (a BatchNorm channel that is constant over the batch normalizes to exactly its
+# bias, 0 at initialization: then ReLU6's input is exactly 0).
+_ATEN_OP = re.compile(r"aten\.(\w+?)_?\.")
+
+
+def _clip_is_hardtanh(ctx: RuleContext) -> bool:
+    """Whether this Clip is torch's hardtanh (gradient strictly inside the bounds).
+
+    dynamo names the aten op in the node's metadata: ``aten.hardtanh``/``aten.relu6`` or
+    ``aten.clamp``. TorchScript's hardtanh symbolic feeds Constant nodes straight in as the bounds,
+    its clamp (which F.relu6 exports through) casts them first: a Clip(0, 6) is taken as ReLU6
+    whatever its form (torch.clamp(x, 0, 6) from TorchScript cannot be told from F.relu6).
+    """
+    node = ctx.node
+    origin = node.metadata_props.get("pkg.torch.onnx.class_hierarchy", "") or node.metadata_props.get("namespace", "")
+    ops = _ATEN_OP.findall(origin)
+    if ops:
+        return ops[-1] in ("hardtanh", "relu6")
+    bounds = [_clip_bound(ctx, i) for i in (1, 2)]
+    if all(b is not None and b.size == 1 for b in bounds) and [float(b.reshape(-1)[0]) for b in bounds] == [0.0, 6.0]:
+        return True
+    return all(ctx.has_input(i) and producer_of(ctx.inputs[i], "Constant") is not None for i in (1, 2))
+
+
+def _clip_bound(ctx: RuleContext, index: int) -> np.ndarray | None:
+    """Bound ``index`` (1: min, 2: max) as an array when it is a constant."""
+    value = ctx.inputs[index] if ctx.has_input(index) else None
+    while value is not None:  # through the exporters' Cast/CastLike of a constant
+        tensor = ir.convenience.get_const_tensor(value)
+        if tensor is not None:
+            return tensor.numpy()
+        producer = value.producer()
+        value = producer.inputs[0] if producer is not None and producer.op_type in ("Cast", "CastLike") else None
+    return None
+
+
 @register("Clip", inputs=(0,))
 def _clip(ctx: RuleContext) -> list[ir.Value | None]:
-    # Gradient where min <= x <= max (bounds included, as torch.clamp); min/max get none.
+    # Gradient where min <= x <= max (torch.clamp), or min < x < max (torch's hardtanh: see
+    # _clip_is_hardtanh); min/max get none.
     x = ctx.inputs[0]
+    strict = _clip_is_hardtanh(ctx)
 
     def grad() -> ir.Value:
         inside = None
-        for index, compare in ((1, "GreaterOrEqual"), (2, "LessOrEqual")):
-            if ctx.has_input(index):
-                test = ctx.op(compare, [x, ctx.inputs[index]])
-                inside = test if inside is None else ctx.op("And", [inside, test])
+        for index, compare in ((1, "Greater" if strict else "GreaterOrEqual"), (2, "Less" if strict else "LessOrEqual")):
+            if not ctx.has_input(index):
+                continue
+            test = ctx.op(compare, [x, ctx.inputs[index]])
+            inside = test if inside is None else ctx.op("And", [inside, test])
         if inside is None:
             return ctx.dy
         return ctx.op("Where", [inside, ctx.dy, ctx.scalar(0, like=x)], like=x)
