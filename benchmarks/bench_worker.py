@@ -11,6 +11,7 @@ rank 0 writes the result (the slowest rank's step time). SPEC is written by benc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -120,7 +121,7 @@ def torch_module(spec: dict):
         from models import gpt
 
         module = gpt.make_module(_gpt_config(spec["config"]), spec["seed"])
-        if variant in ("sdpa", "sdpa-compile"):
+        if variant.startswith("sdpa"):
             module = sdpa_gpt(module)
     elif kind == "cnn":
         from models import cnn
@@ -275,13 +276,17 @@ def run_torch(spec: dict) -> dict:
     dev = {k: torch.empty_like(v, device=device) for k, v in host.items()}
     names = INPUTS[spec["kind"]]
     losses = []
+    # The -bf16 rows: torch's mixed precision as users run it (fp32 master weights, bf16 compute).
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if spec["variant"].endswith("-bf16")
+                else contextlib.nullcontext())
 
     def step():
         # The batch comes from (pinned) host memory every step, as the runtime's does.
         for k in names:
             dev[k].copy_(host[k], non_blocking=True)
         opt.zero_grad(set_to_none=True)
-        loss = net(dev[names[0]], dev[names[1]])
+        with autocast:
+            loss = net(dev[names[0]], dev[names[1]])
         loss.backward()
         opt.step()
         return loss

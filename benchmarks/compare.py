@@ -55,13 +55,16 @@ TORCH_VARIANTS = {
     "sdpa": "GPT only: fused QKV + scaled_dot_product_attention (causal), fused AdamW",
     "compile": "torch.compile(module), fused optimizer (slow to start; not in the defaults)",
     "sdpa-compile": "GPT only: sdpa + torch.compile (not in the defaults)",
+    "fused-bf16": "fused under torch.autocast(bfloat16): the match of ours with --precision bf16",
+    "sdpa-bf16": "GPT only: sdpa under torch.autocast(bfloat16)",
 }
-GPT_ONLY = ("sdpa", "sdpa-compile")
+GPT_ONLY = ("sdpa", "sdpa-compile", "sdpa-bf16")
 OURS_PRESETS = {
     "default": [],
     "allreduce": ["--strategy", "allreduce"],
     "zero": ["--strategy", "zero"],
     "balanced": ["--placement", "balanced"],
+    "bf16": ["--precision", "bf16"],
 }
 
 

@@ -68,6 +68,7 @@ class Backend(ABC):
     # Capabilities the trainer asks about (a backend declares them; none is inferred from its name):
     records_timings: bool = False  # its programs have record_timings()/median_timings() (--timings)
     runs_grad_accumulation: bool = False  # it runs plans transpiled with --grad-accumulation K > 1
+    sends_low_precision: bool = False  # its collectives send bf16/fp16 buckets (--grad-dtype)
 
     @abstractmethod
     def compile(self, segment: Segment | NativeGroup, where: str) -> SegmentRunner: ...
@@ -144,6 +145,7 @@ class CpuBackend(Backend):
     name = "cpu"
     records_timings = True
     runs_grad_accumulation = True
+    sends_low_precision = True
 
     def __init__(self, threads: int | None = None):
         self.threads = threads

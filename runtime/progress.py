@@ -34,7 +34,8 @@ VIEWS = ("auto", "bar", "lines")
 # The fields of a training record, in the order the line view prints them (after step and epoch).
 _LINE_FIELDS = {"loss": "loss {:.6f}", "mean_loss": "mean loss {:.6f}", "learning_rate": "lr {:g}",
                 "step_time_ms": "{:.2f} ms/step", "samples_per_second": "{:.0f} samples/s",
-                "grad_norm": "grad norm {:.4g}"}
+                "grad_norm": "grad norm {:.4g}", "loss_scale": "loss scale {:g}",
+                "skipped_steps": "{} skipped"}
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ def summary_lines(summary: dict) -> tuple[str, list[tuple[str, str]]]:
         head = (f"{summary['steps_run']:,} steps in {duration(summary['runtime_s'])}: "
                 f"{summary['samples_per_second']:.0f} samples/s, {summary['step_time_ms']:.2f} ms/step, "
                 f"final loss {summary['final_loss']:.6f}")
+        if summary.get("loss_scale") is not None:  # --precision fp16
+            head += f", loss scale {summary['loss_scale']:g}, {summary['skipped_steps']:,} steps skipped (overflow)"
     where = [(key, str(summary[key])) for key in ("export", "checkpoint", "metrics") if summary.get(key)]
     if summary.get("best_eval_step") is not None:  # --export-best: which evaluation the export holds
         where = [(key, f"{value} (step {summary['best_eval_step']}, best eval loss {summary['best_eval_loss']:.6f})"

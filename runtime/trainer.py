@@ -52,6 +52,19 @@ class Trainer:
         # read with it (``grad_norms``: the norms of the steps of the last collect_losses).
         self._held_norms: list = []
         self.grad_norms: list[float] = []
+        # --precision fp16 plans: whether each step was skipped (its gradients overflowed), held like
+        # the loss (``skipped``: the steps of the last collect_losses), and the loss scale after the
+        # last of them (``loss_scale``); both the same on every rank (decided in the graph).
+        if plan.precision is not None and plan.precision.grad_dtype != "fp32" and not self.backend.sends_low_precision:
+            raise RunError(f"{plan.path}: transpiled with --grad-dtype {plan.precision.grad_dtype}, whose collectives the "
+                           f"{self.backend.name} backend does not run yet; transpile without it (gradients are sent as "
+                           "fp32), or use --backend cpu")
+        scaling = plan.precision.loss_scaling if plan.precision is not None else None
+        self._skipped_output = scaling.skipped_output if scaling is not None else None
+        self._scale_state = scaling.scale_state if scaling is not None else None
+        self._held_skipped: list = []
+        self.skipped: list[bool] = []
+        self.loss_scale: float | None = None
         # --grad-accumulation K: the first K-1 micro-batches of a step run the accumulate graph.
         self.accumulation = plan.grad_accumulation
         self.accumulators = files.accumulators
@@ -130,6 +143,8 @@ class Trainer:
         self._held.append(self.backend.hold_scalar(outputs[self.plan.loss]))
         if self.plan.grad_norm and self.plan.grad_norm in outputs:
             self._held_norms.append(self.backend.hold_scalar(outputs[self.plan.grad_norm]))
+        if self._skipped_output is not None and self._skipped_output in outputs:
+            self._held_skipped.append(self.backend.hold_scalar(outputs[self._skipped_output]))
 
     def _micro_batches(self, data: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         k = self.accumulation
@@ -150,6 +165,10 @@ class Trainer:
         # Every rank holds the same global norm (all-reduced in the graph where ranks hold parts).
         self.grad_norms = [float(np.sqrt(v)) for v in self.backend.scalars_to_host(self._held_norms)]
         self._held_norms = []
+        self.skipped = [bool(v) for v in self.backend.scalars_to_host(self._held_skipped)]
+        self._held_skipped = []
+        if self._scale_state is not None and self._scale_state in self.state:
+            self.loss_scale = float(self.backend.scalars_to_host([self.backend.hold_scalar(self.state[self._scale_state])])[0])
         if self.accumulation > 1:  # one loss per micro-batch: a step's is their mean (equal sizes)
             k = self.accumulation
             local = [sum(local[i:i + k]) / k for i in range(0, len(local), k)]

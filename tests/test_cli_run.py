@@ -75,3 +75,24 @@ def test_measured_timings_feed_the_timeline(model_dir, tmp_path):
     drawn = cli("inspect", out, "--timeline", tmp_path / "t.png", "--timings", tmp_path / "t.json", cwd=tmp_path)
     assert drawn.returncode == 0, drawn.stderr
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.mpi
+def test_fp16_runs_report_the_loss_scale_and_the_skipped_steps(model_dir, tmp_path):
+    """The perceptron's gradients overflow fp16 at GradScaler's first scales: those steps are
+    skipped (their non-finite norm stops nothing), and every record says the scale and how many
+    steps since the previous record were skipped; the summary counts them all."""
+    src, out = model_dir("perceptron"), tmp_path / "out"
+    done = cli(src / "model.onnx", "--gpus", 2, "--precision", "fp16", "--optimizer", "adam", "--lr", "0.01",
+               "-o", out, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = cli("run", out, "--data", src / "data.npz", "--batch", 32, "--steps", 20, "--log-every", 1,
+               "--metrics", tmp_path / "m.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    records, summary = read_metrics(tmp_path / "m.jsonl")
+    skipped = [r["skipped_steps"] for r in records]
+    scales = [r["loss_scale"] for r in records]
+    assert set(skipped) == {0, 1} and summary["skipped_steps"] == sum(skipped) < 20
+    # GradScaler's rule: a skipped step halves the scale, a kept one leaves it (growth interval 2000).
+    assert all(b == (a / 2 if s else a) for a, b, s in zip([2.0 ** 16] + scales, scales, skipped))
+    assert summary["loss_scale"] == scales[-1] and "steps skipped (overflow)" in done.stdout

@@ -230,6 +230,36 @@ def test_outputs_onnxruntime_would_copy_at_run_start_are_taken_out_of_the_sessio
     assert not np.shares_memory(fixed["same"], feeds["x"])
 
 
+def test_bfloat16_crosses_a_segments_edges_as_float32():
+    """--precision bf16 on several ranks: a bfloat16 value crossing a segment's edge (here a
+    bfloat16 input, a bfloat16 result and a bfloat16 constant) is float32 outside the session
+    (NumPy and CuPy have no bfloat16), exactly; inside, the graph computes as written. Run here on
+    onnxruntime's CPU provider, whose bfloat16 kernels cover these moves and casts."""
+    from runtime.gpu.compile import Compiled, FixedOutputs, WidenBfloat16
+
+    bf16 = TensorProto.BFLOAT16
+    x = helper.make_tensor_value_info("x", bf16, [2, 3])
+    outs = [helper.make_tensor_value_info("t", bf16, [3, 2]), helper.make_tensor_value_info("c", bf16, [2]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 2])]
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+             helper.make_node("Cast", ["t"], ["w"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["k"], ["c"], to=bf16)]
+    model = one_graph_model(nodes, [x], outs, [numpy_helper.from_array(np.array([1.001, -3.3], np.float32), "k")])
+    state = Compiled(model, {"x": (2, 3)}, frozenset(), "rank0.onnx: segment 0", (0, 0, 0))
+    for step in (WidenBfloat16(), FixedOutputs(ort)):
+        step.call(state)
+        step.ensures(state)
+    edges = [v.type.tensor_type.elem_type for v in [*state.model.graph.input, *state.model.graph.output]]
+    assert edges == [TensorProto.FLOAT] * 3
+    # float32 numbers that are bfloat16 numbers pass unchanged; the constant is rounded once.
+    feed = np.array([[1.0, -2.5, 0.15625], [2.0 ** 127, 6.103515625e-05, -0.0]], np.float32)
+    t, w = ort.InferenceSession(state.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["t", "w"], {"x": feed})
+    np.testing.assert_array_equal(t, feed.T)
+    np.testing.assert_array_equal(w, feed.T)
+    assert state.constants["c"].dtype == np.float32
+    np.testing.assert_array_equal(state.constants["c"], np.array([1.0, -3.296875], np.float32))
+
+
 @pytest.mark.parametrize("count, concats", [(32, 1), (33, 3), (69, 4), (1100, 38)])
 def test_a_concat_wider_than_capture_allows_becomes_a_tree_with_the_same_values(count, concats):
     """onnxruntime's CUDA Concat takes at most 32 inputs under CUDA-graph capture (ZeRO wrote 69)."""

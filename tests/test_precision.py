@@ -17,7 +17,7 @@ import pytest
 
 from commands.main import main
 from contract.plan import parse_plan
-from transpiler import OptimizerConfig, Options, TranspileError, build
+from transpiler import OptimizerConfig, Options, TranspileError, build, transpile
 from transpiler.collectives import collective_nodes
 from transpiler.job import GROWTH_TRACKER_STATE, LOSS_SCALE_STATE, SKIPPED_OUTPUT, LossScale
 from transpiler.passes.precision import FP32_OPS, LOWER_OPS, precision_json
@@ -239,10 +239,32 @@ def test_the_plan_records_the_precision(model_dir, tmp_path):
     assert precision_json(build(model_dir("perceptron") / "model.onnx", Options())) is None
     write_out(job, tmp_path / "out")
     raw = plan_json(job)
-    raw.setdefault("precision", section)  # until transpiler/plan.py writes it (docs/precision.md)
-    plan = parse_plan(json.loads(json.dumps(raw)), tmp_path / "out" / "plan.json")
+    assert raw["precision"] == section
+    assert "precision" not in plan_json(build(model_dir("perceptron") / "model.onnx", Options()))
+    plan = parse_plan(json.loads((tmp_path / "out" / "plan.json").read_text()), tmp_path / "out" / "plan.json")
     assert plan.precision.compute == "fp16" and plan.precision.loss_scaling.growth_interval == 7
     assert plan.precision.loss_scaling.skipped_output == SKIPPED_OUTPUT
     raw["precision"] = {"compute": "fp8", "grad_dtype": "fp32"}
     with pytest.raises(Exception, match="precision.compute"):
         parse_plan(raw, tmp_path / "out" / "plan.json")
+
+
+def test_a_backend_without_low_precision_collectives_refuses_grad_dtype(model_dir, tmp_path):
+    """The nccl backend sends fp32 buckets only (CuPy has no bfloat16): a --grad-dtype plan is
+    refused in one line, never run with fp32 on the wire behind the user's back."""
+    from runtime.collectives import LocalGroup
+    from runtime.errors import RunError
+    from runtime.executor import CpuBackend
+    from runtime.plan import load_plan
+    from runtime.trainer import Trainer
+
+    class NotCpu(CpuBackend):
+        name = "nccl"
+        sends_low_precision = False  # declared, as GpuBackend does
+
+    transpile(model_dir("perceptron") / "model.onnx", tmp_path / "out",
+              Options(world_size=2, precision="bf16", grad_dtype="bf16"))
+    with pytest.raises(RunError, match="--grad-dtype bf16, whose collectives the nccl backend does not run yet"):
+        Trainer(load_plan(tmp_path / "out"), LocalGroup(2).communicator(0), rank=0, backend=NotCpu())
+    transpile(model_dir("perceptron") / "model.onnx", tmp_path / "out2", Options(world_size=2, precision="bf16"))
+    Trainer(load_plan(tmp_path / "out2"), LocalGroup(2).communicator(0), rank=0, backend=NotCpu())

@@ -203,6 +203,8 @@ def _ours_fp16(path, data, out, interval: int):
                 after = trainer.state_dict()
                 scales.append(float(after[LOSS_SCALE_STATE]))
                 skipped.append(int(all(np.array_equal(before[k], after[k]) for k in before if not k.startswith("amp."))))
+                # What transpile run reports (loss_scale, skipped_steps) is what the state says.
+                assert trainer.loss_scale == scales[-1] and trainer.skipped == [bool(skipped[-1])]
             results[r] = (scales, skipped, losses)
         except BaseException as exc:
             errors.append(exc)

@@ -3,6 +3,7 @@
     InlineFunctions   nodes whose domain runs as its ONNX function become those functions' nodes
     Specialize        static input shapes; shape computations folded (runtime/specialize.py)
     LowerForCuda      rewrites the CUDA EP runs faster or at all (lowering.py)
+    WidenBfloat16     bfloat16 inputs and outputs cross the segment's edges as float32
     FixedOutputs      outputs that are constants or copies of an input taken out of the session
     TakeNativeNodes   native nodes made custom ops of the session (in_session.py)
 
@@ -98,6 +99,51 @@ class LowerForCuda(SegmentPass):
     def ensures(self, state):
         wide = [n.name for n in state.model.graph.node if n.op_type == "Concat" and len(n.input) > CONCAT_MAX_INPUTS]
         assert not wide, f"Concats of more than {CONCAT_MAX_INPUTS} inputs: {wide}"
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                yield from _all_nodes(sub)
+
+
+class WidenBfloat16(SegmentPass):
+    """A bfloat16 value (--precision bf16) crosses a segment's edges as float32, exactly (every
+    bfloat16 is a float32): NumPy and CuPy have no bfloat16, so neither the program's buffers and
+    bindings nor FixedOutputs' host values can hold one. A bfloat16 input is read as float32 and
+    cast once inside, a bfloat16 output cast once at the end; inside, the session computes as the
+    graph says. A native node run between sessions then reads and writes float32 (its kernels'
+    dtype), which is exact on the way in and rounds nothing the graph did not."""
+
+    def call(self, state):
+        graph = state.model.graph
+        low, wide = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+        ins = {v.name for v in graph.input if v.type.tensor_type.elem_type == low}
+        outs = {v.name for v in graph.output if v.type.tensor_type.elem_type == low} - ins
+        if not ins and not outs:
+            return
+        inner = {name: f"{name}.bf16" for name in ins | outs}
+        for node in graph.node:
+            node.output[:] = [inner.get(n, n) if n in outs else n for n in node.output]
+        for node in _all_nodes(graph):  # readers, in subgraphs too (outer-scope references)
+            node.input[:] = [inner.get(n, n) for n in node.input]
+        for info in graph.value_info:
+            info.name = inner.get(info.name, info.name)
+        for value in [*graph.input, *graph.output]:
+            if value.name in inner:
+                value.type.tensor_type.elem_type = wide
+        first = [onnx.helper.make_node("Cast", [n], [inner[n]], to=low, name=f"{n}.narrow") for n in sorted(ins)]
+        last = [onnx.helper.make_node("Cast", [inner[n]], [n], to=wide, name=f"{n}.widen") for n in sorted(outs)]
+        nodes = first + list(graph.node) + last
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+    def ensures(self, state):
+        edges = [v.name for v in [*state.model.graph.input, *state.model.graph.output]
+                 if v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16]
+        assert not edges, f"bfloat16 inputs or outputs left: {edges}"
 
 
 class FixedOutputs(SegmentPass):
@@ -196,4 +242,5 @@ def compile_segment(segment: Segment, shapes: dict[str, tuple[int, ...]], where:
 
 
 def default_passes(ort, runner: Callable, device) -> list[SegmentPass]:
-    return [InlineFunctions(), Specialize(), LowerForCuda(), FixedOutputs(ort), TakeNativeNodes(runner, device)]
+    return [InlineFunctions(), Specialize(), LowerForCuda(), WidenBfloat16(), FixedOutputs(ort),
+            TakeNativeNodes(runner, device)]
