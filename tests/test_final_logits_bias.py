@@ -43,6 +43,7 @@ def test_final_logits_bias_is_frozen_by_default(tmp_path):
     status = dict(job.problem.selection.status)
     assert status["model.final_logits_bias"] == ("frozen", "logits-bias-buffer")
     assert status["lm_head.weight"][0] == "trained"
+    assert "logits bias buffer" in job.problem.selection.summary()
 
 
 def test_train_overrides_the_name_rule(tmp_path):

@@ -50,6 +50,7 @@ REASONS = {
     "rotary": "rotary embedding buffer",
     "batchnorm-stat": "BatchNorm running statistic",
     "position-ids": "position ids buffer",
+    "logits-bias-buffer": "logits bias buffer (transformers' final_logits_bias)",
     "mask": "attention mask buffer",
     "buffer": "BatchNorm running statistic, updated every step",
     "unreachable": "the loss does not depend on it",
@@ -57,7 +58,8 @@ REASONS = {
     "train": "matches --train",
 }
 # Reasons --train may override (the default rules); the others are facts about the graph.
-RULE_REASONS = ("scalar", "exponent", "epsilon", "non-finite", "rotary", "batchnorm-stat", "position-ids", "mask")
+RULE_REASONS = ("scalar", "exponent", "epsilon", "non-finite", "rotary", "batchnorm-stat", "position-ids",
+                "logits-bias-buffer", "mask")
 
 _LAST = r"(?:^|[./:_])"
 NAME_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
