@@ -93,8 +93,10 @@ def test_a_bad_max_norm_is_a_one_line_error(perceptron, tmp_path, value):
 def test_the_cli_flag_reaches_the_plan_and_inspect(perceptron, tmp_path):
     path, _, _ = perceptron
     out = tmp_path / "out"
+    # sharded: each root holds part of the gradients, so the global norm needs a scalar AllReduce
+    # (allreduce, the default, has every gradient on every rank and needs none).
     subprocess.run([sys.executable, "-m", "transpiler.cli", str(path), "-o", str(out), "--gpus", "2",
-                    "--clip-grad-norm", "0.5"], check=True, capture_output=True)
+                    "--strategy", "sharded", "--clip-grad-norm", "0.5"], check=True, capture_output=True)
     assert json.loads((out / "plan.json").read_text())["optimizer"]["max_grad_norm"] == 0.5
     shown = subprocess.run([sys.executable, "-m", "transpiler.cli", "inspect", str(out), "--json"], check=True,
                            capture_output=True, text=True)

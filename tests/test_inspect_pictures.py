@@ -47,7 +47,7 @@ def outs(tmp_path_factory, model_dir):
                                               ("gpt4_small_buckets", "gpt", 4, 0.3, "adamw"),
                                               ("p2", "perceptron", 2, 25.0, "momentum")]:
         transpile(str(model_dir(model) / "model.onnx"), str(root / key),
-                  Options(world_size=world, optimizer=OptimizerConfig(name=opt), bucket_mb=bucket_mb))
+                  Options(world_size=world, strategy="sharded", optimizer=OptimizerConfig(name=opt), bucket_mb=bucket_mb))
         made[key] = root / key
     made["gpt_model"] = model_dir("gpt") / "model.onnx"
     made["perceptron_model"] = model_dir("perceptron") / "model.onnx"

@@ -34,7 +34,7 @@ def test_autodiff_requires_the_batchnorm_pass(model_dir):
 
 
 def test_bucketing_ensures_one_root_per_bucket_where_the_strategy_needs_it(model_dir):
-    job = build(model_dir("perceptron") / "model.onnx", Options(world_size=2, placement="balanced"))
+    job = build(model_dir("perceptron") / "model.onnx", Options(world_size=2, strategy="sharded", placement="balanced"))
     assert len({job.placement.roots[p] for p in job.problem.params}) == 2
     mixed = job.buckets[0]
     mixed.params = list(job.problem.params)

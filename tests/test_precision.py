@@ -244,6 +244,7 @@ def test_the_plan_records_the_precision(model_dir, tmp_path):
     plan = parse_plan(json.loads((tmp_path / "out" / "plan.json").read_text()), tmp_path / "out" / "plan.json")
     assert plan.precision.compute == "fp16" and plan.precision.loss_scaling.growth_interval == 7
     assert plan.precision.loss_scaling.skipped_output == SKIPPED_OUTPUT
+    raw = json.loads((tmp_path / "out" / "plan.json").read_text())
     raw["precision"] = {"compute": "fp8", "grad_dtype": "fp32"}
     with pytest.raises(Exception, match="precision.compute"):
         parse_plan(raw, tmp_path / "out" / "plan.json")

@@ -32,7 +32,7 @@ def plans(model_dir, tmp_path_factory):
     src = model_dir("perceptron")
     root = tmp_path_factory.mktemp("plans")
     made = {}
-    for key, extra in (("one", ["--gpus", "1"]), ("two", ["--gpus", "2"]),
+    for key, extra in (("one", ["--gpus", "1"]), ("two", ["--gpus", "2", "--strategy", "sharded"]),
                        ("clip", ["--gpus", "1", "--clip-grad-norm", "1.0"])):
         assert main(["compile", str(src / "model.onnx"), *extra, "-o", str(root / key)]) == 0
         made[key] = root / key

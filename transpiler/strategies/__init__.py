@@ -23,7 +23,9 @@ __all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "strategy_for", "user_s
 _ALL: tuple[Strategy, ...] = (Sharded(), AllReduce(), Zero(), Local())
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
-DEFAULT_STRATEGY = Sharded.name
+# Measured on 4 H100s (docs/benchmarks.md, "N GPUs", run h100x4-s24): allreduce is the fastest or
+# tied on every model and holds the least memory on two of three; it is also DDP's default.
+DEFAULT_STRATEGY = AllReduce.name
 _SINGLE_DEVICE = next(s for s in _ALL if s.single_device)
 
 
