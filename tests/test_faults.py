@@ -282,9 +282,11 @@ def test_a_death_inside_a_checkpoint_save_still_resumes(job, tmp_path, point):
 
 
 @contextlib.contextmanager
-def small_tmpfs(path: Path, size: str):
+def small_tmpfs(path: Path, size: str, read_only: bool = False):
+    """A tmpfs of ``size`` mounted at ``path`` (a full disk), read-only with ``read_only``."""
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    options = f"ro,size={size}" if read_only else f"size={size}"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")

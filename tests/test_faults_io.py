@@ -5,7 +5,6 @@ fsync'ed. Full and read-only file systems are real tmpfs mounts (needs root; ski
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import signal
@@ -35,17 +34,6 @@ def job(model_dir, tmp_path_factory):
     return root / "out", src, ["--data", src / "data.npz", "--batch", 32, "--log-every", 0]
 
 
-@contextlib.contextmanager
-def read_only_tmpfs(path: Path):
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
@@ -55,7 +43,7 @@ def tree(root: Path) -> dict[str, bytes | None]:
 def test_transpile_onto_a_read_only_or_full_file_system_is_one_line(job, tmp_path):
     _, src, _ = job
     model = src / "model.onnx"
-    with read_only_tmpfs(tmp_path / "ro") as ro:
+    with small_tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
         done = cli(model, "--gpus", 2, "-o", ro / "out", cwd=tmp_path)
         one_error_line(done, f"-o {ro / 'out'}: cannot write {ro / 'out'}", "Read-only file system (EROFS)",
                        "nothing was written")

@@ -275,15 +275,20 @@ def test_a_rank_stopped_at_any_stage_ends_the_job_within_the_timeout(jobs, tmp_p
     assert run.left() == []
 
 
+def _launcher_of_a_training_job(jobs, tmp_path, runs, target: str, ranks: int, *extra):
+    """A job of ``ranks`` ranks, training, and the pid of its proxy (hydra_pmi_proxy: the ranks'
+    parent) or of mpiexec (the proxy's parent)."""
+    run = Run(jobs, tmp_path, ranks, *extra)
+    runs.append(run)
+    proxy = parent_of(run.wait_training()[0])
+    return run, proxy if target == "proxy" else parent_of(proxy)
+
+
 @pytest.mark.parametrize("target, ranks", [("proxy", 4), ("mpiexec", 2)])
 def test_a_stopped_launcher_ends_the_job_within_the_timeout(jobs, tmp_path, runs, target, ranks):
     """mpiexec's proxy (hydra_pmi_proxy) carries the ranks' output and MPI's start-up and shutdown:
     stopped, the job could never end; transpile run ends it after --timeout, in one line."""
-    run = Run(jobs, tmp_path, ranks, "--timeout", TIMEOUT)
-    runs.append(run)
-    rank0 = run.wait_training()[0]
-    proxy = parent_of(rank0)
-    pid = proxy if target == "proxy" else parent_of(proxy)
+    run, pid = _launcher_of_a_training_job(jobs, tmp_path, runs, target, ranks, "--timeout", TIMEOUT)
     began = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -302,11 +307,7 @@ def test_a_stopped_launcher_ends_the_job_within_the_timeout(jobs, tmp_path, runs
 
 @pytest.mark.parametrize("target", ["mpiexec", "proxy"])
 def test_a_dead_launcher_is_one_line_with_status_1(jobs, tmp_path, runs, target):
-    run = Run(jobs, tmp_path, 2)
-    runs.append(run)
-    rank0 = run.wait_training()[0]
-    proxy = parent_of(rank0)
-    pid = proxy if target == "proxy" else parent_of(proxy)
+    run, pid = _launcher_of_a_training_job(jobs, tmp_path, runs, target, 2)
     began = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     code, out, err = run.finish()
