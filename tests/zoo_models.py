@@ -175,6 +175,36 @@ def whisper_data(rows: int) -> dict[str, np.ndarray]:
             "labels": rng.integers(0, 4, size=rows, dtype=np.int64)}
 
 
+class _ImageClassification(nn.Module):
+    """A transformers image classifier whose own loss (cross-entropy over ``labels``) is the output."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x, labels=labels).loss
+
+
+def make_swin() -> nn.Module:
+    """Swin: 2x2 patches of a 16x16 image (8x8 tokens), windows of 4x4, the second block of stage 1
+    shifted (``torch.roll`` and the shifted-window mask), relative position biases gathered from
+    their table, patch merging to stage 2 (4x4 tokens: one unshifted window), mean-pooled head."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    torch.manual_seed(0)
+    # Eager attention: with SDPA, dynamo's export fails on a view of SDPA's transposed output (torch 2.13).
+    config = SwinConfig(image_size=IMAGE, patch_size=2, num_channels=3, embed_dim=16, depths=[2, 1],
+                        num_heads=[2, 4], window_size=4, mlp_ratio=2.0, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, num_labels=4, attn_implementation="eager")
+    model = SwinForImageClassification(config)
+    with torch.no_grad():  # the original Swin's trunc_normal(std=0.02); transformers starts them at zeros
+        for name, parameter in model.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                parameter.normal_(0.0, 0.02)
+    return _ImageClassification(model)
+
+
 # ---------------------------------------------------------------------------------------------
 # Vision: written after torchvision's blocks
 
@@ -626,4 +656,5 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("mobilenet_v2", make_mobilenet_v2, _images, sync_bn=True),
     ZooModel("lstm_lm", make_lstm_lm, lambda rows: {"input_ids": _tokens(rows)}),
     ZooModel("gru_classifier", make_gru_classifier, sequence_data),
+    ZooModel("swin", make_swin, _images, transformers=True),
 ]}
