@@ -50,21 +50,35 @@ from pathlib import Path
 LIFELINE = "lifeline.sock"  # in run_dir: transpile run listens, each spawned rank keeps a connection open
 STALE_S = 3.0  # a heartbeat older than this: the rank is not running (stopped, hung in C, dead)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 # Terminating signals a spawned rank records before dying of them (SIGKILL cannot be caught; the
 # crashes, SIGSEGV and the like, are faulthandler's).
 RECORDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                     signal.SIGALRM)
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
+def _prctl(option: int, value: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return libc.prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
+    return _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def become_subreaper() -> bool:
+    """Adopt this process's orphaned descendants (PR_SET_CHILD_SUBREAPER, Linux >= 3.4). The kernel
+    gives a dying process's children their new parent before it sends them their parent-death
+    signal, so a rank killed by its proxy's death is then this process's child (a zombie until
+    this process reaps it), while a rank that died by itself has its proxy as its parent
+    (runtime/supervisor.py tells the two apart by that)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def proc_stat(pid: int) -> list[str] | None:

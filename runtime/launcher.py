@@ -24,7 +24,7 @@ from pathlib import Path
 from runtime import variables
 from runtime.config import DEFAULT_TIMEOUT_S
 from runtime.errors import RunError
-from runtime.guard import set_parent_death_signal
+from runtime.guard import become_subreaper, set_parent_death_signal
 from runtime.launcher_output import Output, relay
 from runtime.supervisor import Supervisor, kill_group, listen
 
@@ -292,6 +292,8 @@ def spawn(n: int, worker_args: Sequence[str], run_dir: Path | None = None, hosts
             os._exit(1)
 
     lifeline = listen(run_dir) if run_dir is not None else None  # before any rank can connect
+    if run_dir is not None:
+        become_subreaper()  # what died first, a rank or its proxy (runtime/supervisor.py)
     try:
         job = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, preexec_fn=die_with_me)

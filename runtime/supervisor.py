@@ -68,16 +68,12 @@ def _zombie_status(pid: int) -> int | None:
         return None
 
 
-def _orphaned(pid: int, parent: int) -> bool:
-    """Whether the ended process ``pid`` lost ``parent`` before it died. The kernel gives a dying
-    process's children a new parent before it sends them their parent-death signal, so a rank
-    killed that way has another parent by then; one that died by itself still has its own
-    (readable while it exits, and as a zombie). Reaped already: whether ``parent`` is gone too."""
+def _orphaned(pid: int) -> bool:
+    """Whether the ended rank ``pid`` lost its proxy before it died: it is then this process's
+    child (runtime/guard.py ``become_subreaper``), a zombie until ``Supervisor.finish`` reaps it.
+    One that died by itself keeps its proxy as its parent until the proxy reaps it."""
     fields = proc_stat(pid)
-    if fields is not None:
-        return int(fields[1]) != parent
-    parent_fields = proc_stat(parent)
-    return parent_fields is None or parent_fields[0] in ("Z", "X")
+    return fields is not None and int(fields[1]) == os.getpid()
 
 
 def _process_name(pid: int) -> str:
@@ -166,7 +162,7 @@ class Supervisor:
             known.status = known.status if known.status is not None else status
             return
         proxy = self._proxy_of.get(pid) if kind == "rank" else None
-        if proxy is not None and not self._dead(proxy) and _orphaned(pid, proxy):
+        if proxy is not None and not self._dead(proxy) and _orphaned(pid):
             # A rank dies with its proxy (PR_SET_PDEATHSIG, sent while the proxy exits): the
             # proxy died first, however the two ends were queued.
             self._record("proxy", proxy, None, self._launchers[proxy])
@@ -326,6 +322,9 @@ class Supervisor:
                 self._epoll = None
             if self._lifeline is not None:
                 self._lifeline.close()
+            for pid in self._ranks.values():  # the ranks adopted when their proxy died (_orphaned)
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(pid, os.WNOHANG)
 
     # -- the verdict ------------------------------------------------------------------------------
     def rank_status(self) -> int | None:
