@@ -1,4 +1,4 @@
-"""Training data: load a .npz, validate it against plan["data_inputs"], and cut deterministic batches.
+"""Training data: open a .npz, .npy directory or Parquet (runtime/data_sources.py), validate it against plan["data_inputs"], and cut deterministic batches.
 
 Batches (docs/contracts.md): the data is an endless stream of positions 0, 1, 2, ...; position p
 holds row ``p mod n`` of epoch ``p // n`` (n = rows). Global batch b is positions [b*B, (b+1)*B),
@@ -12,11 +12,11 @@ exactly "rows [b*B, (b+1)*B) modulo n".
 from __future__ import annotations
 
 import math
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from runtime.data_sources import ArraySource, Source, open_source
 from runtime.errors import RunError
 from runtime.plan import DataInput
 
@@ -38,21 +38,23 @@ def shard_size(batch: int, world_size: int, micro_batches: int = 1) -> int:
 
 
 class Dataset:
-    """Validated data arrays; ``source`` names the file (or ``<data>``) in errors."""
+    """Validated data inputs read through a Source (runtime/data_sources.py); ``source`` names the
+    file or directory (or ``<data>``) in errors. ``arrays`` may be a dict of arrays held in memory."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], inputs: tuple[DataInput, ...], source: str):
+    def __init__(self, arrays: dict[str, np.ndarray] | Source, inputs: tuple[DataInput, ...], source: str):
         self.source = source
         self.inputs = inputs
-        self.arrays = {}
+        self.reader = ArraySource(arrays, source) if isinstance(arrays, dict) else arrays
+        self.layouts: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        have = self.reader.names()
         rows: dict[str, int] = {}
         for spec in inputs:
-            if spec.name not in arrays:
-                have = ", ".join(sorted(arrays)) or "nothing"
-                raise RunError(f"{source}: missing input '{spec.name}' (it holds: {have})")
-            array = np.asarray(arrays[spec.name])
-            _check_array(array, spec, source)
-            self.arrays[spec.name] = array
-            rows[spec.name] = array.shape[spec.batch_axis]
+            if spec.name not in have:
+                raise RunError(f"{source}: missing input '{spec.name}' (it holds: {', '.join(sorted(have)) or 'nothing'})")
+            shape, dtype = self.reader.describe(spec.name, spec.batch_axis)
+            _check_array(tuple(shape), np.dtype(dtype), spec, source)
+            self.layouts[spec.name] = (tuple(shape), np.dtype(dtype))
+            rows[spec.name] = shape[spec.batch_axis]
         if len(set(rows.values())) > 1:
             counts = ", ".join(f"'{name}' {n}" for name, n in rows.items())
             raise RunError(f"{source}: inputs have different row counts along their batch axes: {counts}")
@@ -63,19 +65,8 @@ class Dataset:
 
     @classmethod
     def load(cls, path: str | Path, inputs: tuple[DataInput, ...]) -> Dataset:
-        path = Path(path)
-        if not path.is_file():
-            raise RunError(f"{path}: no such data file")
-        try:
-            loaded = np.load(path, allow_pickle=False)
-            if not isinstance(loaded, np.lib.npyio.NpzFile):
-                raise RunError(f"{path}: a single array (.npy), not an .npz archive of named arrays; save the "
-                               "data with np.savez(path, **{input_name: array})")
-            with loaded as npz:
-                arrays = {name: npz[name] for name in npz.files}
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            raise RunError(f"{path}: not a readable .npz file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-        return cls(arrays, inputs, str(path))
+        """A .npz, a directory of NAME.npy files or Parquet (runtime/data_sources.py picks)."""
+        return cls(open_source(path), inputs, str(path))
 
     def steps_for_epochs(self, epochs: float, batch: int) -> int:
         """Steps that read every row ``epochs`` times (the last batch may run into the next epoch)."""
@@ -101,8 +92,12 @@ class Dataset:
         return self.take(rows)
 
     def take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """These rows of every data input, along each input's batch axis."""
-        return {spec.name: np.take(self.arrays[spec.name], rows, axis=spec.batch_axis) for spec in self.inputs}
+        """These rows of every data input, along each input's batch axis. The Source is asked for
+        the distinct rows in ascending order (one pass over a file); they come back in ``rows``'
+        order."""
+        unique, inverse = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
+        return {spec.name: np.take(self.reader.read(spec.name, unique, spec.batch_axis), inverse, axis=spec.batch_axis)
+                for spec in self.inputs}
 
     def _permutation(self, seed: int, epoch: int) -> np.ndarray:
         key = (seed, epoch)
@@ -114,19 +109,19 @@ class Dataset:
         return self._permutations[key]
 
 
-def _check_array(array: np.ndarray, spec: DataInput, source: str) -> None:
+def _check_array(shape: tuple[int, ...], dtype: np.dtype, spec: DataInput, source: str) -> None:
     try:
         expected = np.dtype(spec.dtype)
     except TypeError:
         raise RunError(f"{source}: input '{spec.name}' must have dtype {spec.dtype}, which NumPy cannot hold") from None
-    if array.dtype != expected:
-        raise RunError(f"{source}: input '{spec.name}' has dtype {array.dtype}, the model expects {expected}")
+    if dtype != expected:
+        raise RunError(f"{source}: input '{spec.name}' has dtype {dtype}, the model expects {expected}")
     shown = "[" + ", ".join(str(d) for d in spec.shape) + "]"
-    if array.ndim != len(spec.shape):
-        raise RunError(f"{source}: input '{spec.name}' has shape {list(array.shape)}, the model expects {shown}")
-    for axis, (have, want) in enumerate(zip(array.shape, spec.shape)):
+    if len(shape) != len(spec.shape):
+        raise RunError(f"{source}: input '{spec.name}' has shape {list(shape)}, the model expects {shown}")
+    for axis, (have, want) in enumerate(zip(shape, spec.shape)):
         if axis != spec.batch_axis and isinstance(want, int) and have != want:
-            raise RunError(f"{source}: input '{spec.name}' has shape {list(array.shape)}, the model expects {shown} "
+            raise RunError(f"{source}: input '{spec.name}' has shape {list(shape)}, the model expects {shown} "
                            f"(axis {axis} is {have}, expected {want})")
 
 
@@ -196,19 +191,31 @@ def id_bounds(model_path: Path, inputs: tuple[DataInput, ...]) -> dict[str, tupl
 
 def check_ids(dataset: Dataset, bounds: dict[str, tuple[int, int | None, str]]) -> None:
     """Ids outside [0, n) (other than the loss's ignore_index) are an error naming the data file,
-    the input and the first bad row: onnxruntime would wrap negative ones silently (PyTorch raises)."""
+    the input and the first bad row: onnxruntime would wrap negative ones silently (PyTorch raises).
+    Read in chunks of about 64 MiB, so a memory-mapped or Parquet set is never whole in memory."""
     for spec in dataset.inputs:
         if spec.name not in bounds:
             continue
         n, ignore, what = bounds[spec.name]
-        array = dataset.arrays[spec.name]
-        bad = (array < 0) | (array >= n)
-        if ignore is not None:
-            bad &= array != ignore
-        if not bad.any():
+        shape, dtype = dataset.layouts[spec.name]
+        row_bytes = max(1, dtype.itemsize * math.prod(shape) // max(1, dataset.rows))
+        chunk = max(1, (64 << 20) // row_bytes)
+        count, first = 0, None
+        for start in range(0, dataset.rows, chunk):
+            rows = np.arange(start, min(start + chunk, dataset.rows), dtype=np.int64)
+            array = dataset.reader.read(spec.name, rows, spec.batch_axis)
+            bad = (array < 0) | (array >= n)
+            if ignore is not None:
+                bad &= array != ignore
+            if first is None and bad.any():
+                index = np.unravel_index(int(np.argmax(bad)), array.shape)
+                at = list(map(int, index))
+                at[spec.batch_axis] += start
+                first = (at, int(array[index]))
+            count += int(bad.sum())
+        if first is None:
             continue
-        index = np.unravel_index(int(np.argmax(bad)), array.shape)
-        row, value = int(index[spec.batch_axis]), int(array[index])
+        at, value = first
         allowed = f"[0, {n})" + (f" or ignore_index {ignore}" if ignore is not None else "")
-        raise RunError(f"{dataset.source}: input '{spec.name}' row {row} holds {value} at {list(map(int, index))}, "
-                       f"outside {allowed} ({what}); {int(bad.sum())} such value(s)")
+        raise RunError(f"{dataset.source}: input '{spec.name}' row {at[spec.batch_axis]} holds {value} at {at}, "
+                       f"outside {allowed} ({what}); {count} such value(s)")

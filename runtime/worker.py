@@ -367,7 +367,7 @@ def fingerprint(plan: Plan, dataset: Dataset, config: RunConfig, evaluator=None)
 def _data_signature(dataset: Dataset | None) -> str:
     if dataset is None:
         return "unknown"
-    data = ",".join(f"{name}{list(a.shape)}{a.dtype}" for name, a in sorted(dataset.arrays.items()))
+    data = ",".join(f"{name}{list(shape)}{dtype}" for name, (shape, dtype) in sorted(dataset.layouts.items()))
     return hashlib.sha256(data.encode()).hexdigest()[:16] if len(data) > 60 else data
 
 
