@@ -43,7 +43,7 @@ COMMANDS = {c.name: c for c in (
     Command("compile", "transpiler.cli", "[compile] MODEL -o OUT --gpus N",
             "Rewrite a single-device ONNX model (loss inside the graph) into data-parallel training graphs for "
             "N ranks. The command word is optional: 'transpile MODEL ...' is 'transpile compile MODEL ...'."),
-    Command("run", "runtime.cli", "run OUT --data DATA.npz --batch B --steps K",
+    Command("run", "runtime.cli", "run OUT --data DATA --batch B --steps K",
             "Train on the graphs in OUT, one process per rank."),
     Command("export", "runtime.export_cli", "export OUT --checkpoint DIR -o FILE",
             "Write the user's model with the trained values of a checkpoint (docs/reliability.md)."),

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from runtime import checkpoint
+from runtime import checkpoint, options_file
 from runtime.collectives import LocalGroup
 from runtime.config import DEFAULT_TIMEOUT_S, RunConfig, check_timeout, output_file, parse_ep_options
 from runtime.data import Dataset, check_ids, id_bounds, shard_size
@@ -28,18 +28,22 @@ from runtime.errors import PeerFailed, RunError
 from runtime.evaluate import eval_batch_size, load_eval_data, make_evaluator
 from runtime.executor import CpuBackend
 from runtime.guard import alive, parent_token
+from runtime.inference import check_outputs, parse_outputs
 from runtime.launcher import Host, check_slots, detect_launcher, parse_hostfile, parse_hosts, spawn
 from runtime.loop import train
 from runtime.plan import Plan, load_plan
 from runtime.progress import VIEWS
 from runtime.schedule import SCHEDULES, Schedule
+from runtime.segments import load_graph
 from runtime.trainer import Trainer
 from runtime.worker import os_error_line, run_as_rank
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT", help="transpiler output directory (holds plan.json)")
-    parser.add_argument("--data", required=True, metavar="DATA.npz", help="arrays named like the model's data inputs")
+    parser.add_argument("--data", required=True, metavar="DATA",
+                        help="arrays named like the model's data inputs: a .npz, a directory of NAME.npy files "
+                             "(memory-mapped) or Parquet (a file or directory; a column per input); docs/data.md")
     parser.add_argument("--batch", required=True, type=int, metavar="B", help="global batch size, over all ranks")
     length = parser.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=int, metavar="K", help="number of training steps")
@@ -55,6 +59,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shuffle", action="store_true", help="read each epoch in a seeded random order")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="shuffle seed (default 0)")
     parser.add_argument("--export", metavar="TRAINED.onnx", help="write the user's model with the trained parameters")
+    parser.add_argument("--outputs", metavar="NAMES",
+                        help="--export writes only the forward up to these values of the model (comma-separated, "
+                             "e.g. logits), in inference mode: no loss, no inputs they do not read (labels)")
     parser.add_argument("--log-every", type=int, default=10, metavar="N",
                         help="log every N steps on rank 0 (also the first and last; 0: silent; default 10)")
     parser.add_argument("--metrics", metavar="FILE.jsonl",
@@ -83,7 +90,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "progress for SECONDS (a collective waiting for a stopped or dead rank); bounds every "
                              "watchdog: the ranks', NCCL's and the torchrun bootstrap's wait for its peers "
                              f"(default {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--eval-data", metavar="EVAL.npz",
+    parser.add_argument("--eval-data", metavar="EVAL",
                         help="held-out arrays named like --data's: report the mean loss on them (eval mode: BatchNorm "
                              "running statistics, no Dropout) after the last step and every --eval-every steps")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -104,13 +111,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     hosts.add_argument("--hostfile", metavar="FILE",
                        help="start the ranks on the hosts of FILE (lines 'host slots=N' or 'host:N'; # comments)")
     hosts.add_argument("--hosts", metavar="H1:N1,H2:N2", help="start the ranks on these hosts, N ranks on each")
+    options_file.install(parser)  # --config FILE.json: every option above from a file (runtime/options_file.py)
 
 
-def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
+def resolve(args: argparse.Namespace, dataset: Dataset | None = None) -> tuple[Plan, Dataset, RunConfig]:
     """Everything that can be checked before any rank starts (plan, data, batch and options), once:
-    the RunConfig it returns is what every rank runs (runtime/config.py)."""
+    the RunConfig it returns is what every rank runs (runtime/config.py). ``dataset``: arrays given
+    in memory (the Python API, in-process ranks only) instead of the file --data names."""
+    args = options_file.complete(args)  # a no-op where run_command (or the API) did it
     plan = load_plan(args.out)
-    dataset = Dataset.load(args.data, plan.data_inputs)
+    given = dataset is not None
+    dataset = dataset if given else Dataset.load(args.data, plan.data_inputs)
     check_ids(dataset, id_bounds(plan.model, plan.data_inputs))
     shard_size(args.batch, plan.world_size, plan.grad_accumulation)
     if args.batch > dataset.rows:
@@ -130,6 +141,11 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
     export = output_file("--export", args.export)
     if export is not None and not plan.model.is_file():
         raise RunError(f"--export {args.export}: {plan.model} (the user's model in OUT) is missing")
+    outputs = parse_outputs(args.outputs)
+    if outputs:
+        if export is None:
+            raise RunError("--outputs needs --export FILE (the model it cuts)")
+        check_outputs(load_graph(plan.model), outputs, str(plan.model))
     timings = output_file("--timings", args.timings)
     metrics = output_file("--metrics", args.metrics)
     ckpt = None if args.checkpoint is None else checkpoint.check_target(Path(args.checkpoint))
@@ -160,10 +176,10 @@ def resolve(args: argparse.Namespace) -> tuple[Plan, Dataset, RunConfig]:
             raise RunError(f"--resume {args.resume}: the checkpoint is at step {meta.step}, nothing to do for --steps {steps}"
                            + ("" if meta.step > steps else " (add --export FILE to write its trained model)"))
     config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed, schedule=schedule,
-                       log_every=args.log_every, export=export,
+                       log_every=args.log_every, export=export, outputs=outputs,
                        checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume,
                        keep_checkpoints=args.keep_checkpoints, timeout=timeout, timings=timings,
-                       out=plan.out_dir.resolve(), data=Path(args.data).resolve(), backend=args.backend,
+                       out=plan.out_dir.resolve(), data=None if given else Path(args.data).resolve(), backend=args.backend,
                        tf32=not args.no_tf32, ep_options=ep_options, eval_data=eval_data, eval_every=args.eval_every,
                        eval_batch=eval_batch, export_best=args.export_best, metrics=metrics, progress=args.progress)
     return plan, dataset, config
@@ -188,6 +204,10 @@ def _check_eval(args: argparse.Namespace, plan: Plan, export: Path | None) -> tu
     return Path(args.eval_data).resolve(), batch
 
 
+def _raise(exc: RunError):
+    raise exc
+
+
 def _hosts(args: argparse.Namespace, world_size: int) -> list[Host] | None:
     """The hosts of --hostfile/--hosts (checked against the plan), or None for this host only."""
     if args.hostfile is None and args.hosts is None:
@@ -199,6 +219,14 @@ def _hosts(args: argparse.Namespace, world_size: int) -> list[Host] | None:
 
 def run_command(args: argparse.Namespace) -> int:
     launch = detect_launcher()
+    try:
+        args = options_file.complete(args)  # --config FILE and the defaults
+    except RunError as exc:
+        if launch is None:
+            print(f"transpile: error: {exc}", file=sys.stderr)
+            return 2
+        error = exc
+        return run_as_rank(lambda: _raise(error))  # each rank of a launcher's job: one line, through their agreement
     if launch is not None:
         # Already one rank of an mpirun/mpiexec/srun/torchrun job: run as that rank, spawn nothing.
         # Each rank resolves the arguments itself, inside the ranks' agreement on setup errors.

@@ -89,6 +89,7 @@ AGREEMENT: dict[str, tuple[str, str]] = {
     "seed": (AGREED, "--seed"),  # compared only with --shuffle (the order does not depend on it otherwise)
     "log_every": (AGREED, "--log-every"),  # losses are read (a host reduction) at log steps
     "export": (AGREED, "--export"),  # the export's outcome and the state check are host agreements
+    "outputs": (AGREED, "--outputs"),  # what --export writes (rank 0 writes it; the outcome is agreed)
     "checkpoint": (AGREED, "--checkpoint"),  # every rank writes its file into the same store
     "checkpoint_every": (AGREED, "--checkpoint-every"),  # each save holds three host agreements
     "keep_checkpoints": (LOCAL, "--keep-last"),  # rank 0 alone prunes
@@ -131,6 +132,7 @@ class RunConfig:
     seed: int = 0
     log_every: int = 0  # 0: silent
     export: Path | None = None
+    outputs: tuple[str, ...] = ()  # --outputs: --export writes the forward up to these values (runtime/inference.py)
     checkpoint: Path | None = None  # written every checkpoint_every steps (0: at the end only)
     checkpoint_every: int = 0
     keep_checkpoints: int = 2  # complete checkpoints kept in the store (older ones are removed)
@@ -142,7 +144,7 @@ class RunConfig:
     tty: str | None = None  # the terminal the bar draws on (a spawned rank's stdout is mpiexec's pipe)
     # What a rank process loads (the in-process simulator passes arrays and leaves them None).
     out: Path | None = None  # the transpiler's OUT
-    data: Path | None = None  # the .npz
+    data: Path | None = None  # the .npz, .npy directory or Parquet (runtime/data_sources.py)
     backend: str = "cpu"  # "cpu", "nccl", or "auto" (each rank resolves it: runtime/devices.py)
     tf32: bool = True  # nccl backend: TF32 MatMul/Conv
     ep_options: dict[str, str] = field(default_factory=dict)  # nccl backend: --ep-option, onnxruntime CUDA EP options
@@ -178,6 +180,7 @@ class RunConfig:
         for key in _PATHS:
             raw[key] = None if raw.get(key) is None else Path(raw[key])
         raw["schedule"] = Schedule(**raw.get("schedule", {}))
+        raw["outputs"] = tuple(raw.get("outputs", ()))
         return cls(**raw)
 
     def save(self, path: Path) -> None:

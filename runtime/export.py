@@ -1,4 +1,5 @@
-"""--export: the user's model (OUT/model.onnx) with the trained values in its initializers."""
+"""--export: the user's model (OUT/model.onnx) with the trained values in its initializers; with
+``--outputs NAMES``, its forward up to those values only, ready for inference (runtime/inference.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import onnx
 from onnx import numpy_helper
 
 from runtime.errors import RunError, os_error_text
+from runtime.inference import inference_model
 from runtime.plan import Plan
 from runtime.segments import load_graph
 
 
-def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path) -> None:
-    """Write the user's model with trained values in its initializers, atomically (temp file + rename)."""
+def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path, outputs: tuple[str, ...] = ()) -> None:
+    """Write the user's model with trained values in its initializers, atomically (temp file + rename);
+    with ``outputs`` (value names of the model), only the forward up to them, in inference mode."""
     path = Path(path)
     model = load_graph(plan.model)
     by_name = {t.name: t for t in model.graph.initializer}
@@ -30,6 +33,8 @@ def export_model(plan: Plan, parameters: dict[str, np.ndarray], path: str | Path
             raise RunError(f"{plan.model}: initializer '{name}' is {list(old.dims)} "
                            f"{onnx.helper.tensor_dtype_to_np_dtype(old.data_type)}, trained value is {list(value.shape)} {value.dtype}")
         old.CopyFrom(numpy_helper.from_array(value, name))
+    if outputs:
+        model = inference_model(model, tuple(outputs), str(plan.model))
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:

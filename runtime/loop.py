@@ -32,12 +32,13 @@ FLUSH_EVERY = 1024
 
 def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print,
           progress: Callable[[int, str], None] = lambda step, phase: None,
-          evaluator: Evaluator | None = None) -> list[float]:
+          evaluator: Evaluator | None = None, observe: Callable[[dict], None] | None = None) -> list[float]:
     """Initialize (or resume) and run up to step ``config.steps``; rank 0 reports and exports.
     Returns the global losses of the steps run. The rank and world size are the communicator's.
     ``progress(steps done, phase)`` tells a watchdog (runtime/guard.py) that the loop moves on;
     ``log`` takes rank 0's plain lines (runtime/progress.py). ``evaluator`` (--eval-data) runs every
-    ``config.eval_every`` steps and after the last one; its loss goes into that step's record."""
+    ``config.eval_every`` steps and after the last one; its loss goes into that step's record.
+    ``observe`` (rank 0) gets each record and the summary as --metrics writes them (runtime/progress.py)."""
     rank = trainer.comm.rank
     start = 0
     progress(0, "init")
@@ -63,7 +64,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         checkpoint.agree(trainer.comm, error)
     else:
         trainer.initialize()
-    report = make_report(trainer, dataset, config, log)
+    report = make_report(trainer, dataset, config, log, observe)
     try:
         return _train(trainer, dataset, config, start, report, progress, evaluator)
     finally:
@@ -157,7 +158,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
         error = None
         if rank == 0:
             try:
-                export_model(trainer.plan, parameters, config.export)
+                export_model(trainer.plan, parameters, config.export, config.outputs)
             except RunError as exc:
                 error = str(exc)
         # Every rank waits for the export's outcome, so that on failure the final state is kept.

@@ -219,8 +219,9 @@ def bar_console(tty: str | None, file: IO[str] | None = None):
 class Report:
     """Rank 0's records: to the view and to the metrics file (see the module docstring)."""
 
-    def __init__(self, view: View, metrics: MetricsFile | None, *, steps: int, batch: int, rows: int):
-        self.view, self.metrics = view, metrics
+    def __init__(self, view: View, metrics: MetricsFile | None, *, steps: int, batch: int, rows: int,
+                 observe: Callable[[dict], None] | None = None):
+        self.view, self.metrics, self.observe = view, metrics, observe
         self.steps, self.batch, self.rows = steps, batch, rows
 
     def start(self, info: RunInfo) -> None:
@@ -235,11 +236,15 @@ class Report:
         if self.metrics is not None:
             self.metrics.write(record)
         self.view.show(record)
+        if self.observe is not None:
+            self.observe(record)
 
     def finish(self, **summary) -> None:
         if self.metrics is not None:
             self.metrics.summary(summary)
         self.view.finish(summary)
+        if self.observe is not None:
+            self.observe({"summary": summary})
 
     def close(self) -> None:
         self.view.close()
@@ -247,9 +252,11 @@ class Report:
             self.metrics.close()
 
 
-def make_report(trainer, dataset, config, log: Callable[[str], None]) -> Report:
+def make_report(trainer, dataset, config, log: Callable[[str], None],
+                observe: Callable[[dict], None] | None = None) -> Report:
     """Rank 0's Report (its view and its --metrics file); a silent one on the other ranks. ``trainer``,
-    ``dataset`` and ``config``: the loop's Trainer, Dataset and RunConfig."""
+    ``dataset`` and ``config``: the loop's Trainer, Dataset and RunConfig. ``observe`` (rank 0) gets
+    every record as the metrics file does, the summary as ``{"summary": {...}}`` (the Python API's callback)."""
     if trainer.comm.rank != 0:
         return Report(View(), None, steps=config.steps, batch=config.batch, rows=dataset.rows)
     if not config.log_every:
@@ -262,7 +269,7 @@ def make_report(trainer, dataset, config, log: Callable[[str], None]) -> Report:
             except OSError:  # the terminal went away (or is not ours to open): lines then
                 pass
     metrics = None if config.metrics is None else MetricsFile(config.metrics, append=config.resume is not None)
-    return Report(view, metrics, steps=config.steps, batch=config.batch, rows=dataset.rows)
+    return Report(view, metrics, steps=config.steps, batch=config.batch, rows=dataset.rows, observe=observe)
 
 
 def run_info(trainer, dataset, config, start: int) -> RunInfo:

@@ -6,7 +6,9 @@ is needed and the tests run everywhere.
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +18,10 @@ from runtime.collectives import LocalGroup
 from runtime.config import RunConfig
 from runtime.data import Dataset, shard_size
 from runtime.errors import PeerFailed, RunError
-from runtime.evaluate import Evaluator
+from runtime.evaluate import Evaluator, make_evaluator
 from runtime.executor import CpuBackend
 from runtime.loop import train
-from runtime.plan import load_plan
+from runtime.plan import Plan, load_plan
 from runtime.schedule import Schedule
 from runtime.trainer import Trainer
 
@@ -49,24 +51,39 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
                        schedule=schedule or Schedule(), eval_every=eval_every)
     evaluation = None if eval_data is None else Dataset(eval_data, plan.data_inputs, "<eval data>")
     group = LocalGroup(world_size)
-    losses: list[list[float] | None] = [None] * world_size
     trainers: list[Trainer | None] = [None] * world_size
     evaluators: list[Evaluator | None] = [None] * world_size
+
+    def run_rank(r: int) -> list[float]:
+        trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1))
+        if evaluation is not None:
+            evaluators[r] = Evaluator(trainers[r], evaluation, batch=eval_batch or batch)
+        return train(trainers[r], dataset, config, evaluator=evaluators[r])
+
+    losses = run_threads(group, run_rank)
+    return SimResult(losses=losses, states=[t.state_dict() for t in trainers],
+                     parameters=[t.parameters() for t in trainers],
+                     eval_losses=evaluators[0].history if evaluators[0] is not None else [])
+
+
+def run_threads(group: LocalGroup, run_rank: Callable[[int], list[float]]) -> list[float]:
+    """``run_rank(r)`` for every rank of ``group``, each in a thread; rank 0's result. A failing
+    rank aborts the group (its peers blocked in a collective stop instead of hanging) and its
+    exception is raised here, in the caller's thread (a RunError prefixed with its rank)."""
+    world_size = group.size
+    results: list[list[float] | None] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 
-    def run_rank(r: int) -> None:
+    def run(r: int) -> None:
         try:
-            trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1))
-            if evaluation is not None:
-                evaluators[r] = Evaluator(trainers[r], evaluation, batch=eval_batch or batch)
-            losses[r] = train(trainers[r], dataset, config, evaluator=evaluators[r])
+            results[r] = run_rank(r)
         except PeerFailed as exc:  # every rank knows already: no abort (it could break a peer's last barrier)
             errors[r] = exc
         except BaseException as exc:  # re-raised below in the caller's thread
             errors[r] = exc
             group.abort()  # peers blocked in a collective raise BrokenBarrierError instead of hanging
 
-    threads = [threading.Thread(target=run_rank, args=(r,), name=f"rank{r}") for r in range(world_size)]
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(world_size)]
     for t in threads:
         t.start()
     for t in threads:
@@ -78,6 +95,23 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
         if isinstance(exc, RunError):
             raise RunError(f"rank {r}: {exc}") from exc
         raise exc
-    return SimResult(losses=losses[0], states=[t.state_dict() for t in trainers],
-                     parameters=[t.parameters() for t in trainers],
-                     eval_losses=evaluators[0].history if evaluators[0] is not None else [])
+    return results[0]
+
+
+def run_in_process(plan: Plan, dataset: Dataset, config: RunConfig, *, log: Callable[[str], None] = print,
+                   observe: Callable[[dict], None] | None = None) -> list[float]:
+    """What ``transpile run`` does on the cpu backend, with every rank a thread of this process
+    (the Python API's ``train``): ``config`` as ``resolve`` (runtime/cli.py) made it, so --export,
+    --checkpoint, --resume, --metrics and --eval-data all work; ``observe`` gets rank 0's records
+    and summary. Returns the global losses of the steps run."""
+    if config.backend != "cpu":
+        raise RunError(f"in-process ranks run on the cpu backend, not {config.backend} (start 'transpile run' for GPUs)")
+    group = LocalGroup(plan.world_size)
+    threads = max(1, (os.cpu_count() or 1) // plan.world_size)  # the ranks share this machine's cores
+
+    def run_rank(r: int) -> list[float]:
+        trainer = Trainer(plan, group.communicator(r), rank=r, backend=CpuBackend(threads=threads))
+        return train(trainer, dataset, config, log=log, evaluator=make_evaluator(trainer, config),
+                     observe=observe if r == 0 else None)
+
+    return run_threads(group, run_rank)

@@ -54,6 +54,8 @@ def _changed(name: str, value):
         return value * 2 + 1
     if isinstance(value, dict):
         return {**value, "changed": "1"}
+    if isinstance(value, tuple):
+        return (*value, "changed")
     if value is None or isinstance(value, Path):
         return Path("/elsewhere") / name
     if isinstance(value, str):

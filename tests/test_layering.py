@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ("contract", "transpiler", "runtime", "inspection", "commands")
+LAYERS = ("contract", "transpiler", "runtime", "inspection", "commands", "graph_transpiler")
 # What each package may not import (its own first-party neighbours; executors where they matter).
 BANNED = {
     "contract": {"transpiler", "runtime", "inspection", "commands", "onnx_ir", "onnxruntime", "cupy", "mpi4py"},
@@ -20,6 +20,7 @@ BANNED = {
     "runtime": {"transpiler", "inspection", "commands"},
     "inspection": {"transpiler", "runtime", "commands", "onnxruntime", "cupy", "mpi4py"},
     "commands": set(),
+    "graph_transpiler": {"commands", "inspection"},  # the Python API drives the transpiler and the runtime directly
 }
 # ``python -m transpiler.cli`` stays a name of the transpile command: its __main__ block hands over.
 ALLOWED = {("transpiler/cli.py", "commands")}

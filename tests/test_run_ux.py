@@ -51,7 +51,7 @@ def test_version_help_and_usage_errors(tmp_path):
     done = transpile("--help", cwd=tmp_path)
     assert done.returncode == 0
     assert done.stdout.startswith("usage: transpile [-h] [-V] {compile,run,export,inspect,view,help}")
-    for args, message in ((["run"], "the following arguments are required: OUT, --data, --batch"),
+    for args, message in ((["run"], "the following arguments are required: OUT"),
                           ([], "the following arguments are required: command"),
                           (["rnu", "out"], "'rnu' is neither a command nor a file (did you mean 'run'?)"),
                           (["inspect", "x", "--no-such-option"], "unrecognized arguments: --no-such-option")):
