@@ -35,6 +35,7 @@ from runtime.plan import Plan, load_plan
 from runtime.progress import VIEWS
 from runtime.schedule import SCHEDULES, Schedule
 from runtime.segments import load_graph
+from runtime.tensorboard import tensorboard_dir
 from runtime.trainer import Trainer
 from runtime.worker import os_error_line, run_as_rank
 
@@ -66,6 +67,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log every N steps on rank 0 (also the first and last; 0: silent; default 10)")
     parser.add_argument("--metrics", metavar="FILE.jsonl",
                         help="rank 0 writes one JSON object per logged step, then a summary line (keys: docs/cli.md)")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="rank 0 also writes the --metrics records as TensorBoard event files into DIR "
+                             "(needs tensorboardX: pip install tensorboardX)")
     parser.add_argument("--progress", choices=VIEWS, default="auto",
                         help="bar (rich progress bar), lines (a line every --log-every steps) or auto (default: bar "
                              "when stdout is a terminal)")
@@ -148,6 +152,7 @@ def resolve(args: argparse.Namespace, dataset: Dataset | None = None) -> tuple[P
         check_outputs(load_graph(plan.model), outputs, str(plan.model))
     timings = output_file("--timings", args.timings)
     metrics = output_file("--metrics", args.metrics)
+    tensorboard = tensorboard_dir(args.tensorboard)
     ckpt = None if args.checkpoint is None else checkpoint.check_target(Path(args.checkpoint))
     if args.checkpoint_every < 0:
         raise RunError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
@@ -181,7 +186,8 @@ def resolve(args: argparse.Namespace, dataset: Dataset | None = None) -> tuple[P
                        keep_checkpoints=args.keep_checkpoints, timeout=timeout, timings=timings,
                        out=plan.out_dir.resolve(), data=None if given else Path(args.data).resolve(), backend=args.backend,
                        tf32=not args.no_tf32, ep_options=ep_options, eval_data=eval_data, eval_every=args.eval_every,
-                       eval_batch=eval_batch, export_best=args.export_best, metrics=metrics, progress=args.progress)
+                       eval_batch=eval_batch, export_best=args.export_best, metrics=metrics, tensorboard=tensorboard,
+                       progress=args.progress)
     return plan, dataset, config
 
 

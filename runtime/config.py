@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.errors import RunError
+from runtime.errors import RunError, os_error_text
 from runtime.schedule import Schedule
 
 DEFAULT_TIMEOUT_S = 300.0  # --timeout's default
@@ -26,14 +26,20 @@ DEFAULT_TIMEOUT_S = 300.0  # --timeout's default
 def output_file(option: str, value: str | None) -> Path | None:
     """The resolved path of an output file option (--export, --timings, --metrics), or a one-line
     RunError when it cannot be written there: checked before training starts, so a typo does not
-    cost a run its results."""
+    cost a run its results. A missing parent directory is created (as the HF Trainer's output_dir)."""
     if value is None:
         return None
     path = Path(value).resolve()
     if value.strip() == "" or path.is_dir():
         raise RunError(f"{option} {value}: is a directory; give a file name")
     if not path.parent.is_dir():
-        raise RunError(f"{option} {value}: directory {path.parent} does not exist")
+        above = next(p for p in path.parents if p.exists())
+        if not above.is_dir():
+            raise RunError(f"{option} {value}: {above} is a file, not a directory")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunError(f"{option} {value}: cannot create directory {path.parent}: {os_error_text(exc)}") from None
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK):
         raise RunError(f"{option} {value}: {'file' if target is path else 'directory ' + str(target)} is not writable")
@@ -97,6 +103,7 @@ AGREEMENT: dict[str, tuple[str, str]] = {
     "timings": (AGREED, "--timings"),  # the ranks agree on writing it, rank 0 reads their parts
     "schedule": (AGREED, "the lr schedule"),
     "metrics": (LOCAL, "--metrics"),  # rank 0's file
+    "tensorboard": (LOCAL, "--tensorboard"),  # rank 0's event files
     "progress": (LOCAL, "--progress"),  # rank 0's view
     "tty": (LOCAL, "the terminal"),
     "out": (AGREED, "plan"),  # compared as the plan's hash, which covers every rank's collectives
@@ -120,7 +127,7 @@ def agreed_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(RunConfig) if AGREEMENT[f.name][0] == AGREED]
 
 
-_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data", "metrics", "run_dir")
+_PATHS = ("out", "data", "export", "checkpoint", "resume", "timings", "eval_data", "metrics", "tensorboard", "run_dir")
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,7 @@ class RunConfig:
     timings: Path | None = None  # measured segment and collective times, for inspect --timings
     schedule: Schedule = Schedule()  # learning rate per step (lr is the schedule's peak)
     metrics: Path | None = None  # --metrics: rank 0's JSON lines (runtime/metrics.py)
+    tensorboard: Path | None = None  # --tensorboard: rank 0's event files, the same records (runtime/tensorboard.py)
     progress: str = "lines"  # rank 0's view: "bar", "lines", or "auto" (bar when its stdout is a terminal)
     tty: str | None = None  # the terminal the bar draws on (a spawned rank's stdout is mpiexec's pipe)
     # What a rank process loads (the in-process simulator passes arrays and leaves them None).

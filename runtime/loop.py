@@ -181,6 +181,8 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
                       epoch=round(config.steps * config.batch / dataset.rows, 4),
                       export=config.export, checkpoint=last_checkpoint if last_checkpoint != config.resume else None,
                       metrics=config.metrics,
+                      **({"eval_loss": evaluator.history[-1][1], "eval_step": evaluator.history[-1][0]}
+                         if evaluator is not None and evaluator.history else {}),
                       **({"best_eval_loss": best[1], "best_eval_step": best[0]} if best is not None else {}))
     return losses
 

@@ -16,13 +16,17 @@ Trainer logs evaluation apart from training. Keys are documented in docs/cli.md.
 
 Each record is one ``write`` of a whole line, flushed at once: a reader (``tail -f``, a dashboard)
 never sees half a line, and a crash loses at most the line being written. A fresh run truncates the
-file; ``--resume`` appends, so the file holds the whole history of a resumed run.
+file; ``--resume`` appends, so the file holds the whole history of a resumed run, with one summary:
+before appending, the earlier runs' summary lines (and a half-written last line a crash left) are
+dropped, so the file ends with the summary of the last run (its ``steps_run`` counts that run's
+steps, ``steps`` where the whole history ends).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import IO
@@ -46,6 +50,8 @@ class MetricsFile:
         self.path = path
         self._file: IO[str] | None = None
         try:
+            if append and path.is_file():
+                _drop_summaries(path)
             self._file = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         except OSError as exc:
             raise RunError(f"--metrics {path}: {os_error_text(exc)}") from None
@@ -75,8 +81,28 @@ class MetricsFile:
             self._file = None
 
 
+def _drop_summaries(path: Path) -> None:
+    """--resume: the file without its summary lines and without a last line missing its newline (a
+    crash mid-write), replaced atomically; the records of the earlier runs stay as they were."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    kept = [line for line in lines if line.endswith("\n") and not line.startswith('{"summary": ')]
+    if len(kept) == len(lines):
+        return
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text("".join(kept), encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def read_metrics(path: str | Path) -> tuple[list[dict], dict | None]:
-    """(the step records, the summary or None): what benchmarks and tests read instead of the log."""
+    """(the step records, the summary or None): what benchmarks and tests read instead of the log.
+    The records are every run's in order (a ``--resume``d run's follow the earlier runs'); the
+    summary is the last line's, the one summary the file holds (the last run's: earlier ones are
+    dropped when ``--resume`` appends). A file written before that rule may hold several: the last
+    one is returned."""
     records, summary = [], None
     for line in Path(path).read_text().splitlines():
         if line.strip():

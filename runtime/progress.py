@@ -1,6 +1,7 @@
 """What rank 0 tells the user during ``transpile run``, in the manner of the HF Trainer and Lightning:
 a banner (what runs), progress (a rich bar on a terminal, plain lines when piped), a summary (how it
-went, and where the results are). ``--metrics`` gets the same records as JSON lines (runtime/metrics.py).
+went, and where the results are). Its sinks get the same records: ``--metrics`` as JSON lines
+(runtime/metrics.py), ``--tensorboard`` as event files (runtime/tensorboard.py).
 
 The training loop (runtime/loop.py) feeds one ``Report``:
 - ``start()`` prints the banner;
@@ -9,8 +10,9 @@ The training loop (runtime/loop.py) feeds one ``Report``:
   samples_per_second, step_time_ms, grad_norm) and anything else measured at a step. Evaluation
   calls ``report.log(step, eval_loss=x)``: the record goes to the metrics file as it is, the line
   view prints ``step S/T  epoch E  eval loss X``, the bar shows ``eval loss X`` beside the loss;
-- ``finish(summary)`` prints the summary and writes the metrics' summary line.
-Ranks other than 0 get a Report with neither view nor file: every call is a no-op.
+- ``finish(summary)`` prints the summary and gives it to the sinks (the metrics' summary line).
+Ranks other than 0 get a Report with neither view nor sinks: every call is a no-op. A sink has
+``write(record)``, ``summary(values)`` and ``close()``.
 
 Views: ``lines`` prints every --log-every steps with today's line format (scripts and tests read the
 ``step K/T ... loss X`` lines; new fields are appended at the end); ``bar`` is a rich progress bar
@@ -26,9 +28,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from runtime.metrics import MetricsFile
+from runtime.tensorboard import TensorBoardFile
 
 VIEWS = ("auto", "bar", "lines")
 # The fields of a training record, in the order the line view prints them (after step and epoch).
@@ -88,9 +91,11 @@ def summary_lines(summary: dict) -> tuple[str, list[tuple[str, str]]]:
     else:
         head = (f"{summary['steps_run']:,} steps in {duration(summary['runtime_s'])}: "
                 f"{summary['samples_per_second']:.0f} samples/s, {summary['step_time_ms']:.2f} ms/step, "
-                f"final loss {summary['final_loss']:.6f}")
+                f"final loss {summary['final_loss']:.6f}, mean loss over the run {summary['mean_loss']:.6f}")
         if summary.get("loss_scale") is not None:  # --precision fp16
             head += f", loss scale {summary['loss_scale']:g}, {summary['skipped_steps']:,} steps skipped (overflow)"
+    if summary.get("eval_loss") is not None:  # the last evaluation's (--eval-data)
+        head += f", eval loss {summary['eval_loss']:.6f} (step {summary['eval_step']})"
     where = [(key, str(summary[key])) for key in ("export", "checkpoint", "metrics") if summary.get(key)]
     if summary.get("best_eval_step") is not None:  # --export-best: which evaluation the export holds
         where = [(key, f"{value} (step {summary['best_eval_step']}, best eval loss {summary['best_eval_loss']:.6f})"
@@ -216,12 +221,22 @@ def bar_console(tty: str | None, file: IO[str] | None = None):
     return Console(file=file or sys.stdout, force_terminal=True)
 
 
-class Report:
-    """Rank 0's records: to the view and to the metrics file (see the module docstring)."""
+class Sink(Protocol):
+    """Where records go besides the view: MetricsFile (--metrics), TensorBoardFile (--tensorboard)."""
 
-    def __init__(self, view: View, metrics: MetricsFile | None, *, steps: int, batch: int, rows: int,
+    def write(self, record: dict) -> None: ...
+
+    def summary(self, values: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Report:
+    """Rank 0's records: to the view and to the sinks (see the module docstring)."""
+
+    def __init__(self, view: View, sinks: list[Sink] | tuple[Sink, ...] = (), *, steps: int, batch: int, rows: int,
                  observe: Callable[[dict], None] | None = None):
-        self.view, self.metrics, self.observe = view, metrics, observe
+        self.view, self.sinks, self.observe = view, list(sinks), observe
         self.steps, self.batch, self.rows = steps, batch, rows
 
     def start(self, info: RunInfo) -> None:
@@ -233,32 +248,32 @@ class Report:
     def log(self, step: int, **values) -> None:
         """One record at ``step`` (the number of steps done): ``step`` and ``epoch`` first, then ``values``."""
         record = {"step": step, "epoch": round(step * self.batch / self.rows, 4), **values}
-        if self.metrics is not None:
-            self.metrics.write(record)
+        for sink in self.sinks:
+            sink.write(record)
         self.view.show(record)
         if self.observe is not None:
             self.observe(record)
 
     def finish(self, **summary) -> None:
-        if self.metrics is not None:
-            self.metrics.summary(summary)
+        for sink in self.sinks:
+            sink.summary(summary)
         self.view.finish(summary)
         if self.observe is not None:
             self.observe({"summary": summary})
 
     def close(self) -> None:
         self.view.close()
-        if self.metrics is not None:
-            self.metrics.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def make_report(trainer, dataset, config, log: Callable[[str], None],
                 observe: Callable[[dict], None] | None = None) -> Report:
-    """Rank 0's Report (its view and its --metrics file); a silent one on the other ranks. ``trainer``,
+    """Rank 0's Report (its view, its --metrics file and --tensorboard events); a silent one on the other ranks. ``trainer``,
     ``dataset`` and ``config``: the loop's Trainer, Dataset and RunConfig. ``observe`` (rank 0) gets
     every record as the metrics file does, the summary as ``{"summary": {...}}`` (the Python API's callback)."""
     if trainer.comm.rank != 0:
-        return Report(View(), None, steps=config.steps, batch=config.batch, rows=dataset.rows)
+        return Report(View(), (), steps=config.steps, batch=config.batch, rows=dataset.rows)
     if not config.log_every:
         view = View()
     else:
@@ -268,8 +283,12 @@ def make_report(trainer, dataset, config, log: Callable[[str], None],
                 view = BarView(bar_console(config.tty), config.steps)
             except OSError:  # the terminal went away (or is not ours to open): lines then
                 pass
-    metrics = None if config.metrics is None else MetricsFile(config.metrics, append=config.resume is not None)
-    return Report(view, metrics, steps=config.steps, batch=config.batch, rows=dataset.rows, observe=observe)
+    sinks: list[Sink] = []
+    if config.metrics is not None:
+        sinks.append(MetricsFile(config.metrics, append=config.resume is not None))
+    if config.tensorboard is not None:
+        sinks.append(TensorBoardFile(config.tensorboard))
+    return Report(view, sinks, steps=config.steps, batch=config.batch, rows=dataset.rows, observe=observe)
 
 
 def run_info(trainer, dataset, config, start: int) -> RunInfo:

@@ -59,7 +59,7 @@ def _run(project: Path, *extra: str) -> subprocess.CompletedProcess:
     ("--checkpoint", "data.npz", "not a directory"),
     ("--checkpoint", "data.npz/ck", "is a file"),
     ("--timings", "notes", "is a directory"),
-    ("--timings", "missing/t.json", "does not exist"),
+    ("--timings", "data.npz/t.json", "is a file, not a directory"),
     ("--export", "notes", "is a directory"),
 ])
 def test_a_bad_output_path_is_refused_before_training(project, option, value, fragment):

@@ -130,7 +130,7 @@ def test_metrics_has_grad_norm_when_clipping_and_appends_on_resume(plans, tmp_pa
                         "--resume", "latest", tmp_path=tmp_path, capsys=capsys)
     assert code == 0, err
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r.get("step") for r in lines] == [1, 2, 4, None, 5, 6, None]  # appended after the first summary
+    assert [r.get("step") for r in lines] == [1, 2, 4, 5, 6, None]  # appended; the first summary dropped
     assert lines[-1]["summary"]["steps"] == 6 and lines[-1]["summary"]["steps_run"] == 2
 
 
@@ -140,7 +140,7 @@ def test_eval_records_go_through_report_log(tmp_path):
     from runtime.progress import LineView, Report
 
     printed: list[str] = []
-    report = Report(LineView(printed.append, steps=10), MetricsFile(tmp_path / "m.jsonl"), steps=10, batch=4, rows=20)
+    report = Report(LineView(printed.append, steps=10), [MetricsFile(tmp_path / "m.jsonl")], steps=10, batch=4, rows=20)
     report.log(5, eval_loss=0.25)
     report.close()
     assert read_metrics(tmp_path / "m.jsonl")[0] == [{"step": 5, "epoch": 1.0, "eval_loss": 0.25}]
@@ -148,12 +148,13 @@ def test_eval_records_go_through_report_log(tmp_path):
 
 
 @pytest.mark.parametrize("where, message", [
-    ("nodir/m.jsonl", "directory {tmp}/nodir does not exist"),
+    ("file/m.jsonl", "{tmp}/file is a file, not a directory"),
     (".", "is a directory; give a file name"),
     ("ro/m.jsonl", "directory {tmp}/ro is not writable"),
 ])
 def test_unwritable_metrics_is_one_line_before_training(plans, tmp_path, capsys, monkeypatch, where, message):
     (tmp_path / "ro").mkdir(mode=0o500)
+    (tmp_path / "file").write_text("")
     if where.startswith("ro/") and __import__("os").access(tmp_path / "ro", __import__("os").W_OK):
         pytest.skip("running as root: a read-only directory is writable")
     monkeypatch.chdir(tmp_path)
