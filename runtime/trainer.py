@@ -160,15 +160,20 @@ class Trainer:
     def collect_losses(self) -> list[float]:
         """The losses of the steps since the last call, each averaged over all ranks (every rank
         must call this at the same steps: it is a collective on the host)."""
-        local = self.backend.scalars_to_host(self._held)
-        self._held = []
+        # Losses, norms, skips and the loss scale come to the host in one transfer (one device
+        # sync on GPU), at log and checkpoint steps only.
+        scale = ([self.backend.hold_scalar(self.state[self._scale_state])]
+                 if self._scale_state is not None and self._scale_state in self.state else [])
+        groups = (self._held, self._held_norms, self._held_skipped, scale)
+        values = self.backend.scalars_to_host([h for group in groups for h in group])
+        cuts = np.cumsum([0] + [len(group) for group in groups])
+        local, norms, skipped, scales = (values[a:b] for a, b in zip(cuts[:-1], cuts[1:]))
+        self._held, self._held_norms, self._held_skipped = [], [], []
         # Every rank holds the same global norm (all-reduced in the graph where ranks hold parts).
-        self.grad_norms = [float(np.sqrt(v)) for v in self.backend.scalars_to_host(self._held_norms)]
-        self._held_norms = []
-        self.skipped = [bool(v) for v in self.backend.scalars_to_host(self._held_skipped)]
-        self._held_skipped = []
-        if self._scale_state is not None and self._scale_state in self.state:
-            self.loss_scale = float(self.backend.scalars_to_host([self.backend.hold_scalar(self.state[self._scale_state])])[0])
+        self.grad_norms = [float(np.sqrt(v)) for v in norms]
+        self.skipped = [bool(v) for v in skipped]
+        if scales:
+            self.loss_scale = float(scales[0])
         if self.accumulation > 1:  # one loss per micro-batch: a step's is their mean (equal sizes)
             k = self.accumulation
             local = [sum(local[i:i + k]) / k for i in range(0, len(local), k)]

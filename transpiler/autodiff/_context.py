@@ -26,6 +26,16 @@ class GradientError(TranspileError):
         super().__init__(f"gradient of {node.op_type} node '{node.name}': {reason}")
 
 
+def fresh_name(taken: set[str], base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``, ... : the first name not in ``taken``, which it joins."""
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
 def _all_names(graph: ir.Graph) -> set[str]:
     names: set[str] = {v.name for v in (*graph.inputs, *graph.initializers.values()) if v.name}
     for node in RecursiveGraphIterator(graph):
@@ -61,12 +71,7 @@ class Emitter:
         self._constants: dict[tuple[str, tuple[int, ...], bytes], ir.Value] = {}
 
     def unique(self, base: str) -> str:
-        name, k = base, 0
-        while name in self._names:
-            k += 1
-            name = f"{base}_{k}"
-        self._names.add(name)
-        return name
+        return fresh_name(self._names, base)
 
     def op(
         self,

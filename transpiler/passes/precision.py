@@ -39,6 +39,7 @@ import onnx.defs
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
+from transpiler.autodiff._context import fresh_name
 from transpiler.errors import TranspileError
 from transpiler.job import (
     DTYPES,
@@ -206,12 +207,7 @@ class _Casts:
         self.count = 0
 
     def unique(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.names:
-            k += 1
-            name = f"{base}_{k}"
-        self.names.add(name)
-        return name
+        return fresh_name(self.names, base)
 
     def to(self, value: ir.Value, dtype: ir.DataType, before: ir.Node) -> ir.Value:
         if value.dtype == dtype:

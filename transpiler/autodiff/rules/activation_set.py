@@ -8,6 +8,7 @@ import onnx_ir as ir
 
 from transpiler.autodiff._context import RuleContext, unbroadcast
 from transpiler.autodiff._registry import register
+from transpiler.autodiff.rules.activations import dy_where
 
 
 def _positive(ctx: RuleContext, x: ir.Value) -> ir.Value:
@@ -123,7 +124,7 @@ def _thresholded_relu(ctx: RuleContext) -> list[ir.Value | None]:
 
     def grad() -> ir.Value:
         above = ctx.op("Greater", [x, ctx.scalar(alpha, like=x)])
-        return ctx.op("Where", [above, ctx.dy, ctx.scalar(0, like=x)], like=x)
+        return dy_where(ctx, above)
 
     return ctx.wanted_grads(grad)
 
@@ -137,6 +138,6 @@ def _shrink(ctx: RuleContext) -> list[ir.Value | None]:
 
     def grad() -> ir.Value:
         outside = ctx.op("Greater", [ctx.op("Abs", [x]), ctx.scalar(lambd, like=x)])
-        return ctx.op("Where", [outside, ctx.dy, ctx.scalar(0, like=x)], like=x)
+        return dy_where(ctx, outside)
 
     return ctx.wanted_grads(grad)

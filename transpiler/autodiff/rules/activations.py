@@ -78,6 +78,12 @@ def _mul_dy(ctx: RuleContext, local: ir.Value) -> ir.Value:
     return ctx.op("Mul", [ctx.dy, local], like=ctx.inputs[0])
 
 
+def dy_where(ctx: RuleContext, mask: ir.Value) -> ir.Value:
+    """dy where ``mask``, else 0: the gradient of a piecewise identity."""
+    x = ctx.inputs[0]
+    return ctx.op("Where", [mask, ctx.dy, ctx.scalar(0, like=x)], like=x)
+
+
 @register("Erf")
 def _erf(ctx: RuleContext) -> list[ir.Value | None]:
     x = ctx.inputs[0]
@@ -277,7 +283,7 @@ def _clip(ctx: RuleContext) -> list[ir.Value | None]:
             inside = test if inside is None else ctx.op("And", [inside, test])
         if inside is None:
             return ctx.dy
-        return ctx.op("Where", [inside, ctx.dy, ctx.scalar(0, like=x)], like=x)
+        return dy_where(ctx, inside)
 
     return ctx.wanted_grads(grad)
 
