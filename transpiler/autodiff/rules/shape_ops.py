@@ -22,8 +22,12 @@ def _restore_shape(ctx: RuleContext, dy: ir.Value) -> ir.Value:
 def _transpose(ctx: RuleContext, dy: ir.Value) -> ir.Value:
     x = ctx.inputs[0]
     perm = ctx.node.attributes.get_ints("perm")
+    if perm is not None and list(perm) == sorted(perm):
+        # The identity (dynamo writes Transpose(perm=[0, 1]) after CLIP's pooling gather).
+        return ctx.op("Identity", [dy], like=x)
     gemm = ctx.backward_producer(dy)
     if gemm is not None and gemm.op_type == "Gemm" and len(gemm.inputs) == 2 and ctx.rank(x) == 2:
+        # Only for a swap of the two axes: the identity returned above.
         # (op(A) op(B))^T = op(B)^T op(A)^T: the weight gradient of `x @ Transpose(W)` comes out as
         # dW directly, with no transpose kernel (the trans flags are free in cuBLAS).
         attributes = gemm.attributes
