@@ -111,6 +111,40 @@ def _check_raw_sizes(proto: onnx.ModelProto, path: Path) -> None:
                                  f"needs {want}; the file is truncated or damaged")
 
 
+def _infer(proto: onnx.ModelProto, *, strict: bool) -> onnx.ModelProto:
+    proto = onnx.shape_inference.infer_shapes(proto, check_type=strict, strict_mode=strict, data_prop=True)
+    # Typing one such output lets inference reach the next one: repeat until nothing changes.
+    for _ in range(len(proto.graph.node)):
+        if not _type_like_input(proto):
+            break
+        proto = onnx.shape_inference.infer_shapes(proto, check_type=strict, strict_mode=strict, data_prop=True)
+    return proto
+
+
+# Two batch sizes that no exporter's example batch is likely to be, at which shapes are inferred to
+# tell the dims that follow the batch from fixed ones.
+_PROBE_BATCHES = (5, 7)
+
+
+def _shapes_at(proto: onnx.ModelProto, data_names: list[str], rows: int) -> dict[str, list]:
+    """Every value's dims (None where unknown) with the data inputs' axis 0 set to ``rows``; shape
+    inference as lenient as it goes (a graph baked for another batch fails at some node; the values
+    after it stay unknown). Empty if inference fails outright."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(proto)
+    for vi in probe.graph.input:
+        if vi.name in data_names and vi.type.tensor_type.shape.dim:
+            vi.type.tensor_type.shape.dim[0].dim_value = rows
+    try:
+        probe = _infer(probe, strict=False)
+    except Exception:
+        return {}
+    graph = probe.graph
+    return {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+            for vi in [*graph.input, *graph.value_info, *graph.output]
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+
+
 def _make_batch_symbolic(proto: onnx.ModelProto, data_names: list[str]) -> None:
     # Each rank is fed B/N rows and one device B rows, so the batch axis must not be a constant.
     for vi in proto.graph.input:
@@ -220,13 +254,11 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
     proto = _upgrade(proto, path)
     _make_batch_symbolic(proto, data_names)
     _fold_integer_constants(proto)
+    # Every value's dims at two batch sizes, before the symbolic inference below fills value_info:
+    # the dims that follow the batch where the symbol is lost (transpiler/batch_constants.py).
+    runs = {rows: _shapes_at(proto, data_names, rows) for rows in _PROBE_BATCHES}
     try:
-        proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
-        # Typing one such output lets inference reach the next one: repeat until nothing changes.
-        for _ in range(len(proto.graph.node)):
-            if not _type_like_input(proto):
-                break
-            proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+        proto = _infer(proto, strict=True)
     except Exception as exc:
         raise TranspileError(f"{path}: shape inference failed ({_one_line(exc)})") from None
     attach_weights(proto, weights, stand_ins)
@@ -277,7 +309,7 @@ def load_problem(path: str | Path, *, loss: str | None = None, freeze: str | Non
         raise UnsupportedOpsError(exc.nodes, where=str(path)) from None
     # An exporter rewrite that cannot be warned about and trained anyway: a size taken from the
     # example batch (transpiler/batch_constants.py). Read, like the warnings below, on the graph as exported.
-    baked = baked_batch_size(model.graph, BATCH_DIM)
+    baked = baked_batch_size(model.graph, BATCH_DIM, runs)
     if baked is not None:
         raise TranspileError(f"{path}: {baked}")
 
