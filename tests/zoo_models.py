@@ -31,6 +31,9 @@ class ZooModel:
     freeze: str | None = None
     sync_bn: bool = False  # BatchNorm: N ranks equal one device (and PyTorch) only with --sync-bn
     transformers: bool = False  # built from a Hugging Face transformers config
+    # Tensors the rules freeze that PyTorch trains (a 0-d parameter such as CLIP's logit_scale,
+    # frozen as `scalar`): trained with --train, as a user would.
+    train: str | None = None
 
 
 def _tokens(rows: int, seed: int = 0, low: int = 0) -> np.ndarray:
@@ -203,6 +206,158 @@ def make_swin() -> nn.Module:
             if name.endswith("relative_position_bias_table"):
                 parameter.normal_(0.0, 0.02)
     return _ImageClassification(model)
+
+
+
+def make_electra() -> nn.Module:
+    """ELECTRA's discriminator (replaced-token detection): embeddings of their own width projected to
+    the hidden width, a BERT encoder with a padding mask, and transformers' own loss, BCE-with-logits
+    over the tokens the attention mask keeps (``logits[attention_mask == 1]``: boolean-mask indexing)."""
+    from transformers import ElectraConfig, ElectraForPreTraining
+
+    torch.manual_seed(0)
+    config = ElectraConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=64, max_position_embeddings=16,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    return _ElectraDiscriminator(ElectraForPreTraining(config))
+
+
+class _ElectraDiscriminator(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+
+def electra_data(rows: int) -> dict[str, np.ndarray]:
+    # Two masked-out places per row, so every rank keeps as many tokens and the mean over a rank's
+    # tokens averages to the global batch's (as masked_tokens_data). The token ids avoid the
+    # padding token 0 (padding_idx, as BERT's); 0/1 labels mark the "replaced" tokens.
+    rng = np.random.default_rng(0)
+    mask = np.ones((rows, SEQ), dtype=np.int64)
+    for row in mask:
+        row[rng.choice(SEQ, size=2, replace=False)] = 0
+    return {"input_ids": _tokens(rows, low=1), "attention_mask": mask,
+            "labels": rng.integers(0, 2, size=(rows, SEQ), dtype=np.int64)}
+
+
+CLIP_GROUP = 3  # image-text pairs contrasted with each other in one data row
+
+
+class _CLIPGroups(nn.Module):
+    """CLIP: a ViT image tower and a causal text tower pooled at each text's end token (an index
+    gather), both projected, L2-normalized and compared by cosine logits scaled by the learned
+    ``logit_scale.exp()``; the loss is CLIP's symmetric contrastive cross-entropy.
+
+    transformers' own loss contrasts every image with every text of the batch
+    (``arange(len(logits))`` labels): a loss over the whole batch, so N ranks would each contrast
+    their own rows only. Here a data row holds a group of CLIP_GROUP pairs, contrasted with each
+    other exactly as transformers' ``image_text_contrastive_loss`` does with a batch, and the loss is
+    the mean over the groups: N ranks then compute what one device does. test_zoo.py checks that the
+    model's own loss is refused at transpile time in one line."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        groups, size = input_ids.shape[0], input_ids.shape[1]
+        out = self.model(input_ids=input_ids.flatten(0, 1), pixel_values=pixel_values.flatten(0, 1))
+        text = out.text_embeds.reshape(groups, size, -1)  # normalized, as for transformers' logits
+        image = out.image_embeds.reshape(groups, size, -1)
+        logits = torch.matmul(text, image.transpose(1, 2)) * self.model.logit_scale.exp()  # [G, K, K] per text
+        labels = torch.arange(size).expand(groups, size).reshape(-1)
+        caption = F.cross_entropy(logits.reshape(groups * size, size), labels)
+        image_loss = F.cross_entropy(logits.transpose(1, 2).reshape(groups * size, size), labels)
+        return (caption + image_loss) / 2.0
+
+
+class _CLIPOwnLoss(nn.Module):
+    """CLIPModel(return_loss=True): transformers' contrastive loss over the whole batch."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, pixel_values=pixel_values, return_loss=True).loss
+
+
+def _clip_model() -> nn.Module:
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=SEQ, eos_token_id=VOCAB - 1, pad_token_id=1, bos_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE,
+                  patch_size=4, num_channels=3)
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=16, attn_implementation="eager")
+    return CLIPModel(config)
+
+
+def make_clip() -> nn.Module:
+    return _CLIPGroups(_clip_model())
+
+
+def make_clip_own_loss() -> nn.Module:
+    return _CLIPOwnLoss(_clip_model())
+
+
+def _clip_texts(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    # Tokens 2..VOCAB-2; each text ends at its end token (VOCAB - 1) somewhere in its second half,
+    # padding (1) after it: the text tower pools the hidden state at the first end token.
+    texts = rng.integers(2, VOCAB - 1, size=(*shape, SEQ), dtype=np.int64)
+    flat = texts.reshape(-1, SEQ)
+    for row, end in zip(flat, rng.integers(SEQ // 2, SEQ, size=len(flat))):
+        row[end] = VOCAB - 1
+        row[end + 1:] = 1
+    return texts
+
+
+def clip_data(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"pixel_values": rng.standard_normal((rows, CLIP_GROUP, 3, IMAGE, IMAGE), dtype=np.float32),
+            "input_ids": _clip_texts((rows, CLIP_GROUP), rng)}
+
+
+def clip_own_loss_data(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"pixel_values": rng.standard_normal((rows, 3, IMAGE, IMAGE), dtype=np.float32),
+            "input_ids": _clip_texts((rows,), rng)}
+
+
+def make_whisper_seq2seq() -> nn.Module:
+    """The full Whisper: the encoder (Conv1d stem, sinusoidal positions that PyTorch does not train)
+    and a decoder with learned positions, causal self-attention and cross-attention over the
+    encoder's output, its head tied to the decoder's token embedding; transformers' own loss, the
+    labels shifted right behind the decoder start token."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                           decoder_ffn_dim=64, max_source_positions=8, max_target_positions=16, pad_token_id=1,
+                           bos_token_id=0, eos_token_id=0, decoder_start_token_id=0, dropout=0.0,
+                           attention_dropout=0.0, activation_dropout=0.0, attn_implementation="eager")
+    return _Whisper(WhisperForConditionalGeneration(config))
+
+
+class _Whisper(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_features=input_features, labels=labels).loss
+
+
+def whisper_seq2seq_data(rows: int) -> dict[str, np.ndarray]:
+    # The decoder's token embedding has padding_idx=1 (pad_token_id): kept out of the labels.
+    rng = np.random.default_rng(0)
+    return {"input_features": rng.standard_normal((rows, 8, 16), dtype=np.float32),
+            "labels": _tokens(rows, 1, low=2)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,4 +812,8 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("lstm_lm", make_lstm_lm, lambda rows: {"input_ids": _tokens(rows)}),
     ZooModel("gru_classifier", make_gru_classifier, sequence_data),
     ZooModel("swin", make_swin, _images, transformers=True),
+    ZooModel("electra", make_electra, electra_data, transformers=True),
+    ZooModel("clip", make_clip, clip_data, train=r"logit_scale", transformers=True),
+    ZooModel("whisper", make_whisper_seq2seq, whisper_seq2seq_data, freeze=r"encoder\.embed_positions",
+             transformers=True),
 ]}
