@@ -10,6 +10,7 @@ so a bad or foreign plan fails at load with one line naming the file and the fie
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,13 +73,33 @@ class DataInput:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Elements ``[at, at + stop - start)`` of a flat state value are elements ``[start, stop)`` of
+    the state ``of`` of the single-device graphs (``graphs.single.state``), flattened in C order."""
+
+    of: str
+    start: int
+    stop: int
+    at: int
+
+
+@dataclass(frozen=True)
 class StateEntry:
-    """One state value carried between steps: fed as ``input``, read back from ``output``."""
+    """One state value carried between steps: fed as ``input``, read back from ``output``.
+
+    ``shape`` and ``dtype`` are absent (None) in plans written before they were recorded. ``pieces``
+    None: the value is the whole state of the single-device graphs named ``input`` (replicated or
+    kept on one rank); a tuple (``zero``'s slices): a flat vector holding those pieces of whole
+    states, zero elsewhere (padding). Together they let a checkpoint be read back by name, whole,
+    whatever the world size and strategy that wrote it (runtime/reshard.py)."""
 
     input: str
     output: str
     kind: str
     param: str | None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    pieces: tuple[Piece, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -303,6 +324,7 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
             ranks_raw[i] = {**ranks_raw[same], "rank": i}
             continue
         ranks.append(_graph_files(entry, r, where, accumulation))
+    _check_pieces(single, ranks, r)
 
     return Plan(
         path=path,
@@ -408,6 +430,37 @@ def _parameter(p: Any, r: _Reader, where: str, world_size: int) -> Parameter:
     )
 
 
+def _pieces(raw: list | None, shape: list | None, r: _Reader, where: str) -> tuple[Piece, ...] | None:
+    if raw is None:
+        return None
+    if shape is None or len(shape) != 1:
+        raise r.fail(f"{where}.pieces", f"needs a flat (1-d) 'shape' on its entry, got {shape!r}")
+    pieces = []
+    for i, p in enumerate(raw):
+        pw = f"{where}.pieces[{i}]"
+        if not isinstance(p, dict):
+            raise r.fail(pw, "must be an object")
+        start, stop, at = (r.get(p, key, int, pw) for key in ("start", "stop", "at"))
+        if not (0 <= start < stop and 0 <= at and at + stop - start <= shape[0]):
+            raise r.fail(pw, f"needs 0 <= start < stop and at + stop - start <= {shape[0]}, got start {start}, "
+                             f"stop {stop}, at {at}")
+        pieces.append(Piece(r.get(p, "of", str, pw), start, stop, at))
+    return tuple(pieces)
+
+
+def _check_pieces(single: GraphFiles, ranks: list[GraphFiles], r: _Reader) -> None:
+    """Every piece names a state of the single-device graphs and lies inside it (where its shape is known)."""
+    sizes = {s.input: None if s.shape is None else math.prod(s.shape) for s in single.state}
+    for i, files in enumerate(ranks):
+        for j, s in enumerate(files.state):
+            for k, p in enumerate(s.pieces or ()):
+                where = f"graphs.ranks[{i}].state[{j}].pieces[{k}]"
+                if p.of not in sizes:
+                    raise r.fail(f"{where}.of", f"is {p.of!r}, not a state of graphs.single")
+                if sizes[p.of] is not None and p.stop > sizes[p.of]:
+                    raise r.fail(f"{where}.stop", f"is {p.stop}, beyond the {sizes[p.of]} elements of {p.of!r}")
+
+
 def _graph_files(g: dict, r: _Reader, where: str, accumulation: int) -> GraphFiles:
     files = {}
     for key in ("step", "init", *(("accum",) if accumulation > 1 else ())):
@@ -423,8 +476,13 @@ def _graph_files(g: dict, r: _Reader, where: str, accumulation: int) -> GraphFil
         # Kinds "param" and "buffer" mean something to the runtime (--export writes them back); the
         # others (optimizer, step) are carried opaquely, so new kinds need no change here.
         kind = r.get(s, "kind", str, sw)
+        shape = r.get(s, "shape", list, sw, optional=True)
+        if shape is not None and any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise r.fail(f"{sw}.shape", f"must list non-negative integers, got {shape!r}")
         state.append(StateEntry(r.get(s, "input", str, sw), r.get(s, "output", str, sw), kind,
-                                r.get(s, "param", str, sw, optional=True)))
+                                r.get(s, "param", str, sw, optional=True),
+                                None if shape is None else tuple(shape), r.get(s, "dtype", str, sw, optional=True),
+                                _pieces(r.get(s, "pieces", list, sw, optional=True), shape, r, sw)))
     accumulators = []
     for i, a in enumerate(r.get(g, "accumulators", list, where) if accumulation > 1 else []):
         aw = f"{where}.accumulators[{i}]"

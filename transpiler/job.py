@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from contract.plan import Piece
 from transpiler.bucketing import Bucket
 from transpiler.errors import TranspileError
 from transpiler.lazy_weights import inline_weights
@@ -115,13 +116,20 @@ class StateEntry:
     param: str | None  # the parameter or buffer it belongs to (None: the step counter, zero's slices)
     shape: tuple[int, ...] = ()
     dtype: ir.DataType = ir.DataType.FLOAT
+    # zero's slices: which elements of which single-device state this flat value holds
+    # (contract.plan.Piece; None: it is the whole state named ``input``).
+    pieces: list[Piece] | None = None
 
     @property
     def bytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.bitwidth // 8
 
     def to_json(self) -> dict:
-        return {"input": self.input, "output": self.output, "kind": self.kind, "param": self.param}
+        entry = {"input": self.input, "output": self.output, "kind": self.kind, "param": self.param,
+                 "shape": [int(d) for d in self.shape], "dtype": self.dtype.numpy().name}
+        if self.pieces is not None:
+            entry["pieces"] = [{"of": p.of, "start": p.start, "stop": p.stop, "at": p.at} for p in self.pieces]
+        return entry
 
 
 @dataclass

@@ -188,8 +188,7 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         entry["updates"] = list(g.updates)
         if g.accum is not None:
             entry["accum"] = names["accum"]
-            entry["accumulators"] = [{**a.to_json(), "shape": list(a.shape), "dtype": a.dtype.numpy().name}
-                                     for a in g.accumulators]
+            entry["accumulators"] = [a.to_json() for a in g.accumulators]
         return entry
 
     return {

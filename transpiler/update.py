@@ -35,7 +35,7 @@ def emit_param_update(step: RankStep, name: str, grad: ir.Value, param: ir.Value
     param = step.params[name] if param is None else param
     slots = {}
     for slot in step.config.slots():
-        slots[slot] = ir.val(f"{name}.{slot}", param.dtype, ir.Shape(param.shape))
+        slots[slot] = ir.val(slot_state(name, slot), param.dtype, ir.Shape(param.shape))
         graph.inputs.append(slots[slot])
     new_param, new_slots = emit_fused_update(
         step.model, step.config, param=param, grad=grad, lr=step.lr, step=step.step_counter, state=slots, name=name
@@ -46,6 +46,12 @@ def emit_param_update(step: RankStep, name: str, grad: ir.Value, param: ir.Value
     for slot, value in slots.items():
         step.add_state(value, new_slots[slot], "optimizer", owner)
     return new_param
+
+
+def slot_state(name: str, slot: str) -> str:
+    """The state input of optimizer slot ``slot`` of the tensor ``name`` (a parameter, or a zero
+    slice): plan.json's pieces name a zero slice's elements by the parameters' slot states."""
+    return f"{name}.{slot}"
 
 
 def emit_bucket_update(step: RankStep, bucket: Bucket, grads: list[ir.Value]) -> list[ir.Value]:

@@ -15,11 +15,12 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.tape import Tape
 
+from contract.plan import Piece
 from transpiler.collectives import append_collective
 from transpiler.errors import TranspileError
 from transpiler.names import NEXT
 from transpiler.strategies.base import Strategy
-from transpiler.update import emit_param_update, flatten
+from transpiler.update import emit_param_update, flatten, slot_state
 
 
 class Zero(Strategy):
@@ -53,7 +54,10 @@ class Zero(Strategy):
         param_slice = tape.op("Slice", [flat, const(np.array([start], np.int64)),
                                         const(np.array([start + per_rank], np.int64))])
         param_slice.dtype, param_slice.shape = dtype, ir.Shape([per_rank])
-        return [emit_param_update(step, f"bucket{bucket.id}.slice", grad_slice, param=param_slice)]
+        name = f"bucket{bucket.id}.slice"
+        new_value = emit_param_update(step, name, grad_slice, param=param_slice)
+        _record_pieces(step, name, bucket.params, sizes, start, per_rank)
+        return [new_value]
 
     def publish(self, step, bucket, new_values):
         """AllGather the slices: its outputs are the new parameters."""
@@ -74,6 +78,22 @@ class Zero(Strategy):
     def updates_per_param(self, world):
         # Each parameter's elements are updated by the ranks whose slices cover them.
         return 1, world
+
+
+def _record_pieces(step, name: str, params: list[str], sizes: list[int], start: int, per_rank: int) -> None:
+    """Which elements of which parameter's optimizer state each slot state of this rank's slice
+    holds (plan.json's ``pieces``): what lets a checkpoint be read back by parameter, whole, and
+    resumed on another world size or strategy (runtime/reshard.py)."""
+    spans, offset = [], 0
+    for param, size in zip(params, sizes):
+        lo, hi = max(offset, start), min(offset + size, start + per_rank)
+        if lo < hi:
+            spans.append((param, lo - offset, hi - offset, lo - start))
+        offset += size
+    slots = {slot_state(name, slot): slot for slot in step.config.slots()}
+    for entry in step.state:
+        if entry.input in slots:
+            entry.pieces = [Piece(slot_state(param, slots[entry.input]), a, b, at) for param, a, b, at in spans]
 
 
 def _layout(step, bucket) -> tuple[list[int], int, int, ir.DataType]:
