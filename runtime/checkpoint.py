@@ -4,12 +4,14 @@
 
     DIR/.lock                       flock'ed by the run that writes DIR: a second run is refused
     DIR/checkpoint-<step>/
-        rank{r}.npz                 rank r's state, keyed by state input name, plus the step it
-                                    belongs to (sharded and zero strategies keep different optimizer
-                                    state on each rank, so every rank writes its own)
+        rank{r}.npz                 rank r's state, keyed by its graph's state input names, plus the
+                                    step it belongs to (sharded and zero strategies keep different
+                                    optimizer state on each rank, so every rank writes its own, in
+                                    parallel)
         meta.json                   the manifest, written last: format, step, the plan's hash and
-                                    world size, batch, shuffle, seed, the learning-rate schedule (lr,
-                                    schedule, steps) and each rank file's size and sha256
+                                    world size, batch, shuffle, seed, the data position (samples),
+                                    the learning-rate schedule (lr, schedule, steps), each rank
+                                    file's size and sha256, and the state by name (tensors, model)
 
 A checkpoint is written into ``DIR/.partial-<step>/`` and published by ONE atomic rename to
 ``DIR/checkpoint-<step>`` once every rank's file and the manifest are on disk; only then are older
@@ -19,11 +21,18 @@ most the checkpoint being written. A ``.partial-<step>`` whose manifest is on di
 (the crash came just before the rename): resume accepts it.
 
 Resuming (``--resume latest`` with ``--checkpoint DIR``, ``--resume DIR`` or ``--resume
-DIR/checkpoint-<step>``) takes the newest complete checkpoint, skips incomplete or corrupt ones
-(a rank file missing, of another size or hash than the manifest says, or from another step) with a
-one-line warning each, and needs the same plan (same transpile), world size, global batch and data
-order, and the same learning-rate schedule unless ``--override-schedule``: the run goes on exactly
-as if it had not stopped. Ranks on several hosts need DIR on a shared file system.
+DIR/checkpoint-<step>``; runtime/resume.py) takes the newest complete checkpoint, skips incomplete
+or corrupt ones (a rank file missing, of another size or hash than the manifest says, or from
+another step) with a one-line warning each, and needs the same data order and learning-rate
+schedule (unless ``--override-schedule``). On the plan that wrote it each rank loads its own file
+as is: the run goes on exactly as if it had not stopped. Any other plan of the same model (another
+world size, strategy, --gpus count) reads it by name, whole, and cuts its own share
+(runtime/reshard.py): the manifest's ``tensors`` says where every parameter, buffer and optimizer
+slot lies in the rank files, its ``model`` what must match (parameters, optimizer, precision;
+anything else is refused in one line). The data position is kept in samples: a run resumed with
+another global batch reads on from position ``samples`` of the same data stream, and its step
+counter and schedule go on from the checkpoint's step (docs/reliability.md). Ranks on several
+hosts need DIR on a shared file system.
 """
 
 from __future__ import annotations
@@ -36,7 +45,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +56,9 @@ from runtime.errors import AgreedError, PeerFailed, RunError, os_error_text
 from runtime.plan import Plan
 
 FORMAT = "graph-transpiler/checkpoint"
-FORMAT_VERSION = 2
+# 3: the manifest records the data position (samples), the state by name (tensors) and the model
+# it belongs to (runtime/reshard.py), so another plan (world size, strategy) can resume it.
+FORMAT_VERSION = 3
 PREFIX = "checkpoint-"
 PARTIAL = ".partial-"
 REPLACED = ".replaced-"
@@ -70,9 +80,20 @@ class Meta:
     schedule: dict | None = None
     steps: int | None = None
     files: dict = field(default_factory=dict)  # "rank{r}.npz" -> {"bytes": n, "sha256": hex}
+    # Format 3 (None in older checkpoints): the data positions consumed (the samples read so far:
+    # step * batch unless a resume changed the batch), and runtime/reshard.py's index of the state
+    # by name and summary of the model.
+    samples: int | None = None
+    tensors: dict | None = None
+    model: dict | None = None
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **self.__dict__}
+
+
+def rank_file(rank: int) -> str:
+    """The file of rank ``rank``'s state in a checkpoint directory."""
+    return f"rank{rank}.npz"
 
 
 def plan_hash(plan: Plan) -> str:
@@ -84,7 +105,13 @@ def plan_hash(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
-def _same_plan(meta: Meta, plan: Plan) -> bool:
+def samples_done(meta: Meta) -> int:
+    """The data positions a checkpoint's run consumed: where the data stream goes on."""
+    return meta.samples if meta.samples is not None else meta.step * meta.batch
+
+
+def same_plan(meta: Meta, plan: Plan) -> bool:
+    """Whether ``plan`` wrote the checkpoint: then each rank resumes from its own file, as is."""
     # Checkpoints saved before plan_hash left the path out hold the hash of plan.json's bytes.
     return meta.world_size == plan.world_size and meta.plan_sha256 in (
         plan_hash(plan), hashlib.sha256(plan.path.read_bytes()).hexdigest())
@@ -189,7 +216,7 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
         except OSError as exc:
             error = f"checkpoint {partial}: {os_error_text(exc)}; {kept}"
     agree(comm, error)
-    mine = partial / f"rank{rank}.npz"
+    mine = partial / rank_file(rank)
     try:
         with open(mine, "wb") as f:
             np.savez(f, **state, **{STEP_KEY: np.array(step, dtype=np.int64)})
@@ -209,7 +236,7 @@ def save(directory: Path, state: dict[str, np.ndarray], meta: Meta, *, rank: int
         try:
             files = {}
             for r in range(comm.size):
-                path = partial / f"rank{r}.npz"
+                path = partial / rank_file(r)
                 files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
             manifest = Meta(**{**meta.__dict__, "files": files})
             tmp = partial / "meta.json.tmp"
@@ -279,13 +306,20 @@ def _parse_meta(directory: Path) -> Meta:
             raise RunError(f"{path}: '{key}' is {value!r}, expected {'a non-negative integer' if kind is int else kind.__name__}")
     if not isinstance(meta.files, dict):
         raise RunError(f"{path}: 'files' is not a mapping")
+    if meta.samples is not None and (type(meta.samples) is not int or meta.samples < 0):
+        raise RunError(f"{path}: 'samples' is {meta.samples!r}, expected a non-negative integer")
+    for key in ("tensors", "model"):
+        value = getattr(meta, key)
+        if value is not None and not (isinstance(value, dict) and all(isinstance(v, (dict, list, str)) or v is None
+                                                                     for v in value.values())):
+            raise RunError(f"{path}: '{key}' is not a mapping")
     return meta
 
 
-def _check_files(directory: Path, meta: Meta) -> None:
+def check_files(directory: Path, meta: Meta) -> None:
     """Every rank file is there, with the size and hash the manifest records."""
     for rank in range(meta.world_size):
-        path = directory / f"rank{rank}.npz"
+        path = directory / rank_file(rank)
         if not path.is_file():
             raise RunError(f"{path} is missing")
         want = meta.files.get(path.name)
@@ -298,7 +332,7 @@ def _check_files(directory: Path, meta: Meta) -> None:
                            "checkpoint, or damaged)")
 
 
-def _candidates(path: Path) -> list[Path]:
+def candidates(path: Path) -> list[Path]:
     """Checkpoint directories to try, newest first: PATH itself if it is one, else the store's."""
     if (path / "meta.json").is_file():
         return [path]
@@ -308,75 +342,13 @@ def _candidates(path: Path) -> list[Path]:
     return [p for _, _, p in sorted(found, reverse=True)]
 
 
-def find_resume(path: Path, plan: Plan, *, batch: int, shuffle: bool, seed: int, schedule: tuple | None,
-                warn=None, check_data_order: bool = True, option: str = "--resume") -> tuple[Path, Meta]:
-    """The checkpoint to resume from: PATH if it is one, else the newest complete one of the store
-    PATH (incomplete or corrupt ones are skipped with a warning each). ``schedule`` is (lr,
-    schedule dict, steps) of this run, checked against the checkpoint's (None: not checked)."""
-    warn = warn or (lambda line: print(f"transpile: warning: {line}", file=sys.stderr, flush=True))
-    candidates = _candidates(path)
-    if not candidates:
-        raise RunError(f"{option} {path}: not a checkpoint (no meta.json) and no complete {PREFIX}<step>/ in it")
-    skipped: list[tuple[Path, str]] = []
-    for directory in candidates:
-        try:
-            meta = _parse_meta(directory)
-            _check_files(directory, meta)
-        except (RunError, OSError) as exc:
-            reason = str(exc) if isinstance(exc, RunError) else f"{exc.filename or directory}: {os_error_text(exc)}"
-            skipped.append((directory, reason))
-            continue
-        if check_data_order:
-            _check_compatible(directory, meta, plan, batch=batch, shuffle=shuffle, seed=seed, schedule=schedule)
-        elif not _same_plan(meta, plan):
-            raise RunError(f"{directory}: the checkpoint was written for another plan than {plan.path}")
-        for other, reason in skipped:
-            if not other.name.startswith(PARTIAL):  # an unfinished save is expected after a crash
-                warn(f"{option}: skipped {other}, incomplete or damaged: {reason}")
-        return directory, meta
-    newest = next((reason for other, reason in skipped if not other.name.startswith(PARTIAL)), skipped[0][1])
-    if len(candidates) == 1:
-        raise RunError(f"{option} {newest}")
-    raise RunError(f"{option} {path}: no complete checkpoint among {len(candidates)} (the newest: {newest})")
-
-
-def _check_compatible(directory: Path, meta: Meta, plan: Plan, *, batch: int, shuffle: bool, seed: int,
-                      schedule: tuple | None) -> None:
-    if not _same_plan(meta, plan):
-        raise RunError(f"--resume {directory}: the checkpoint was written for another plan than {plan.path}"
-                       " (transpile again with the same model and options, or start without --resume)")
-    if (meta.batch, meta.shuffle, meta.seed if meta.shuffle else 0) != (batch, shuffle, seed if shuffle else 0):
-        def order(b: int, shuffled: bool, s: int) -> str:
-            return f"--batch {b}" + (f" --shuffle --seed {s}" if shuffled else " without --shuffle")
-
-        raise RunError(f"--resume {directory}: the checkpoint was written with {order(meta.batch, meta.shuffle, meta.seed)}, "
-                       f"this run has {order(batch, shuffle, seed)}; resume with the same data order")
-    if schedule is None or meta.lr is None:
-        return
-    lr, sched, steps = schedule
-    differs = []
-    if meta.lr != lr:
-        differs.append(f"--lr {meta.lr:g} (this run: {lr:g})")
-    theirs = meta.schedule or {}
-    for key, value in sched.items():
-        if key in theirs and theirs[key] != value:
-            option = {"kind": "--lr-schedule", "warmup_steps": "--warmup-steps", "min_lr": "--min-lr",
-                      "step_size": "--lr-step-size", "gamma": "--lr-gamma"}.get(key, key)
-            differs.append(f"{option} {theirs[key]} (this run: {value})")
-    if sched.get("kind") in ("cosine", "linear") and meta.steps is not None and meta.steps != steps:
-        differs.append(f"a {sched['kind']} schedule over --steps {meta.steps} (this run: {steps})")
-    if differs:
-        raise RunError(f"--resume {directory}: the checkpoint was written with {'; '.join(differs)}; resume with the "
-                       "same learning-rate schedule, or pass --override-schedule to use this run's")
-
-
 def read_meta(directory: Path) -> Meta:
     """The manifest of a checkpoint directory (the one ``find_resume`` chose)."""
     return _parse_meta(directory)
 
 
 def load(directory: Path, rank: int, step: int | None = None) -> dict[str, np.ndarray]:
-    path = directory / f"rank{rank}.npz"
+    path = directory / rank_file(rank)
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from runtime import checkpoint, options_file
+from runtime import resume as resumption
 from runtime.collectives import LocalGroup
 from runtime.config import DEFAULT_TIMEOUT_S, RunConfig, check_timeout, output_file, parse_ep_options
 from runtime.data import Dataset, check_ids, id_bounds, shard_size
@@ -80,7 +81,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="complete checkpoints kept in DIR, newest first (default 2)")
     parser.add_argument("--resume", metavar="latest|DIR",
                         help="continue up to --steps from the newest complete checkpoint of --checkpoint DIR ('latest'), "
-                             "of a store DIR, or from DIR/checkpoint-<step> (same plan, batch, data order, lr schedule)")
+                             "of a store DIR, or from DIR/checkpoint-<step>, written by any plan of this model "
+                             "(any --gpus or --strategy); same data order and lr schedule")
     parser.add_argument("--override-schedule", action="store_true",
                         help="--resume with this run's --lr and schedule options instead of refusing ones that differ")
     parser.add_argument("--timings", metavar="FILE.json",
@@ -174,9 +176,17 @@ def resolve(args: argparse.Namespace, dataset: Dataset | None = None) -> tuple[P
             where = ckpt
         else:
             where = Path(args.resume).resolve()
-        resume, meta = checkpoint.find_resume(
-            where, plan, batch=args.batch, shuffle=args.shuffle, seed=args.seed,
-            schedule=None if args.override_schedule else (lr, dataclasses.asdict(schedule), steps))
+        resume, meta = resumption.find_resume(where, plan, shuffle=args.shuffle, seed=args.seed)
+        samples = checkpoint.samples_done(meta)
+        if args.epochs is not None:  # the steps done, then the rows still to read at this run's batch
+            steps = dataset.steps_for_epochs(args.epochs, args.batch, start=meta.step, samples=samples)
+            schedule.validate(steps)
+        if not args.override_schedule:
+            resumption.check_schedule(resume, meta, (lr, dataclasses.asdict(schedule), steps))
+        if meta.batch != args.batch:  # the rule of docs/reliability.md: the samples read are kept
+            print(f"transpile: warning: --resume {resume}: written with --batch {meta.batch}, this run has --batch "
+                  f"{args.batch}: steps {meta.step + 1}.. read {args.batch} samples each from sample {samples} of the "
+                  "data stream (where the checkpoint stopped)", file=sys.stderr, flush=True)
         if meta.step > steps or (meta.step == steps and export is None):
             raise RunError(f"--resume {args.resume}: the checkpoint is at step {meta.step}, nothing to do for --steps {steps}"
                            + ("" if meta.step > steps else " (add --export FILE to write its trained model)"))

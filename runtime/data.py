@@ -68,11 +68,15 @@ class Dataset:
         """A .npz, a directory of NAME.npy files or Parquet (runtime/data_sources.py picks)."""
         return cls(open_source(path), inputs, str(path))
 
-    def steps_for_epochs(self, epochs: float, batch: int) -> int:
-        """Steps that read every row ``epochs`` times (the last batch may run into the next epoch)."""
+    def steps_for_epochs(self, epochs: float, batch: int, *, start: int = 0, samples: int = 0) -> int:
+        """Steps that read every row ``epochs`` times (the last batch may run into the next epoch).
+        Resumed at step ``start`` having read ``samples`` positions: those steps plus the batches
+        still to read (the same count as a fresh run's when the batch did not change)."""
         if not 0 < epochs < float("inf"):
             raise RunError(f"--epochs must be a positive finite number, got {epochs:g}")
-        return max(1, math.ceil(epochs * self.rows / batch))
+        if start == 0 and samples == 0:
+            return max(1, math.ceil(epochs * self.rows / batch))
+        return start + max(0, math.ceil((epochs * self.rows - samples) / batch))
 
     def positions_to_rows(self, positions: np.ndarray, *, shuffle: bool, seed: int) -> np.ndarray:
         rows = positions % self.rows
@@ -86,8 +90,15 @@ class Dataset:
 
     def shard(self, step: int, *, batch: int, rank: int, world_size: int, shuffle: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
         """Rank ``rank``'s shard of global batch ``step`` (0-based), one array per data input."""
+        return self.shard_at(step * batch, batch=batch, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed)
+
+    def shard_at(self, position: int, *, batch: int, rank: int, world_size: int, shuffle: bool = False,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+        """Rank ``rank``'s shard of the global batch of positions [position, position + batch): a
+        run resumed with another global batch goes on from the position its checkpoint reached
+        (runtime/checkpoint.py), not from ``step * batch``."""
         per_rank = shard_size(batch, world_size)
-        start = step * batch + rank * per_rank
+        start = position + rank * per_rank
         rows = self.positions_to_rows(np.arange(start, start + per_rank, dtype=np.int64), shuffle=shuffle, seed=seed)
         return self.take(rows)
 

@@ -1,6 +1,8 @@
 """``transpile export OUT --checkpoint DIR|latest -o TRAINED.onnx``: the user's model with the
-trained values of a checkpoint (docs/reliability.md). Rank 0's file holds every parameter and
-buffer (they are replicated on every rank, whatever the strategy: what ``--export`` writes too).
+trained values of a checkpoint of any world size and strategy of the same model (docs/reliability.md).
+Rank 0's file holds every parameter and buffer (they are replicated on every rank, whatever the
+strategy: what ``--export`` writes too); a checkpoint of another plan is read by name
+(runtime/reshard.py).
 ``--outputs NAMES``: only the forward up to those values, for inference (runtime/inference.py)."""
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from runtime.errors import RunError
 from runtime.export import export_model
 from runtime.inference import check_outputs, parse_outputs
 from runtime.plan import load_plan
+from runtime.reshard import Tensors
+from runtime.resume import find_resume
 from runtime.segments import load_graph
 
 
@@ -48,18 +52,22 @@ def export_checkpoint(out: str | Path, checkpoint_dir: str | Path, output: str |
     forward up to those values) to ``output``; returns the checkpoint directory and its step."""
     plan = load_plan(out)
     where = Path(checkpoint_dir).resolve()
-    directory, meta = checkpoint.find_resume(where, plan, batch=0, shuffle=False, seed=0, schedule=None,
-                                             check_data_order=False, option="--checkpoint")
+    directory, meta = find_resume(where, plan, shuffle=False, seed=0, export=True, option="--checkpoint")
     if not plan.model.is_file():
         raise RunError(f"{plan.model} (the user's model in OUT) is missing")
     if outputs:  # checked before the checkpoint is read
         check_outputs(load_graph(plan.model), outputs, str(plan.model))
-    state = checkpoint.load(directory, 0, meta.step)
-    entries = plan.graphs(0).state
-    missing = [s.input for s in entries if s.kind in EXPORTED_KINDS and s.input not in state]
-    if missing:
-        raise RunError(f"{directory}/rank0.npz: lacks {', '.join(missing[:3])} that the plan names")
-    parameters = {s.param or s.input: np.asarray(state[s.input]) for s in entries if s.kind in EXPORTED_KINDS}
+    if checkpoint.same_plan(meta, plan):
+        state = checkpoint.load(directory, 0, meta.step)
+        entries = plan.graphs(0).state
+        missing = [s.input for s in entries if s.kind in EXPORTED_KINDS and s.input not in state]
+        if missing:
+            raise RunError(f"{directory}/rank0.npz: lacks {', '.join(missing[:3])} that the plan names")
+        parameters = {s.param or s.input: np.asarray(state[s.input]) for s in entries if s.kind in EXPORTED_KINDS}
+    else:  # written by another world size or strategy: its parameters by name (runtime/reshard.py)
+        with Tensors(directory, meta, option="--checkpoint") as tensors:
+            parameters = {s.param or s.input: np.asarray(tensors.read(s.input)) for s in plan.single.state
+                          if s.kind in EXPORTED_KINDS}
     bad = next((name for name, a in parameters.items() if a.dtype.kind == "f" and not np.isfinite(a).all()), None)
     if bad is not None:
         raise RunError(f"{directory}: '{bad}' holds non-finite values; not exported")

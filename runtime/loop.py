@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime import checkpoint
+from runtime import checkpoint, reshard
 from runtime.collectives import Communicator
 from runtime.config import RunConfig
 from runtime.data import Dataset
@@ -39,26 +39,25 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
     ``log`` takes rank 0's plain lines (runtime/progress.py). ``evaluator`` (--eval-data) runs every
     ``config.eval_every`` steps and after the last one; its loss goes into that step's record.
     ``observe`` (rank 0) gets each record and the summary as --metrics writes them (runtime/progress.py)."""
-    rank = trainer.comm.rank
-    start = 0
+    start, samples = 0, 0
     progress(0, "init")
     if config.resume is not None:
-        # Each rank reads its own file; one that cannot (damaged, from another step) must not leave
+        # Each rank reads its state; one that cannot (damaged, from another step) must not leave
         # the others waiting in the first step's collectives for a launcher to kill them: every
         # rank agrees on the outcome first, then all stop with the failing rank's line.
         error = None
         try:
             meta = checkpoint.read_meta(config.resume)
-            state = checkpoint.load(config.resume, rank, meta.step)
+            state, where = _resumed_state(trainer, config.resume, meta)
             # A checkpoint this runtime writes is finite (checked before every save); one that is
             # not (an older version's, a damaged one) is refused here rather than resumed and later
             # called the last good checkpoint.
             bad = _first_non_finite(state)
             if bad is not None:
-                raise RunError(f"--resume {config.resume}/rank{rank}.npz: '{bad}' holds non-finite values; this "
+                raise RunError(f"--resume {where}: '{bad}' holds non-finite values; this "
                                "checkpoint cannot be resumed (resume from an earlier one)")
-            trainer.load_state(state, f"{config.resume}/rank{rank}.npz")
-            start = meta.step
+            trainer.load_state(state, where)
+            start, samples = meta.step, checkpoint.samples_done(meta)
         except RunError as exc:
             error = str(exc)
         checkpoint.agree(trainer.comm, error)
@@ -66,13 +65,26 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         trainer.initialize()
     report = make_report(trainer, dataset, config, log, observe)
     try:
-        return _train(trainer, dataset, config, start, report, progress, evaluator)
+        return _train(trainer, dataset, config, start, samples, report, progress, evaluator)
     finally:
         report.close()
 
 
-def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, report: Report,
+def _resumed_state(trainer: Trainer, directory: Path, meta: checkpoint.Meta) -> tuple[dict[str, np.ndarray], str]:
+    """This rank's state from a checkpoint, and the path to name in errors: its own rank file as
+    is when this plan wrote it (bit for bit the state it saved), else cut from the checkpoint's
+    whole tensors by name (another world size or strategy: runtime/reshard.py)."""
+    rank = trainer.comm.rank
+    if checkpoint.same_plan(meta, trainer.plan):
+        return checkpoint.load(directory, rank, meta.step), str(directory / checkpoint.rank_file(rank))
+    with reshard.Tensors(directory, meta) as tensors:
+        return reshard.rank_state(trainer.plan.graphs(trainer.role).state, tensors.read), str(directory)
+
+
+def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, samples: int, report: Report,
            progress: Callable[[int, str], None], evaluator: Evaluator | None) -> list[float]:
+    """Steps ``start``..``config.steps``; step ``start`` reads the data stream from position
+    ``samples`` (the samples the resumed run had read), each step ``config.batch`` further."""
     rank, world_size = trainer.comm.rank, trainer.comm.size
     losses: list[float] = []
     skipped: list[bool] = []  # --precision fp16: each step's, as the losses
@@ -85,8 +97,8 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
     began = time.perf_counter()
     for step in range(start, config.steps):
         lr = lr_at(step)
-        data = dataset.shard(step, batch=config.batch, rank=rank, world_size=world_size,
-                             shuffle=config.shuffle, seed=config.seed)
+        data = dataset.shard_at(samples + (step - start) * config.batch, batch=config.batch, rank=rank,
+                                world_size=world_size, shuffle=config.shuffle, seed=config.seed)
         trainer.step_async(data, lr)
         done = step + 1
         progress(done, "step")
@@ -130,7 +142,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
             progress(done, "checkpoint")
             state = trainer.state_dict()
             _check_state(state, done, trainer.comm, last_checkpoint)
-            meta = _meta(trainer, config, done)
+            meta = _meta(trainer, config, done, samples + (done - start) * config.batch)
             last_checkpoint = checkpoint.save(config.checkpoint, state, meta, rank=rank, comm=trainer.comm,
                                               keep=config.keep_checkpoints)
             progress(done, "step")
@@ -164,7 +176,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
         # Every rank waits for the export's outcome, so that on failure the final state is kept.
         if trainer.comm.allreduce_scalars([1.0 if error else 0.0], "sum")[0]:
             if config.checkpoint is None and start < config.steps:  # the final state is in no checkpoint
-                last_checkpoint = _rescue(trainer, config, error)
+                last_checkpoint = _rescue(trainer, config, error, samples + (config.steps - start) * config.batch)
             if rank != 0:
                 raise PeerFailed("--export failed")
             raise AgreedError(f"{error}; the trained state is in {last_checkpoint}: export it later with 'transpile export "
@@ -178,7 +190,7 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, re
                       **({"skipped_steps": sum(skipped), "loss_scale": trainer.loss_scale}
                          if trainer.loss_scale is not None else {}),
                       mean_loss=sum(losses) / len(losses) if losses else None,
-                      epoch=round(config.steps * config.batch / dataset.rows, 4),
+                      epoch=round((samples + run * config.batch) / dataset.rows, 4),  # a resume may have changed the batch
                       export=config.export, checkpoint=last_checkpoint if last_checkpoint != config.resume else None,
                       metrics=config.metrics,
                       **({"eval_loss": evaluator.history[-1][1], "eval_step": evaluator.history[-1][0]}
@@ -196,18 +208,21 @@ def _evaluate(evaluator: Evaluator, step: int, progress: Callable[[int, str], No
     return loss, time.perf_counter() - started
 
 
-def _meta(trainer: Trainer, config: RunConfig, step: int) -> checkpoint.Meta:
-    """What a checkpoint of this run at ``step`` records besides the state."""
+def _meta(trainer: Trainer, config: RunConfig, step: int, samples: int) -> checkpoint.Meta:
+    """What a checkpoint of this run at ``step`` records besides the state: ``samples`` is the
+    data position reached; the state's index by name lets another plan resume it (runtime/reshard.py)."""
+    tensors, unmapped = reshard.tensor_index(trainer.plan, trainer.role)
     return checkpoint.Meta(step=step, plan_sha256=checkpoint.plan_hash(trainer.plan), world_size=trainer.comm.size,
                            batch=config.batch, shuffle=config.shuffle, seed=config.seed, lr=config.lr,
-                           schedule=dataclasses.asdict(config.schedule), steps=config.steps)
+                           schedule=dataclasses.asdict(config.schedule), steps=config.steps, samples=samples,
+                           tensors=tensors, model=reshard.model_summary(trainer.plan, unmapped))
 
 
 RESCUE_PREFIX = "transpile-rescue-"
 _PATH_BYTES = 4096  # the longest rescue path rank 0 can hand to the others
 
 
-def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
+def _rescue(trainer: Trainer, config: RunConfig, error: str | None, samples: int) -> Path:
     """--export failed and no checkpoint holds the final state: save one into a new directory of
     the temporary directory (another file system than the export's, as a rule), for 'transpile
     export'. Rank 0 creates it with mkdtemp: an unpredictable name, created exclusively (never an
@@ -226,7 +241,7 @@ def _rescue(trainer: Trainer, config: RunConfig, error: str | None) -> Path:
             raise PeerFailed("--export failed")
         raise AgreedError(f"{error or f'--export {config.export} failed'}; saving the final state failed too "
                           f"({failure or 'its path is too long'}); the trained state is lost")
-    meta = _meta(trainer, config, config.steps)
+    meta = _meta(trainer, config, config.steps, samples)
     try:
         return checkpoint.save(store, trainer.state_dict(), meta, rank=comm.rank, comm=comm, keep=1)
     except PeerFailed:

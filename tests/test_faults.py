@@ -549,8 +549,11 @@ def test_transpile_export_writes_a_checkpoints_model(job, tmp_path, strategy):
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
     done = cli("export", mine, "--checkpoint", tmp_path / "ck" / "checkpoint-2", "-o", tmp_path / "c.onnx", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    one_error_line(cli("export", out, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "d.onnx", cwd=tmp_path),
-                   "written for another plan")
+    # Another plan of the same model (another strategy and optimizer) reads its parameters by name:
+    # the same file (another model is refused: tests/test_checkpoint_resize.py).
+    done = cli("export", out, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "d.onnx", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "d.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
 
 
 def test_an_invalid_timeout_under_an_outside_launcher_is_one_line(job, tmp_path):
