@@ -29,8 +29,12 @@ from runtime.gpu.program import GpuProgram
 from runtime.gpu.session import OrtCudaSegment, SessionPolicy
 from runtime.segments import NativeGroup
 
-# onnxruntime sessions in a program beyond which they share one arena (make_program).
-MANY_SESSIONS = 8
+# cuBLAS's workspace per handle where the user did not set one: every session's CUDA EP makes its
+# own cuBLAS handle, and on Hopper cuBLAS's default takes 64 MiB for each. One 32 MiB buffer
+# (NVIDIA's size for Hopper) kept the step time of GPT-2-small, rank 0 of 4 in 18 sessions, and
+# 0.56 GiB (35.45 against 35.46 ms); 16 MiB cost 0.55 ms (cuBLAS drops split-K GEMMs). Elsewhere
+# cuBLAS's default is smaller than this, so it is left alone. Read when a handle is made.
+HOPPER_CUBLAS_WORKSPACE = ":32768:1"
 
 
 class GpuBackend(Backend):
@@ -41,6 +45,8 @@ class GpuBackend(Backend):
 
     def __init__(self, device_id: int = 0, *, tf32: bool = False, ep_options: dict[str, str] | None = None):
         self.device = device = GpuDevice(device_id, tf32=tf32)
+        if device.cp.cuda.Device(device_id).compute_capability.startswith("9"):
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", HOPPER_CUBLAS_WORKSPACE)
         self.plan = native.from_environment(device.ort, variables.text(variables.NATIVE_OFF))
         self.native_domains = self.plan.between
         self.late_native_domains = self.plan.between & {FUSED_UPDATE_DOMAIN}
@@ -77,18 +83,18 @@ class GpuBackend(Backend):
 
     def make_program(self, cut, comm):
         program = GpuProgram(cut, self, comm, self.device, debug_sync=self.debug_sync)
-        sessions = [runner for _, runner in program.steps if isinstance(runner, OrtCudaSegment)]
-        if len(sessions) > MANY_SESSIONS:
-            # A program cut into many sessions (native kernels between sessions: ~35 for ResNet-18)
-            # would keep an arena per session, each holding its own intermediates and cuDNN
-            # workspaces: they share one instead (measured on an H200: ResNet-18 8.25 -> 6.53 GiB).
-            # Sessions run one at a time on the compute stream, so the chunks one leaves free another
-            # may use, even where a captured graph replays with them. But then the arena may never be
-            # shrunk (a shrink would free chunks another session's graph still writes), which a
-            # program of one large session needs after its first runs (GPT-2-small: 11.2 against
-            # 15.6 GiB): so only programs of many sessions share.
-            self.policy.share_arena()
-            for runner in sessions:
+        # Every session allocates from one arena (SessionPolicy.share_arena): sessions run one at
+        # a time on the compute stream, so the chunks one leaves free another may use, even where
+        # a captured graph replays with them, and the arena is shrunk after the first runs until
+        # the first capture. Against an arena per session (runs of one H100, rank 0 of a 4-rank
+        # program alone, benchmarks/gpu_memory_steps.py --pretend-world): GPT-2-small in 7
+        # sessions 6.96 -> 4.12 GiB outside CuPy's pool, ResNet-18 in 2 sessions 1.55 -> 1.21,
+        # GPT-2-small in one session 6.46 either way, step times equal. (Before it was shrunk, a
+        # shared arena cost a program of one large session 15.6 against 11.2 GiB, so only programs
+        # of more than 8 sessions shared it.)
+        self.policy.share_arena()
+        for _, runner in program.steps:
+            if isinstance(runner, OrtCudaSegment):
                 runner.shared_arena = True
         return program
 

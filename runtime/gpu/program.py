@@ -93,20 +93,29 @@ class GpuProgram(ProgramBase):
         self.slots: dict[int, _Slots] = {}
         self.copy_in: dict[int, list[str]] = {}
         self.outs: dict[int, list[dict[str, Any]]] = {}
+        self.block_bytes = 0
 
     def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         if self.calls == 1:
             return self._run_first(feeds)
         if self.calls == 2:
-            self._allocate(feeds)
+            # What the first call dropped goes back to the device before the program's own buffers
+            # are allocated, so that those lie in chunks of their own: CuPy's pool gives a chunk
+            # back only once every block carved from it is free, and the first call's blocks were
+            # carved from what the init graph freed (0.93 GiB stayed cached for good on GPT-2-small,
+            # rank 0 of 4; benchmarks/gpu_memory_steps.py).
+            self._release_pool()
+            feeds = self._allocate(feeds)
         elif self.calls == 3:
-            # The first call's outputs that CuPy allocated (the native update's state, 1.8 GiB for
-            # GPT-2-small) were last read by call 2; CuPy's pool keeps freed blocks for reuse, and no
-            # later call allocates, so give them back to the device once, after call 2 is done.
-            self.device.compute.synchronize()
-            self.cp.get_default_memory_pool().free_all_blocks()
+            # The first call's outputs (the state, 1.8 GiB for GPT-2-small) were last read by call
+            # 2; no later call allocates, so give them back once, after call 2 is done.
+            self._release_pool()
         return self._run_bound(feeds, self.calls % 2)
+
+    def _release_pool(self) -> None:
+        self.device.compute.synchronize()
+        self.cp.get_default_memory_pool().free_all_blocks()
 
     def _allow_capture(self) -> None:
         """Whether the sessions may be captured as CUDA graphs, decided at the first call: programs
@@ -155,13 +164,15 @@ class GpuProgram(ProgramBase):
         return {name: env[name] for name in self.cut.outputs}
 
     # -- from the second call on: preallocated, bound once, overlapped -------------------------
-    def _in_place(self, feeds: dict[str, Any], bound_into: dict) -> dict[str, Any]:
-        """Program outputs the fused optimizer update writes over its own inputs (output -> the
-        fed buffer), instead of into the second buffer of a parity pair. Safe where the input is fed
+    def _in_place(self, feeds: dict[str, Any], bound_into: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Program outputs the fused optimizer update writes over its own inputs, instead of into
+        the second buffer of a parity pair. Safe where the input is fed
         (state from the previous call: the buffer the previous call's update wrote), read by no
         item after the update, and the output goes to no collective slot. Then the state lives in
-        one buffer, its pointer never changes, and every later call passes it back in."""
+        one buffer, its pointer never changes, and every later call passes it back in. Returns
+        (output -> its buffer, input -> the same buffer, holding the fed value)."""
         aliased: dict[str, Any] = {}
+        moved: dict[str, Any] = {}
         program_outputs = set(self.cut.outputs)
         for pos, (_, runner) in enumerate(self.steps):
             pairs = runner.in_place_pairs() if hasattr(runner, "in_place_pairs") else {}
@@ -172,11 +183,16 @@ class GpuProgram(ProgramBase):
                     continue
                 value = feeds[src]
                 shape, dtype = self.shapes[out]
-                if tuple(value.shape) == shape and value.dtype == dtype and value.flags.c_contiguous:
-                    aliased[out] = value
-        return aliased
+                if tuple(value.shape) == shape and value.dtype == dtype:
+                    # A buffer of the program's own, not the first call's output it was fed (which
+                    # would pin its chunk of the pool); this call reads the input from it too.
+                    aliased[out] = moved[src] = self.cp.empty(shape, dtype)
+                    moved[src][...] = value
+        return aliased, moved
 
-    def _allocate(self, feeds: dict[str, Any]) -> None:
+    def _allocate(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """The program's buffers and bindings (the module docstring); returns ``feeds`` with the
+        state that the update writes in place moved into the program's own buffers."""
         cp, comm = self.cp, self.comm
         program_outputs = set(self.cut.outputs)
         bound_into: dict[str, tuple[int, str]] = {}  # segment output -> (collective pos, input name)
@@ -200,7 +216,7 @@ class GpuProgram(ProgramBase):
                     bound_into[name] = (pos, name)
                 else:
                     self.copy_in[pos].append(name)
-        aliased = self._in_place(feeds, bound_into)
+        aliased, moved = self._in_place(feeds, bound_into)
         internal = self._internal_buffers(bound_into, aliased)
         for pos, (item, runner) in enumerate(self.steps):
             if runner is None:
@@ -222,6 +238,7 @@ class GpuProgram(ProgramBase):
                 runner.prepare(parity, outs)
                 per_parity.append(outs)
             self.outs[pos] = per_parity
+        return {**feeds, **moved}
 
     def _internal_buffers(self, bound_into: dict, aliased: dict) -> dict[str, Any]:
         """A device array for every value passed between this step's items (the module docstring)."""
@@ -242,6 +259,7 @@ class GpuProgram(ProgramBase):
                 shape, dtype = self.shapes[name]
                 lifetimes.append((name, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize, first, last))
         offsets, total = pack_buffers(lifetimes)
+        self.block_bytes = total  # reported by benchmarks/gpu_memory_steps.py
         block = cp.empty(max(total, 1), dtype=np.uint8)
         internal = {}
         for name, nbytes, _, _ in lifetimes:
