@@ -1,7 +1,12 @@
-"""``python -m benchmarks compare|prepare|render``: see benchmarks/__init__.py and docs/benchmarks.md."""
+"""``python -m benchmarks compare|prepare|render|chart``: see benchmarks/__init__.py and docs/benchmarks.md."""
 
 import sys
 
-from benchmarks.compare import main
+if sys.argv[1:2] == ["chart"]:  # step time and efficiency against GPUs (benchmarks/chart.py)
+    from benchmarks.chart import main
+
+    sys.exit(main(sys.argv[2:]))
+
+from benchmarks.compare import main  # noqa: E402
 
 sys.exit(main())
