@@ -364,7 +364,8 @@ def test_resume_with_another_data_order_says_both(transpiled, perceptron, tmp_pa
     assert run_cli(transpiled, data, "--batch", "8", "--checkpoint", ck).returncode == 0
     done = transpile_cli("run", transpiled, "--data", data, "--steps", "3", "--batch", "8", "--shuffle", "--resume", ck,
                          cwd=tmp_path)
-    assert_clean_error(done, "written with --batch 8 without --shuffle", "this run has --batch 8 --shuffle --seed 0")
+    # The batch may change on resume (the data position is kept in samples); the order may not.
+    assert_clean_error(done, "written with no --shuffle", "this run has --shuffle --seed 0")
 
 
 def test_float16_parameters_name_the_file(tmp_path):
