@@ -114,12 +114,25 @@ class Accumulator:
 
 
 @dataclass(frozen=True)
+class Gradient:
+    """The step graph's value ``value`` holds trained parameter ``param``'s local gradient (this
+    rank's share of the batch) as the backward gives it: before any accumulation, cast to the
+    collectives' dtype, collective or update. A runtime that accumulates micro-batches itself
+    (``transpile run --grad-accumulation K`` on a plan transpiled without it) wraps these values."""
+
+    param: str
+    value: str
+
+
+@dataclass(frozen=True)
 class GraphFiles:
     step: Path
     init: Path
     state: tuple[StateEntry, ...]
     accum: Path | None = None  # the graph of the first K-1 micro-batches (grad_accumulation K > 1)
     accumulators: tuple[Accumulator, ...] = ()
+    # Optional (absent in plans written before it: empty): every trained parameter's local gradient.
+    gradients: tuple[Gradient, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -307,7 +320,8 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
     accumulation = r.get(raw, "grad_accumulation", int, "", optional=True) or 1  # absent in older plans
     if accumulation < 1:
         raise r.fail("grad_accumulation", f"is {accumulation}, must be >= 1")
-    single = _graph_files(r.get(graphs, "single", dict, "graphs"), r, "graphs.single", accumulation)
+    trained = [p.name for p in parameters]
+    single = _graph_files(r.get(graphs, "single", dict, "graphs"), r, "graphs.single", accumulation, trained)
     ranks = []
     for i, entry in enumerate(ranks_raw):
         where = f"graphs.ranks[{i}]"
@@ -323,7 +337,7 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
             # Written out in the document as read, so readers of ``raw`` see every rank's entry.
             ranks_raw[i] = {**ranks_raw[same], "rank": i}
             continue
-        ranks.append(_graph_files(entry, r, where, accumulation))
+        ranks.append(_graph_files(entry, r, where, accumulation, trained))
     _check_pieces(single, ranks, r)
 
     return Plan(
@@ -461,7 +475,27 @@ def _check_pieces(single: GraphFiles, ranks: list[GraphFiles], r: _Reader) -> No
                     raise r.fail(f"{where}.stop", f"is {p.stop}, beyond the {sizes[p.of]} elements of {p.of!r}")
 
 
-def _graph_files(g: dict, r: _Reader, where: str, accumulation: int) -> GraphFiles:
+def _gradients(raw: list | None, trained: list[str], r: _Reader, where: str) -> tuple[Gradient, ...]:
+    """``gradients``: where present, one entry per trained parameter (``parameters``), each once."""
+    if raw is None:
+        return ()
+    gradients = []
+    for i, entry in enumerate(raw):
+        gw = f"{where}.gradients[{i}]"
+        if not isinstance(entry, dict):
+            raise r.fail(gw, "must be an object")
+        gradients.append(Gradient(r.get(entry, "param", str, gw), r.get(entry, "value", str, gw)))
+    named = [g.param for g in gradients]
+    if sorted(named) != sorted(trained):
+        extra = sorted(set(named) - set(trained)) or sorted({p for p in named if named.count(p) > 1})
+        lacking = sorted(set(trained) - set(named))
+        raise r.fail(f"{where}.gradients", "must name each trained parameter of 'parameters' once"
+                     + (f"; names {', '.join(extra[:3])} too often or not a trained parameter" if extra else "")
+                     + (f"; lacks {', '.join(lacking[:3])}" if lacking else ""))
+    return tuple(gradients)
+
+
+def _graph_files(g: dict, r: _Reader, where: str, accumulation: int, trained: list[str]) -> GraphFiles:
     files = {}
     for key in ("step", "init", *(("accum",) if accumulation > 1 else ())):
         path = r.path.parent / r.get(g, key, str, where)
@@ -493,4 +527,5 @@ def _graph_files(g: dict, r: _Reader, where: str, accumulation: int) -> GraphFil
             raise r.fail(f"{aw}.shape", f"must list non-negative integers, got {shape!r}")
         accumulators.append(Accumulator(r.get(a, "input", str, aw), r.get(a, "output", str, aw),
                                         r.get(a, "param", str, aw), tuple(shape), r.get(a, "dtype", str, aw)))
-    return GraphFiles(files["step"], files["init"], tuple(state), files.get("accum"), tuple(accumulators))
+    return GraphFiles(files["step"], files["init"], tuple(state), files.get("accum"), tuple(accumulators),
+                      _gradients(r.get(g, "gradients", list, where, optional=True), trained, r, where))

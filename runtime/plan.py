@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from contract import plan as _contract
-from contract.plan import Accumulator, DataInput, GraphFiles, Parameter, Plan, StateEntry
+from contract.plan import Accumulator, DataInput, Gradient, GraphFiles, Parameter, Plan, StateEntry
 from runtime.errors import RunError
 
 PLAN_FORMAT = _contract.FORMAT
@@ -24,4 +24,4 @@ def load_plan(out_dir: str | Path) -> Plan:
         raise RunError(str(exc)) from None
 
 
-__all__ = ["Accumulator", "DataInput", "GraphFiles", "Parameter", "Plan", "StateEntry", "load_plan"]
+__all__ = ["Accumulator", "DataInput", "Gradient", "GraphFiles", "Parameter", "Plan", "StateEntry", "load_plan"]

@@ -143,6 +143,10 @@ class RankGraphs:
     # (kind "accum": fed zeros before the first micro-batch, never saved).
     accum: ir.Model | None = None
     accumulators: list[StateEntry] = field(default_factory=list)
+    # Parameter -> the step graph's value holding its local gradient as the backward gives it, before
+    # any accumulation, cast or collective (plan.json's ``gradients``: a runtime that accumulates
+    # micro-batches itself, ``transpile run --grad-accumulation K``, wraps these).
+    gradients: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

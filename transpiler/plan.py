@@ -186,6 +186,8 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         entry = {"step": names["step"], "init": names["init"], "state": [s.to_json() for s in g.state]}
         entry["optimizer_state_bytes"] = sum(s.bytes for s in g.state if s.kind == "optimizer")
         entry["updates"] = list(g.updates)
+        # Each trained parameter's local gradient in this step graph (transpile run --grad-accumulation).
+        entry["gradients"] = [{"param": p, "value": v} for p, v in g.gradients.items()]
         if g.accum is not None:
             entry["accum"] = names["accum"]
             entry["accumulators"] = [a.to_json() for a in g.accumulators]

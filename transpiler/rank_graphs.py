@@ -9,6 +9,7 @@ import onnx_ir as ir
 from onnx_ir.tape import Tape
 
 from transpiler.collectives import DOMAIN, VERSION, append_collective
+from transpiler.errors import TranspileError
 from transpiler.graph_utils import number_collectives, register_constant, remove_unused
 from transpiler.job import Job, RankGraphs, StateEntry
 from transpiler.names import NEXT
@@ -22,10 +23,22 @@ def build_rank(job: Job, rank: int | None, protos: dict[str, onnx.ModelProto]) -
     strategy = strategy_for(job.options.strategy, world)
     step = build_step(job, rank, strategy, protos)
     init = _init_graph(job, rank, world, strategy, step.state)
-    graphs = RankGraphs(rank, step.model, init, step.state, step.updates)
+    graphs = RankGraphs(rank, step.model, init, step.state, step.updates, gradients=_gradient_names(step))
     if job.options.grad_accumulation > 1:
         graphs.accum, graphs.accumulators = _accum_graph(job, rank, protos)
     return graphs
+
+
+def _gradient_names(step) -> dict[str, str]:
+    """Parameter -> the name of its local gradient in the finished step graph (plan.json's
+    ``gradients``), each checked to be computed there."""
+    graph = step.graph
+    computed = {out.name for node in graph for out in node.outputs} | {v.name for v in graph.inputs} | set(graph.initializers)
+    names = {param: value.name for param, value in step.gradients.items()}
+    lost = [f"{p} ({v})" for p, v in names.items() if v not in computed]
+    if lost:
+        raise TranspileError(f"internal error: the step graph no longer computes the gradient of {', '.join(lost)}")
+    return names
 
 
 def _accum_graph(job: Job, rank: int | None, protos) -> tuple[ir.Model, list[StateEntry]]:

@@ -57,6 +57,10 @@ class RankStep:
         self.values = values
         self.params = params
         self.grads = {p: values[job.grad_names[p]] for p in job.problem.params}
+        # Each local gradient as the backward gives it (plan.json's ``gradients``): the value a runtime
+        # wraps to accumulate micro-batches itself. Where --grad-dtype sends the backward's own
+        # low-precision value (its float32 cast then goes unused), that value.
+        self.gradients: dict[str, ir.Value] = dict(self.grads)
         self.lr = ir.val(LR_INPUT, ir.DataType.FLOAT, [])
         self.step_counter: ir.Value | None = None
         self.state: list[StateEntry] = []
@@ -253,6 +257,8 @@ def _gradients_in(step: RankStep, dtype: ir.DataType) -> None:
         grad.name = name + ".fp32"
         if source is not None and source.dtype == dtype:
             low = source
+            if step.gradients.get(param) is grad:  # the float32 cast goes unused: name the value sent
+                step.gradients[param] = source
         else:
             node = ir.node("Cast", [grad], {"to": dtype}, name=f"grad_dtype/{param}")
             low = node.outputs[0]
