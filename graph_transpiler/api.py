@@ -94,8 +94,8 @@ def train(out: str | Path, data: str | Path | Mapping[str, np.ndarray], *, batch
     step too); an exception it raises stops the run and is raised here. ``verbose``: the banner,
     progress lines and summary on stdout. ``processes``: start ``transpile run`` (True) or run the
     ranks as threads here (False); default: threads on the cpu backend, processes on GPUs.
-    ``options``: any other option of ``transpile run`` (``export``, ``outputs``, ``checkpoint``,
-    ``resume``, ``eval_data``, ``lr_schedule``, ``metrics``, ``backend``, ...)."""
+    ``options``: any other option of ``transpile run`` (``grad_accumulation``, ``export``, ``outputs``,
+    ``checkpoint``, ``resume``, ``eval_data``, ``lr_schedule``, ``metrics``, ``backend``, ...)."""
     arrays = dict(data) if isinstance(data, Mapping) else None
     values = _paths({"data": "<arrays>" if arrays is not None else str(data), "batch": batch, "steps": steps,
                      "epochs": epochs, "lr": lr, **options})

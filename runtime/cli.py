@@ -21,6 +21,7 @@ from pathlib import Path
 
 from runtime import checkpoint, options_file
 from runtime import resume as resumption
+from runtime.accumulation import micro_batches
 from runtime.collectives import LocalGroup
 from runtime.config import DEFAULT_TIMEOUT_S, RunConfig, check_timeout, output_file, parse_ep_options
 from runtime.data import Dataset, check_ids, id_bounds, shard_size
@@ -58,6 +59,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-lr", type=float, metavar="X", help="cosine/linear only: the final learning rate (default 0)")
     parser.add_argument("--lr-step-size", type=int, metavar="N", help="step only: decay every N steps (required)")
     parser.add_argument("--lr-gamma", type=float, metavar="G", help="step only: decay factor (default 0.1)")
+    parser.add_argument("--grad-accumulation", type=int, metavar="K",
+                        help="micro-batches per optimizer step: each rank cuts its share of --batch into K equal "
+                             "micro-batches and averages their gradients before the collectives and the update "
+                             "(HF's gradient_accumulation_steps; default: the K OUT was transpiled with, else 1)")
     parser.add_argument("--shuffle", action="store_true", help="read each epoch in a seeded random order")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="shuffle seed (default 0)")
     parser.add_argument("--export", metavar="TRAINED.onnx", help="write the user's model with the trained parameters")
@@ -129,7 +134,8 @@ def resolve(args: argparse.Namespace, dataset: Dataset | None = None) -> tuple[P
     given = dataset is not None
     dataset = dataset if given else Dataset.load(args.data, plan.data_inputs)
     check_ids(dataset, id_bounds(plan.model, plan.data_inputs))
-    shard_size(args.batch, plan.world_size, plan.grad_accumulation)
+    accumulation = micro_batches(plan, args.grad_accumulation)
+    shard_size(args.batch, plan.world_size, accumulation)
     if args.batch > dataset.rows:
         raise RunError(f"--batch {args.batch} is larger than the {dataset.rows} rows of {args.data}: every batch would "
                        "repeat rows")
@@ -190,7 +196,8 @@ def resolve(args: argparse.Namespace, dataset: Dataset | None = None) -> tuple[P
         if meta.step > steps or (meta.step == steps and export is None):
             raise RunError(f"--resume {args.resume}: the checkpoint is at step {meta.step}, nothing to do for --steps {steps}"
                            + ("" if meta.step > steps else " (add --export FILE to write its trained model)"))
-    config = RunConfig(batch=args.batch, steps=steps, lr=lr, shuffle=args.shuffle, seed=args.seed, schedule=schedule,
+    config = RunConfig(batch=args.batch, steps=steps, lr=lr, grad_accumulation=accumulation, shuffle=args.shuffle,
+                       seed=args.seed, schedule=schedule,
                        log_every=args.log_every, export=export, outputs=outputs,
                        checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=resume,
                        keep_checkpoints=args.keep_checkpoints, timeout=timeout, timings=timings,
@@ -363,7 +370,7 @@ def _run_single(plan: Plan, dataset: Dataset, config: RunConfig) -> int:
 
         backend = GpuBackend(0, tf32=config.tf32, ep_options=config.ep_options)
         comm = NcclCommunicator(None, 0, timeout=config.timeout)
-        trainer = Trainer(plan, comm, rank=0, backend=backend)
+        trainer = Trainer(plan, comm, rank=0, backend=backend, accumulation=config.grad_accumulation)
         evaluator = make_evaluator(trainer, config)
         comm.connect()
         try:
@@ -371,7 +378,8 @@ def _run_single(plan: Plan, dataset: Dataset, config: RunConfig) -> int:
         finally:
             comm.close()
         return 0
-    trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=0, backend=CpuBackend())
+    trainer = Trainer(plan, LocalGroup(1).communicator(0), rank=0, backend=CpuBackend(),
+                      accumulation=config.grad_accumulation)
     train(trainer, dataset, config, evaluator=make_evaluator(trainer, config))
     return 0
 

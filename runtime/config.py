@@ -91,6 +91,7 @@ AGREEMENT: dict[str, tuple[str, str]] = {
     "batch": (AGREED, "--batch"),
     "steps": (AGREED, "--steps"),
     "lr": (AGREED, "--lr"),
+    "grad_accumulation": (AGREED, "--grad-accumulation"),  # what each step computes (and, --sync-bn, its collectives)
     "shuffle": (AGREED, "--shuffle"),
     "seed": (AGREED, "--seed"),  # compared only with --shuffle (the order does not depend on it otherwise)
     "log_every": (AGREED, "--log-every"),  # losses are read (a host reduction) at log steps
@@ -135,6 +136,9 @@ class RunConfig:
     batch: int  # global batch, over all ranks
     steps: int
     lr: float
+    # --grad-accumulation: micro-batches per optimizer step, each rank's shard cut into K equal ones
+    # (runtime/accumulation.py); None: the plan's (1 unless transpiled with --grad-accumulation).
+    grad_accumulation: int | None = None
     shuffle: bool = False
     seed: int = 0
     log_every: int = 0  # 0: silent

@@ -39,6 +39,9 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
     ``log`` takes rank 0's plain lines (runtime/progress.py). ``evaluator`` (--eval-data) runs every
     ``config.eval_every`` steps and after the last one; its loss goes into that step's record.
     ``observe`` (rank 0) gets each record and the summary as --metrics writes them (runtime/progress.py)."""
+    if config.grad_accumulation is not None and config.grad_accumulation != trainer.accumulation:
+        raise RunError(f"internal error: the run has --grad-accumulation {config.grad_accumulation}, its Trainer "
+                       f"{trainer.accumulation} (pass accumulation=config.grad_accumulation to Trainer)")
     start, samples = 0, 0
     progress(0, "init")
     if config.resume is not None:

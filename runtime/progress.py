@@ -308,7 +308,7 @@ def run_info(trainer, dataset, config, start: int) -> RunInfo:
     source = plan.raw.get("source_model")
     model = source.get("file") if isinstance(source, dict) and source.get("file") else plan.model.name
     return RunInfo(model=model, ranks=trainer.comm.size, backend=trainer.backend.name, strategy=plan.strategy,
-                   batch=config.batch, accumulation=plan.grad_accumulation, steps=config.steps, start=start,
+                   batch=config.batch, accumulation=trainer.accumulation, steps=config.steps, start=start,
                    rows=dataset.rows, data=Path(dataset.source).name, optimizer=f"{name} ({', '.join(hyper)})",
                    schedule=config.schedule.describe(), parameters=sum(math.prod(p.shape) for p in plan.parameters),
                    resumed_from=None if config.resume is None else str(config.resume),

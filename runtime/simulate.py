@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.accumulation import micro_batches
 from runtime.collectives import LocalGroup
 from runtime.config import RunConfig
 from runtime.data import Dataset, shard_size
@@ -37,8 +38,9 @@ class SimResult:
 def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, steps: int, lr: float | None = None,
              shuffle: bool = False, seed: int = 0, single_device: bool = False,
              schedule: Schedule | None = None, eval_data: dict[str, np.ndarray] | None = None, eval_every: int = 0,
-             eval_batch: int | None = None) -> SimResult:
+             eval_batch: int | None = None, grad_accumulation: int | None = None) -> SimResult:
     """Train all ranks of OUT as threads of this process (or the single-device graph on the full batch).
+    ``grad_accumulation``: micro-batches per step, as ``transpile run --grad-accumulation`` (None: the plan's).
 
     Collectives go through a LocalGroup, so this checks "N ranks == 1 device" with no MPI. Each
     session gets one intra-op thread: the ranks already run in parallel.
@@ -46,8 +48,10 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
     plan = load_plan(out_dir)
     world_size = 1 if single_device else plan.world_size
     dataset = Dataset(data, plan.data_inputs, "<data>")
-    shard_size(batch, world_size, plan.grad_accumulation)
+    accumulation = micro_batches(plan, grad_accumulation)
+    shard_size(batch, world_size, accumulation)
     config = RunConfig(batch=batch, steps=steps, lr=plan.lr if lr is None else lr, shuffle=shuffle, seed=seed,
+                       grad_accumulation=accumulation,
                        schedule=schedule or Schedule(), eval_every=eval_every)
     evaluation = None if eval_data is None else Dataset(eval_data, plan.data_inputs, "<eval data>")
     group = LocalGroup(world_size)
@@ -55,7 +59,8 @@ def simulate(out_dir: str | Path, data: dict[str, np.ndarray], *, batch: int, st
     evaluators: list[Evaluator | None] = [None] * world_size
 
     def run_rank(r: int) -> list[float]:
-        trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1))
+        trainers[r] = Trainer(plan, group.communicator(r), rank=None if single_device else r, backend=CpuBackend(threads=1),
+                              accumulation=accumulation)
         if evaluation is not None:
             evaluators[r] = Evaluator(trainers[r], evaluation, batch=eval_batch or batch)
         return train(trainers[r], dataset, config, evaluator=evaluators[r])
@@ -110,7 +115,8 @@ def run_in_process(plan: Plan, dataset: Dataset, config: RunConfig, *, log: Call
     threads = max(1, (os.cpu_count() or 1) // plan.world_size)  # the ranks share this machine's cores
 
     def run_rank(r: int) -> list[float]:
-        trainer = Trainer(plan, group.communicator(r), rank=r, backend=CpuBackend(threads=threads))
+        trainer = Trainer(plan, group.communicator(r), rank=r, backend=CpuBackend(threads=threads),
+                          accumulation=config.grad_accumulation)
         return train(trainer, dataset, config, log=log, evaluator=make_evaluator(trainer, config),
                      observe=observe if r == 0 else None)
 

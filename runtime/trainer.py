@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from contract.plan import EXPORTED_KINDS
+from runtime.accumulation import accumulation_graphs, micro_batches
 from runtime.collectives import Communicator
 from runtime.data import shard_size
 from runtime.errors import RunError
@@ -24,7 +25,11 @@ from runtime.segments import cut_graph, load_graph
 class Trainer:
     """One rank (``rank=None``: the single-device graphs) of a plan, on a backend and a communicator."""
 
-    def __init__(self, plan: Plan, comm: Communicator, *, rank: int | None, backend: Backend | None = None):
+    def __init__(self, plan: Plan, comm: Communicator, *, rank: int | None, backend: Backend | None = None,
+                 accumulation: int | None = None):
+        """``accumulation``: micro-batches per optimizer step (``--grad-accumulation K``; None: the
+        plan's). Where the plan was transpiled without it and K > 1, the graphs for K micro-batches
+        are derived from its step graph here (runtime/accumulation.py)."""
         self.plan = plan
         self.comm = comm
         self.backend = backend or CpuBackend()
@@ -33,7 +38,23 @@ class Trainer:
         self.state_entries = files.state
         role = 0 if rank is None else rank
         split = self.backend.split_tail()
-        step_model = self.backend.prepare_step_graph(load_graph(files.step))
+        # --grad-accumulation K: the first K-1 micro-batches of a step run the accumulate graph, the
+        # last one the step graph, which sends the mean of the K micro-batches' gradients.
+        self.accumulation = micro_batches(plan, accumulation)
+        if self.accumulation > 1 and not self.backend.runs_grad_accumulation:
+            given = "run with" if plan.grad_accumulation == 1 else "transpiled with"
+            raise RunError(f"{plan.path}: {given} --grad-accumulation {self.accumulation}, which the "
+                           f"{self.backend.name} backend does not run yet; use --backend cpu, or "
+                           + ("run without it" if plan.grad_accumulation == 1 else "transpile without it"))
+        step_model = load_graph(files.step)
+        accum_model, accum_where = None, None
+        self.accumulators = files.accumulators
+        if self.accumulation > 1 and plan.grad_accumulation == 1:  # a run option: derived from the step graph
+            step_model, accum_model, self.accumulators = accumulation_graphs(step_model, plan, files, self.accumulation)
+            accum_where = f"{files.step.name} (micro-batches 1..{self.accumulation - 1} of a step)"
+        elif self.accumulation > 1:  # transpiled with it: the accumulate graph is a file of OUT
+            accum_model, accum_where = load_graph(files.accum), files.accum.name
+        step_model = self.backend.prepare_step_graph(step_model)
         # Declared (dtype, shape) of every state input, to check state loaded from a checkpoint.
         self._state_types = {vi.name: (onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type),
                                        tuple(d.dim_value if d.HasField("dim_value") else None
@@ -65,20 +86,16 @@ class Trainer:
         self._held_skipped: list = []
         self.skipped: list[bool] = []
         self.loss_scale: float | None = None
-        # --grad-accumulation K: the first K-1 micro-batches of a step run the accumulate graph.
-        self.accumulation = plan.grad_accumulation
-        self.accumulators = files.accumulators
-        if self.accumulation > 1:
-            if not self.backend.runs_grad_accumulation:
-                raise RunError(f"{plan.path}: transpiled with --grad-accumulation {self.accumulation}, which the "
-                               f"{self.backend.name} backend does not run yet; use --backend cpu, or transpile without it")
-            self.accum_program = self.backend.make_program(cut_graph(load_graph(files.accum), role, files.accum.name), comm)
+        if accum_model is not None:
+            self.accum_program = self.backend.make_program(cut_graph(accum_model, role, accum_where), comm)
+            if self.accumulation > 3:
+                _uncaptured(self.accum_program)
             self._zeros = {a.input: self.backend.from_host(np.zeros(a.shape, a.dtype)) for a in self.accumulators}
 
     def _check_signature(self, step_inputs, step_outputs, init_outputs, step_file: str, init_file: str) -> None:
         plan = self.plan
         expected = [d.name for d in plan.data_inputs] + [plan.lr_input] + [s.input for s in self.state_entries]
-        expected += [a.input for a in plan.graphs(self.role).accumulators]
+        expected += [a.input for a in self.accumulators]
         if sorted(step_inputs) != sorted(expected):
             extra = sorted(set(step_inputs) - set(expected))
             lacking = sorted(set(expected) - set(step_inputs))
@@ -191,3 +208,19 @@ class Trainer:
         running statistics)."""
         return {s.param or s.input: np.array(self.backend.to_host(self.state[s.input]), copy=True)
                 for s in self.state_entries if s.kind in EXPORTED_KINDS}
+
+
+def _uncaptured(program) -> None:
+    """No CUDA graph capture for ``program``'s segments (the GPU's, which have ``capture_allowed``;
+    set before their first run, when the sessions are made; other backends have nothing to set).
+
+    Why: a GpuProgram binds fixed buffers per call parity, and a captured graph replays them. The
+    step program and an accumulate program called once or twice per step read each input from
+    the same buffer at every call of a parity (or from a buffer that changes at every call, which
+    never captures). Called K-1 >= 3 times per step, the accumulate program's calls of one parity
+    read the accumulators (zeros, or the previous call's output) and the statistics from different
+    buffers within a step: a capture made after two equal calls would then see an input move."""
+    for _, runner in getattr(program, "steps", []):
+        if hasattr(runner, "capture_allowed"):
+            runner.capture_allowed = False
+

@@ -267,7 +267,7 @@ def _rank_life(setup: Setup, launch: LaunchEnv | None, watchdog: Watchdog, *, ti
         check_world_size(host.size, plan.world_size, launch.launcher if launch else "MPI")
         config = replace(config, backend=resolve_backend(config.backend))
         backend, rank_comm = _make_backend(config, host, comm, launch)
-        trainer = Trainer(plan, rank_comm, rank=host.rank, backend=backend)
+        trainer = Trainer(plan, rank_comm, rank=host.rank, backend=backend, accumulation=config.grad_accumulation)
         evaluator = make_evaluator(trainer, config)
         if host.rank == 0 and config.checkpoint is not None and not spawned:
             # Under an outside launcher no parent holds the checkpoint lock: rank 0 does.
