@@ -66,7 +66,7 @@ def train(trainer: Trainer, dataset: Dataset, config: RunConfig, *, log: Callabl
         checkpoint.agree(trainer.comm, error)
     else:
         trainer.initialize()
-    report = make_report(trainer, dataset, config, log, observe)
+    report = make_report(trainer, dataset, config, log, observe, resumed_at=start if config.resume is not None else None)
     try:
         return _train(trainer, dataset, config, start, samples, report, progress, evaluator)
     finally:

@@ -19,7 +19,9 @@ never sees half a line, and a crash loses at most the line being written. A fres
 file; ``--resume`` appends, so the file holds the whole history of a resumed run, with one summary:
 before appending, the earlier runs' summary lines (and a half-written last line a crash left) are
 dropped, so the file ends with the summary of the last run (its ``steps_run`` counts that run's
-steps, ``steps`` where the whole history ends).
+steps, ``steps`` where the whole history ends). So are the records of steps after the checkpoint
+the run resumes from (an older one than the last, or the last after a crash that logged further):
+the file holds each step once, as the run that counts computed it.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ def _plain(value):
 class MetricsFile:
     """The JSON-lines file of one run (rank 0 only)."""
 
-    def __init__(self, path: Path, *, append: bool = False):
+    def __init__(self, path: Path, *, resumed_at: int | None = None):
+        """``resumed_at``: the step a ``--resume``d run goes on from (its records are appended)."""
         self.path = path
         self._file: IO[str] | None = None
+        append = resumed_at is not None
         try:
             if append and path.is_file():
-                _drop_summaries(path)
+                _keep_history(path, resumed_at)
             self._file = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         except OSError as exc:
             raise RunError(f"--metrics {path}: {os_error_text(exc)}") from None
@@ -81,12 +85,14 @@ class MetricsFile:
             self._file = None
 
 
-def _drop_summaries(path: Path) -> None:
-    """--resume: the file without its summary lines and without a last line missing its newline (a
-    crash mid-write), replaced atomically; the records of the earlier runs stay as they were."""
+def _keep_history(path: Path, step: int) -> None:
+    """--resume from ``step``: the file without its summary lines, without the records of steps
+    after ``step`` and without a last line missing its newline (a crash mid-write), replaced
+    atomically; the earlier records stay as they were."""
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines(keepends=True)
-    kept = [line for line in lines if line.endswith("\n") and not line.startswith('{"summary": ')]
+    kept = [line for line in lines if line.endswith("\n") and not line.startswith('{"summary": ')
+            and not _after(line, step)]
     if len(kept) == len(lines):
         return
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -95,6 +101,14 @@ def _drop_summaries(path: Path) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _after(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False  # not ours to judge: kept as it was
+    return isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict], dict | None]:

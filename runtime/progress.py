@@ -268,10 +268,11 @@ class Report:
 
 
 def make_report(trainer, dataset, config, log: Callable[[str], None],
-                observe: Callable[[dict], None] | None = None) -> Report:
+                observe: Callable[[dict], None] | None = None, resumed_at: int | None = None) -> Report:
     """Rank 0's Report (its view, its --metrics file and --tensorboard events); a silent one on the other ranks. ``trainer``,
     ``dataset`` and ``config``: the loop's Trainer, Dataset and RunConfig. ``observe`` (rank 0) gets
-    every record as the metrics file does, the summary as ``{"summary": {...}}`` (the Python API's callback)."""
+    every record as the metrics file does, the summary as ``{"summary": {...}}`` (the Python API's callback).
+    ``resumed_at``: the checkpoint's step where the run resumes (the sinks keep the history before it)."""
     if trainer.comm.rank != 0:
         return Report(View(), (), steps=config.steps, batch=config.batch, rows=dataset.rows)
     if not config.log_every:
@@ -285,9 +286,9 @@ def make_report(trainer, dataset, config, log: Callable[[str], None],
                 pass
     sinks: list[Sink] = []
     if config.metrics is not None:
-        sinks.append(MetricsFile(config.metrics, append=config.resume is not None))
+        sinks.append(MetricsFile(config.metrics, resumed_at=resumed_at))
     if config.tensorboard is not None:
-        sinks.append(TensorBoardFile(config.tensorboard))
+        sinks.append(TensorBoardFile(config.tensorboard, resumed_at=resumed_at))
     return Report(view, sinks, steps=config.steps, batch=config.batch, rows=dataset.rows, observe=observe)
 
 

@@ -14,8 +14,10 @@ joins them by step.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +47,9 @@ def tensorboard_dir(value: str | None) -> Path | None:
     return path
 
 
+_WRITERS = itertools.count()  # event files this process opened
+
+
 def _number(value) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -54,13 +59,21 @@ def _number(value) -> float | None:
 class TensorBoardFile:
     """The event file of one run in DIR (rank 0 only)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, *, resumed_at: int | None = None):
+        """``resumed_at``: the step a ``--resume``d run goes on from. Its first event then tells
+        TensorBoard to drop what earlier runs wrote for later steps (tensorboardX's ``purge_step``),
+        as the metrics file drops their records."""
         from tensorboardX import SummaryWriter
 
         self.directory = directory
         self._writer = None
         try:
-            self._writer = SummaryWriter(logdir=str(directory), flush_secs=10)
+            # The file name is tensorboardX's (the second, the host) plus the pid and a count: a
+            # resume started within the same second as the run it resumes (or in the same process:
+            # the Python API) would otherwise truncate that run's file.
+            self._writer = SummaryWriter(logdir=str(directory), flush_secs=10,
+                                         filename_suffix=f".{os.getpid()}.{next(_WRITERS)}",
+                                         purge_step=None if resumed_at is None else resumed_at + 1)
         except OSError as exc:
             raise RunError(f"--tensorboard {directory}: {os_error_text(exc)}") from None
 

@@ -1,6 +1,7 @@
 """Issue 29, item 6: where a run's numbers go. Output files create their missing directories; the
 summary carries the last eval loss and says what its mean loss is; a --resume leaves one summary
-in --metrics; --tensorboard writes the --metrics records as TensorBoard event files."""
+in --metrics, and a --resume from an older checkpoint leaves each step's record once; --tensorboard
+writes the --metrics records as TensorBoard event files (and tells TensorBoard what a resume replaces)."""
 
 from __future__ import annotations
 
@@ -72,10 +73,29 @@ def test_resume_leaves_one_summary(plan, tmp_path, capsys):
     assert summary["steps"] == 6 and summary["steps_run"] == 2
 
 
+def test_resume_from_an_older_checkpoint_keeps_each_step_once(plan, tmp_path, capsys):
+    pytest.importorskip("tensorboardX")
+    metrics, board, ck = tmp_path / "m.jsonl", tmp_path / "tb", tmp_path / "ck"
+    args = ("--log-every", 1, "--metrics", metrics, "--tensorboard", board, "--checkpoint", ck, "--checkpoint-every", 2,
+            "--keep-last", 3)
+    code, _, err = _run(plan, "--steps", 6, *args, capsys=capsys)
+    assert code == 0, err
+    first, _ = read_metrics(metrics)
+    code, _, err = _run(plan, "--steps", 6, *args, "--resume", ck / "checkpoint-2", capsys=capsys)
+    assert code == 0, err
+    records, summary = read_metrics(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and summary["steps_run"] == 4
+    # Steps 3..6 are the resumed run's, which computes what the first run did (same data, same state).
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in first], rel=1e-6)
+    loss = _scalars(board)["loss"]
+    assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in loss] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+
+
 def test_appending_drops_summaries_and_a_half_written_line(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1, "loss": 1.0}\n{"summary": {"steps": 1}}\n{"step": 2, "loss": 0.5}\n{"step": 3, "lo')
-    metrics = MetricsFile(path, append=True)
+    metrics = MetricsFile(path, resumed_at=2)
     metrics.write({"step": 3, "loss": 0.25})
     metrics.summary({"steps": 3})
     metrics.close()
@@ -85,7 +105,9 @@ def test_appending_drops_summaries_and_a_half_written_line(tmp_path):
 
 
 def _scalars(directory) -> dict[str, list[tuple[int, float]]]:
-    """The scalars of every event file in ``directory`` (TFRecord framing, tensorboardX's protos)."""
+    """The scalars of every event file in ``directory`` (TFRecord framing, tensorboardX's protos),
+    as TensorBoard shows them: a session-start event at step s (a purge) drops what came before it
+    for steps >= s."""
     from tensorboardX.proto import event_pb2
 
     found: dict[str, list[tuple[int, float]]] = {}
@@ -95,6 +117,8 @@ def _scalars(directory) -> dict[str, list[tuple[int, float]]]:
             (length,) = struct.unpack("<Q", raw[at:at + 8])
             event = event_pb2.Event.FromString(raw[at + 12:at + 12 + length])
             at += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                found = {tag: [(s, v) for s, v in values if s < event.step] for tag, values in found.items()}
             for value in event.summary.value:
                 if value.HasField("simple_value"):
                     found.setdefault(value.tag, []).append((event.step, value.simple_value))
