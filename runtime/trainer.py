@@ -87,9 +87,8 @@ class Trainer:
         self.skipped: list[bool] = []
         self.loss_scale: float | None = None
         if accum_model is not None:
-            self.accum_program = self.backend.make_program(cut_graph(accum_model, role, accum_where), comm)
-            if self.accumulation > 3:
-                _uncaptured(self.accum_program)
+            self.accum_program = self.backend.make_program(cut_graph(accum_model, role, accum_where), comm,
+                                                           calls_per_step=self.accumulation - 1)
             self._zeros = {a.input: self.backend.from_host(np.zeros(a.shape, a.dtype)) for a in self.accumulators}
 
     def _check_signature(self, step_inputs, step_outputs, init_outputs, step_file: str, init_file: str) -> None:
@@ -208,19 +207,4 @@ class Trainer:
         running statistics)."""
         return {s.param or s.input: np.array(self.backend.to_host(self.state[s.input]), copy=True)
                 for s in self.state_entries if s.kind in EXPORTED_KINDS}
-
-
-def _uncaptured(program) -> None:
-    """No CUDA graph capture for ``program``'s segments (the GPU's, which have ``capture_allowed``;
-    set before their first run, when the sessions are made; other backends have nothing to set).
-
-    Why: a GpuProgram binds fixed buffers per call parity, and a captured graph replays them. The
-    step program and an accumulate program called once or twice per step read each input from
-    the same buffer at every call of a parity (or from a buffer that changes at every call, which
-    never captures). Called K-1 >= 3 times per step, the accumulate program's calls of one parity
-    read the accumulators (zeros, or the previous call's output) and the statistics from different
-    buffers within a step: a capture made after two equal calls would then see an input move."""
-    for _, runner in getattr(program, "steps", []):
-        if hasattr(runner, "capture_allowed"):
-            runner.capture_allowed = False
 

@@ -5,8 +5,8 @@ against the same model transpiled with ``--grad-accumulation K``.
 Marked ``gpu``; skipped without a CUDA GPU, CuPy and onnxruntime-gpu. Not yet run on a GPU (written
 where none was available; the CPU path is tests/test_grad_accumulation_run.py). TF32 off: the
 tolerance is test_gpu_cli.py's, 1e-5 of each parameter's scale. K = 2 captures the accumulate
-program's sessions as CUDA graphs; K = 4 calls it 3 times a step, which the Trainer runs uncaptured
-(runtime/trainer.py ``_uncaptured``).
+program's sessions as CUDA graphs; K = 4 calls it 3 times a step, whose sessions the GPU backend
+runs uncaptured (GpuBackend.make_program ``calls_per_step``).
 """
 
 from __future__ import annotations

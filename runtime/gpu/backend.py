@@ -82,8 +82,17 @@ class GpuBackend(Backend):
     def _node_runner(self, group: NativeGroup, where: str):
         return native.runner(group, where, self.device)
 
-    def make_program(self, cut, comm):
+    def make_program(self, cut, comm, *, calls_per_step: int = 1):
         program = GpuProgram(cut, self, comm, self.device, debug_sync=self.debug_sync)
+        if calls_per_step > 2:
+            # A GpuProgram binds fixed buffers per call parity, and a captured graph replays them.
+            # Called once or twice per step, each parity's call reads every input from the same
+            # buffer every step; called 3 or more times (the accumulate graph with K >= 4), one
+            # parity's calls read the accumulators and statistics from different buffers within a
+            # step, which a capture cannot replay: its sessions run uncaptured.
+            for _, runner in program.steps:
+                if isinstance(runner, OrtCudaSegment):
+                    runner.capture_allowed = False
         # Every session allocates from one arena (SessionPolicy.share_arena): sessions run one at
         # a time on the compute stream, so the chunks one leaves free another may use, even where
         # a captured graph replays with them, and the arena is shrunk after the first runs until
