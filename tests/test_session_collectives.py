@@ -29,7 +29,8 @@ from runtime.segments import cut_graph
 from runtime.specialize import static_values
 from runtime.trainer import Trainer
 
-pytestmark = pytest.mark.skipif(ort_custom_ops.readiness(ort) is not None, reason="no custom ops in this process")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(ort_custom_ops.readiness(ort) is not None, reason="no custom ops in this process")]
 
 WORLD = 2
 

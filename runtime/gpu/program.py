@@ -131,7 +131,7 @@ class GpuProgram(ProgramBase):
         left every multi-rank program uncaptured: 4 H100s, GPT-2-small 600 kernel launches and
         15 stream synchronizations per step from the host, run h100x4-s23.)"""
         relaxed = getattr(self.comm, "relaxed", True)
-        if not self.collective_pos or self.comm.size == 1 or relaxed is True:
+        if not (self.collective_pos or self.session_collectives) or self.comm.size == 1 or relaxed is True:
             return
         print(f"transpile: warning: {self.cut.where}: no CUDA graphs (the NCCL watchdog could not enter relaxed "
               "capture mode): every session runs uncaptured", file=sys.stderr, flush=True)
@@ -309,7 +309,7 @@ class GpuProgram(ProgramBase):
             # watches the step as a whole (an event recorded inside a captured graph cannot be queried).
             self.session_collectives.wait_all(compute)
             self.step_done.record(compute)
-            comm.track(-1, self.step_done, f"a step of {self.cut.where} (its collectives run inside its sessions)")
+            comm.track(("step", id(self)), self.step_done, f"a step of {self.cut.where} (its collectives run inside its sessions)")
         return {name: env[name] for name in self.cut.outputs}
 
 

@@ -228,8 +228,9 @@ class StartRunner:
             bucket.ready = cp.cuda.Event(disable_timing=True)
             bucket.done = cp.cuda.Event(disable_timing=True)
         bucket = self.bucket
-        for name in self.names:
-            bucket.inputs[name][...] = values[name]  # on the compute stream (current), after the producers
+        with compute:  # the copies in order with the session's kernels, whichever thread calls
+            for name in self.names:
+                bucket.inputs[name][...] = values[name]
         bucket.ready.record(compute)
         comm.stream.wait_event(bucket.ready)
         bucket.op.launch_flat(comm, bucket.flat, bucket.mean_view, bucket.op.label)
@@ -245,9 +246,11 @@ class FinishRunner:
         bucket = self.registry.buckets.get(self.k)
         if bucket is None or bucket.done is None:
             raise RunError(f"{self.where}: '{self.node.name}' ran before its collective started")
-        self.device.compute.wait_event(bucket.done)
-        for name in self.node.output:
-            values[name][...] = bucket.outputs[name]
+        compute = self.device.compute
+        compute.wait_event(bucket.done)
+        with compute:
+            for name in self.node.output:
+                values[name][...] = bucket.outputs[name]
 
 
 def runner(group, where: str, device, registry: Registry):
