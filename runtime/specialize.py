@@ -69,9 +69,12 @@ def _with_static_inputs(model: onnx.ModelProto, input_shapes: dict[str, tuple[in
         for size in shape:
             dims.add().dim_value = int(size)
     # Intermediate and output shapes were inferred for the symbolic batch: infer them again, except
-    # the static shapes of what ops onnx has no schema for compute (a collective's outputs where the
-    # cut keeps it in the segment): inference could not give them again.
-    foreign = {o for n in graph.node if n.domain not in ("", "ai.onnx") for o in n.output}
+    # the static shapes of what ops onnx can neither look up nor expand compute (no schema, no
+    # function: a collective's outputs where the cut keeps it in the segment), which inference
+    # could not give again.
+    functions = {(f.domain, f.name) for f in copy.functions}
+    foreign = {o for n in graph.node if n.domain not in ("", "ai.onnx") and (n.domain, n.op_type) not in functions
+               for o in n.output}
     keep = [v for v in graph.value_info if v.name in foreign and v.type.HasField("tensor_type")
             and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)]
     del graph.value_info[:]
