@@ -73,6 +73,9 @@ class Backend(ABC):
     @abstractmethod
     def compile(self, segment: Segment | NativeGroup, where: str) -> SegmentRunner: ...
 
+    # Whether the step graph's collectives run inside the backend's segments (the cut keeps them).
+    collectives_inside = False
+
     def make_program(self, cut: CutGraph, comm: Communicator, *, calls_per_step: int = 1) -> Program:
         """The program that runs ``cut``; ``calls_per_step``: how often a training step calls it
         (the accumulate graph: K - 1 times), which a backend that replays recorded calls needs."""

@@ -137,11 +137,14 @@ def load_graph(path: Path) -> onnx.ModelProto:
 
 
 def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool = False,
-              native_domains: Iterable[str] = (), late_domains: Iterable[str] = ()) -> CutGraph:
+              native_domains: Iterable[str] = (), late_domains: Iterable[str] = (),
+              collectives_inside: bool = False) -> CutGraph:
     """Cut ``model`` (rank ``rank``'s step or init graph; ``where`` names its file) into segments
     (and native groups of the nodes of ``native_domains``, those of ``late_domains`` staged late).
     ``model`` may be rewritten in place
-    (its Constant nodes become initializers) where shape inference could not copy it."""
+    (its Constant nodes become initializers) where shape inference could not copy it.
+    ``collectives_inside``: the collective nodes stay in the segments as other nodes do (checked,
+    not cut at)."""
     model = _with_inferred_types(model)
     constants_as_initializers(model.graph)
     graph = model.graph
@@ -156,6 +159,8 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
 
     _check_defined(nodes, graph_inputs, initializers, graph_outputs, where)
     collectives = _collectives(nodes, types, rank, where)
+    if collectives_inside:  # the backend runs them inside its sessions (runtime/gpu/session_collectives.py)
+        collectives = {}
     segment_of, earliest = _place_alap(nodes, collectives, where)
     k_count = len(collectives)
     # Part of the last segment each of its nodes goes to (always 0 without split_tail).
@@ -353,14 +358,18 @@ def _build_segment(model: onnx.ModelProto, here: tuple[int, int, int], members: 
             raise RunError(f"{where}: value '{name}' enters segment {k} but has no type in the graph (add it to value_info)")
         return helper.make_empty_tensor_value_info(name)
 
+    # A collective kept in the segment (collectives_inside): its outputs' types, which inference
+    # cannot give (no schema), and its domain.
+    kept = [n for n in members if n.domain == COLLECTIVE_DOMAIN]
     graph = helper.make_graph(
         members,
         f"{model.graph.name or 'graph'}_segment{k}" + (f"_part{part}" if part else "") + (f"_stage{stage}" if stage else ""),
         inputs=[value_info(name, True) for name in inputs],
         outputs=[value_info(name, False) for name in outputs],
         initializer=[initializers[name] for name in embedded],
+        value_info=[value_info(o, True) for n in kept for o in n.output if o not in outputs],
     )
-    opsets = [op for op in model.opset_import if op.domain != COLLECTIVE_DOMAIN]
+    opsets = [op for op in model.opset_import if op.domain != COLLECTIVE_DOMAIN or kept]
     # onnx's helpers stamp the newest IR version (14 with onnx 1.23), which onnxruntime 1.31 refuses;
     # a segment needs only the IR version its opsets require, so it never asks for more than that.
     ir_version = min(model.ir_version, helper.find_min_ir_version_for(opsets, ignore_unknown=True))

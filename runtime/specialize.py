@@ -68,10 +68,20 @@ def _with_static_inputs(model: onnx.ModelProto, input_shapes: dict[str, tuple[in
         del dims[:]
         for size in shape:
             dims.add().dim_value = int(size)
-    # Intermediate and output shapes were inferred for the symbolic batch: infer them again.
+    # Intermediate and output shapes were inferred for the symbolic batch: infer them again, except
+    # the static shapes of what ops onnx can neither look up nor expand compute (no schema, no
+    # function: a collective's outputs where the cut keeps it in the segment), which inference
+    # could not give again.
+    functions = {(f.domain, f.name) for f in copy.functions}
+    foreign = {o for n in graph.node if n.domain not in ("", "ai.onnx") and (n.domain, n.op_type) not in functions
+               for o in n.output}
+    keep = [v for v in graph.value_info if v.name in foreign and v.type.HasField("tensor_type")
+            and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)]
     del graph.value_info[:]
+    graph.value_info.extend(keep)
     for value in graph.output:
-        if value.type.HasField("tensor_type"):
+        if value.type.HasField("tensor_type") and not (
+                value.name in foreign and all(d.HasField("dim_value") for d in value.type.tensor_type.shape.dim)):
             value.type.tensor_type.ClearField("shape")
     return copy
 

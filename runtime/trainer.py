@@ -62,7 +62,8 @@ class Trainer:
                              for vi in step_model.graph.input if vi.type.HasField("tensor_type")}
         step_cut = cut_graph(step_model, role, files.step.name, split_tail=split,
                              native_domains=self.backend.native_domains,
-                             late_domains=self.backend.late_native_domains)
+                             late_domains=self.backend.late_native_domains,
+                             collectives_inside=self.backend.collectives_inside and comm.size > 1)
         init_cut = cut_graph(load_graph(files.init), role, files.init.name)
         self._check_signature(step_cut.inputs, step_cut.outputs, init_cut.outputs, files.step.name, files.init.name)
         self.step_program = self.backend.make_program(step_cut, comm)

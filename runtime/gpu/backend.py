@@ -19,7 +19,7 @@ from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime import variables
 from runtime.errors import RunError
 from runtime.executor import Backend
-from runtime.gpu import native
+from runtime.gpu import native, session_collectives
 from runtime.gpu.compile import default_passes
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.elementwise_fusion import DOMAIN as ELEMENTWISE_DOMAIN
@@ -58,8 +58,13 @@ class GpuBackend(Backend):
                 os.makedirs(dump, exist_ok=True)
             except OSError as exc:
                 raise RunError(f"{variables.DUMP}={dump}: cannot create the folder: {exc.strerror}") from None
-        self.policy = SessionPolicy(device, passes=default_passes(device.ort, self._node_runner, device),
-                                    inside=self.plan.inside, ep_options=ep_options, dump=dump)
+        # EXPERIMENT (variables.SESSION_COLLECTIVES): the step's collectives inside its sessions.
+        self.collectives = (session_collectives.Registry()
+                            if variables.flag(variables.SESSION_COLLECTIVES) and self.plan.inside else None)
+        self.collectives_inside = self.collectives is not None
+        inside = self.plan.inside | ({session_collectives.DOMAIN} if self.collectives_inside else set())
+        self.policy = SessionPolicy(device, passes=default_passes(device.ort, self._node_runner, device, self.collectives),
+                                    inside=frozenset(inside), ep_options=ep_options, dump=dump)
         self.io = HostIO(device)
 
     # -- Backend ---------------------------------------------------------------------------------
@@ -80,10 +85,14 @@ class GpuBackend(Backend):
         return OrtCudaSegment(segment, where, self.policy)
 
     def _node_runner(self, group: NativeGroup, where: str):
+        if group.nodes[0].domain == session_collectives.DOMAIN:
+            return session_collectives.runner(group, where, self.device, self.collectives)
         return native.runner(group, where, self.device)
 
     def make_program(self, cut, comm, *, calls_per_step: int = 1):
-        program = GpuProgram(cut, self, comm, self.device, debug_sync=self.debug_sync)
+        if self.collectives is not None:
+            self.collectives.comm = comm  # before any session compiles (at the program's first call)
+        program = GpuProgram(cut, self, comm, self.device, debug_sync=self.debug_sync, collectives=self.collectives)
         if calls_per_step > 2:
             # A GpuProgram binds fixed buffers per call parity, and a captured graph replays them.
             # Called once or twice per step, each parity's call reads every input from the same

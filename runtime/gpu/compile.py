@@ -3,6 +3,7 @@
     InlineFunctions   nodes whose domain runs as its ONNX function become those functions' nodes
     Specialize        static input shapes; shape computations folded (runtime/specialize.py)
     LowerForCuda      rewrites the CUDA EP runs faster or at all (lowering.py)
+    SessionCollectives  collective nodes made start/finish nodes run inside (session_collectives.py)
     WidenBfloat16     bfloat16 inputs and outputs cross the segment's edges as float32
     FixedOutputs      outputs that are constants or copies of an input taken out of the session
     TakeNativeNodes   native nodes made custom ops of the session (in_session.py)
@@ -26,7 +27,9 @@ from typing import Any
 import onnx
 import onnx.inliner
 
+from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
+from runtime.gpu import session_collectives
 from runtime.gpu.in_session import take_native_nodes
 from runtime.gpu.lowering import CONCAT_MAX_INPUTS, lower_for_cuda
 from runtime.segments import Segment
@@ -107,6 +110,25 @@ def _all_nodes(graph: onnx.GraphProto):
         for attribute in node.attribute:
             for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
                 yield from _all_nodes(sub)
+
+
+class SessionCollectives(SegmentPass):
+    """EXPERIMENT: the collective nodes the cut kept in the segment become start and finish nodes
+    run inside the session (runtime/gpu/session_collectives.py); their output specs are recorded
+    in ``registry`` for the starts, which lay the buckets out."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def requires(self, state):
+        Specialize().ensures(state)
+
+    def call(self, state):
+        state.model = session_collectives.rewrite(state.model, state.where)
+        session_collectives.record_finishes(state.model, self.registry)
+
+    def ensures(self, state):
+        assert not any(n.domain == COLLECTIVE_DOMAIN for n in state.model.graph.node), "a collective node is left"
 
 
 class WidenBfloat16(SegmentPass):
@@ -241,6 +263,8 @@ def compile_segment(segment: Segment, shapes: dict[str, tuple[int, ...]], where:
     return state
 
 
-def default_passes(ort, runner: Callable, device) -> list[SegmentPass]:
-    return [InlineFunctions(), Specialize(), LowerForCuda(), WidenBfloat16(), FixedOutputs(ort),
+def default_passes(ort, runner: Callable, device, registry=None) -> list[SegmentPass]:
+    """``registry``: a session_collectives.Registry where the step's collectives run inside."""
+    inside = [SessionCollectives(registry)] if registry is not None else []
+    return [InlineFunctions(), Specialize(), LowerForCuda(), *inside, WidenBfloat16(), FixedOutputs(ort),
             TakeNativeNodes(runner, device)]

@@ -115,8 +115,8 @@ class NcclCommunicator(Communicator):
         self._stop.set()
 
     # -- watchdog ------------------------------------------------------------------------------
-    def track(self, key: int, event, label: str) -> None:
-        """Register collective ``key`` as enqueued now, complete once ``event`` has happened."""
+    def track(self, key, event, label: str) -> None:
+        """Register ``key`` (a collective's position, or a step's key) as enqueued now, complete once ``event`` has happened."""
         self._inflight[key] = (time.monotonic(), event, label)
 
     def _watch(self) -> None:

@@ -76,9 +76,12 @@ class GpuProgram(ProgramBase):
     ``backend`` compiles its items; ``debug_sync`` synchronizes the device after every item."""
 
     def __init__(self, cut: CutGraph, backend: Backend, comm: Communicator, device: GpuDevice, *,
-                 debug_sync: bool = False):
+                 debug_sync: bool = False, collectives=None):
         super().__init__(cut, backend, comm)  # segments and native groups compiled, constants on the device
         self.device, self.debug_sync = device, debug_sync
+        # EXPERIMENT: the step's collectives inside its sessions (session_collectives.Registry), or None.
+        self.session_collectives = collectives if comm.size > 1 else None
+        self.step_done = device.cp.cuda.Event(disable_timing=True)
         cp = self.cp = device.cp
         producer = self.producer
         # Segment pos -> positions of the collectives whose outputs it reads directly.
@@ -128,7 +131,7 @@ class GpuProgram(ProgramBase):
         left every multi-rank program uncaptured: 4 H100s, GPT-2-small 600 kernel launches and
         15 stream synchronizations per step from the host, run h100x4-s23.)"""
         relaxed = getattr(self.comm, "relaxed", True)
-        if not self.collective_pos or self.comm.size == 1 or relaxed is True:
+        if not (self.collective_pos or self.session_collectives) or self.comm.size == 1 or relaxed is True:
             return
         print(f"transpile: warning: {self.cut.where}: no CUDA graphs (the NCCL watchdog could not enter relaxed "
               "capture mode): every session runs uncaptured", file=sys.stderr, flush=True)
@@ -301,6 +304,12 @@ class GpuProgram(ProgramBase):
         for c in self.collective_pos:
             if c not in waited:
                 compute.wait_event(self.done[c])
+        if self.session_collectives is not None:
+            # Collectives inside the sessions: the same rule for their buckets, and the watchdog
+            # watches the step as a whole (an event recorded inside a captured graph cannot be queried).
+            self.session_collectives.wait_all(compute)
+            self.step_done.record(compute)
+            comm.track(("step", id(self)), self.step_done, f"a step of {self.cut.where} (its collectives run inside its sessions)")
         return {name: env[name] for name in self.cut.outputs}
 
 

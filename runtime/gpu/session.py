@@ -18,6 +18,7 @@ from runtime.gpu.compile import SegmentPass, compile_segment
 from runtime.gpu.cuda import ORT_DTYPES
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.in_session import DOMAIN as IN_SESSION_DOMAIN
+from runtime.gpu.session_collectives import FINISH, START
 from runtime.segments import Segment, place
 
 # Buffers onnxruntime allocates itself start at a multiple of 256 bytes (cudaMalloc, its arena),
@@ -27,6 +28,8 @@ from runtime.segments import Segment, place
 # a tensor at any element. Such an input is copied into a buffer of its own before a run (and
 # GpuProgram binds no output into a bucket slot that is misaligned).
 ALIGN_BYTES = 16
+# The op names TakeNativeNodes gives taken start and finish nodes (their op_type and a number).
+COLLECTIVE_OP_PREFIXES = (f"{START}_", f"{FINISH}_")
 
 
 def misaligned(value) -> bool:
@@ -104,6 +107,10 @@ class SessionPolicy:
             options.add_session_config_entry("session.use_env_allocators", "1")
         if custom_ops:
             ort_custom_ops.register(options, IN_SESSION_DOMAIN, custom_ops)
+        if any(op.name.startswith(COLLECTIVE_OP_PREFIXES) for op in custom_ops):
+            # EXPERIMENT (session_collectives.py): onnxruntime's priority order follows the node
+            # order, where each start is placed right after its bucket's last gradient.
+            options.execution_order = self.ort.ExecutionOrder.PRIORITY_BASED
         if self.dump:
             options.optimized_model_filepath = os.path.join(self.dump, re.sub(r"\W+", "_", where) + ".onnx")
         # onnxruntime's constant folding stays off: specialization and the lowering fold what is

@@ -1,0 +1,259 @@
+"""Collectives inside the step's onnxruntime session. EXPERIMENT (GRAPH_TRANSPILER_SESSION_COLLECTIVES=1),
+written without a GPU: not yet run on one. Why and the design: docs/gpu.md, "What the cut costs, and
+what replaces it".
+
+Today the cut (runtime/segments.py) ends a session at every collective: 18 sessions per GPT-2-small
+step on 4 ranks, 2.7 ms of the step with no communication at all and 2.8 GiB more memory than one
+session (the values that cross a cut live in the program's block while each session's own
+intermediates live in the arena). Here the cut keeps the collective nodes in the segments
+(``cut_graph(..., collectives_inside=True)``) and the compile pass ``SessionCollectives`` makes
+each of them two nodes of ``DOMAIN``, which TakeNativeNodes then runs as custom ops:
+
+- ``Start`` (the previous start's token, then the collective's inputs) -> its token: copies the
+  inputs into the bucket (a flat device buffer laid out by the op class, CollectiveOp.flat_layout),
+  records ``ready`` on the compute stream, makes the communication stream wait for it and enqueues
+  the collective there (CollectiveOp.launch_flat), then records ``done`` there;
+- ``Finish`` (the token) -> the collective's outputs: makes the compute stream wait for ``done``
+  and copies the results out of the bucket.
+
+The token chain puts every rank's NCCL calls in one order (the collectives' ``order``), which NCCL
+needs, the more so once a CUDA graph captures them: every rank must capture the same calls. A
+captured session records the event pairs as the graph's edges between the two streams and NCCL's
+kernels as its nodes, so a step is one replay per session. The nodes are ordered for onnxruntime's
+PRIORITY_BASED execution order, which follows the node order where the dependencies allow (a CPU
+probe: the default order computes every gradient before the first start, which would leave nothing
+to overlap): each start right after the last producer of its inputs, each finish right before the
+first reader of its outputs.
+
+Invariants: a bucket's buffer is written by its start (compute stream) and read by its collective
+(communication stream, after ``ready``) and its finish (compute stream, after ``done``); the next
+step's start comes after this step's finish in the compute stream's order, so one buffer serves
+every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
+from runtime.errors import RunError
+from runtime.specialize import static_values
+
+DOMAIN = "graph_transpiler.session_collectives"
+START, FINISH = "Start", "Finish"
+TOKEN_SHAPE = (1,)
+
+
+def rewrite(model: onnx.ModelProto, where: str) -> onnx.ModelProto:
+    """``model`` (a specialized segment) with each collective node replaced by its start and finish
+    (the module docstring), the nodes reordered for the PRIORITY_BASED order. A node keeps its
+    collective's attributes (the start: all, with ``collective`` naming the op type; both:
+    ``bucket``, the collective's ``order``), and each token gets its value_info."""
+    graph = model.graph
+    nodes = list(graph.node)
+    collectives = sorted((n for n in nodes if n.domain == COLLECTIVE_DOMAIN), key=_order)
+    if not collectives:
+        return model
+    orders = [_order(n) for n in collectives]
+    if len(set(orders)) != len(orders):
+        raise RunError(f"{where}: collective 'order' attributes repeat: {orders}")
+    starts, finishes, tokens = {}, {}, []
+    previous = None
+    for node in collectives:
+        k = _order(node)
+        token = f"{DOMAIN}.token{k}"
+        start = helper.make_node(START, ([previous] if previous else []) + list(node.input), [token], domain=DOMAIN,
+                                 name=f"{node.name or node.op_type}.start", collective=node.op_type, bucket=k,
+                                 chained=int(previous is not None))
+        start.attribute.extend(a for a in node.attribute if a.name not in ("collective", "bucket", "chained"))
+        finish = helper.make_node(FINISH, [token], list(node.output), domain=DOMAIN, name=f"{node.name or node.op_type}.finish",
+                                  bucket=k)
+        starts[k], finishes[k] = start, finish
+        tokens.append(token)
+        previous = token
+    ordered = _order_nodes([n for n in nodes if n.domain != COLLECTIVE_DOMAIN], [starts[k] for k in orders],
+                           [finishes[k] for k in orders], {i.name for i in graph.input} | {t.name for t in graph.initializer},
+                           [o.name for o in graph.output], where)
+    del graph.node[:]
+    graph.node.extend(ordered)
+    graph.value_info.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, list(TOKEN_SHAPE)) for t in tokens)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def _order(node: onnx.NodeProto) -> int:
+    for a in node.attribute:
+        if a.name == "order":
+            return int(a.i)
+    raise RunError(f"collective node '{node.name}' ({node.op_type}) has no 'order' attribute")
+
+
+def _order_nodes(plain: list[onnx.NodeProto], starts: list[onnx.NodeProto], finishes: list[onnx.NodeProto],
+                 available: set[str], outputs: list[str], where: str) -> list[onnx.NodeProto]:
+    """A topological order of every node: the plain nodes in their order; each start (in token
+    order) as soon as its inputs exist; each finish just before the first plain node that reads one
+    of its outputs, the rest at the end."""
+    produced_by_finish = {name: f for f in finishes for name in f.output}
+    have = set(available)
+    out: list[onnx.NodeProto] = []
+    pending = list(starts)  # in token order: each needs the one before it
+    emitted_finish: set[int] = set()
+
+    def emit(node):
+        out.append(node)
+        have.update(node.output)
+
+    def flush_starts():
+        while pending and all(n in have for n in pending[0].input if n):
+            emit(pending.pop(0))
+
+    def finish_for(name: str) -> None:
+        f = produced_by_finish.get(name)
+        if f is None or id(f) in emitted_finish:
+            return
+        if f.input[0] not in have:  # its start has not run: every plain node before must go first
+            raise RunError(f"{where}: a value of collective '{f.name}' is read before the collective's inputs exist")
+        emitted_finish.add(id(f))
+        emit(f)
+        flush_starts()
+
+    flush_starts()
+    for node in plain:
+        for name in node.input:
+            if name:
+                finish_for(name)
+        emit(node)
+        flush_starts()
+    if pending:
+        raise RunError(f"{where}: collective '{pending[0].name}' has inputs no node computes")
+    for f in finishes:
+        if id(f) not in emitted_finish:
+            emit(f)
+    return out
+
+
+@dataclass
+class Bucket:
+    """What one collective's start and finish share (made at the start's first launch)."""
+
+    op: CollectiveOp
+    flat: Any = None
+    inputs: dict[str, Any] = field(default_factory=dict)  # input name -> its view of ``flat``
+    outputs: dict[str, Any] = field(default_factory=dict)
+    mean_view: Any = None
+    ready: Any = None
+    done: Any = None
+
+
+class Registry:
+    """The buckets of one process's step sessions, by collective order, and how runners reach the
+    communicator (set by GpuBackend.make_program before any session is compiled)."""
+
+    def __init__(self):
+        self.comm = None
+        self.buckets: dict[int, Bucket] = {}
+        # From each finish node (record_finishes): the collective's output names and static specs.
+        self.outputs: dict[int, list[str]] = {}
+        self.specs: dict[int, list[TensorSpec]] = {}
+
+    def bucket(self, node: onnx.NodeProto, where: str, device) -> Bucket:
+        k = _attr(node, "bucket")
+        found = self.buckets.get(k)
+        if found is None:
+            collective = onnx.NodeProto()
+            collective.CopyFrom(node)
+            collective.op_type, collective.domain = _attr(node, "collective"), COLLECTIVE_DOMAIN
+            del collective.input[:]
+            collective.input.extend(node.input[1:] if _attr(node, "chained") else node.input)
+            del collective.output[:]
+            collective.output.extend(self.outputs[k])
+            keep = [a for a in collective.attribute if a.name not in ("collective", "bucket", "chained")]
+            del collective.attribute[:]
+            collective.attribute.extend(keep)
+            found = self.buckets[k] = Bucket(make_collective(collective, self.specs[k], self.comm.rank, where))
+        return found
+
+    def wait_all(self, stream) -> None:
+        """``stream`` waits for every collective enqueued so far: the end of a step, outside any
+        capture, so that the next step's starts never write a bucket NCCL still reads (a rank that
+        is not a Reduce's root reads none of its results, so no finish of its own waits for it)."""
+        for bucket in self.buckets.values():
+            if bucket.done is not None:
+                stream.wait_event(bucket.done)
+
+
+def _attr(node: onnx.NodeProto, name: str):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a).decode() if a.type == onnx.AttributeProto.STRING else helper.get_attribute_value(a)
+    raise RunError(f"node '{node.name}' ({node.op_type}) lacks attribute '{name}'")
+
+
+def record_finishes(model: onnx.ModelProto, registry: Registry) -> None:
+    """The output names and static specs of every finish of ``model`` (a specialized segment), for
+    the start of the same bucket, which runs first and lays out the bucket."""
+    known = static_values(model.graph)
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type == FINISH:
+            k = _attr(node, "bucket")
+            registry.outputs[k] = list(node.output)
+            registry.specs[k] = [TensorSpec(known[o][0], helper.tensor_dtype_to_np_dtype(known[o][1])) for o in node.output]
+
+
+class StartRunner:
+    """Runs one start node inside a session (the module docstring); ``launch`` as native runners do."""
+
+    def __init__(self, node: onnx.NodeProto, where: str, device, registry: Registry):
+        self.node, self.where, self.device, self.registry = node, where, device, registry
+        self.names = list(node.input[1:] if _attr(node, "chained") else node.input)
+        self.bucket: Bucket | None = None
+
+    def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
+        comm, cp, compute = self.registry.comm, self.device.cp, self.device.compute
+        if self.bucket is None:
+            self.bucket = bucket = self.registry.bucket(self.node, self.where, self.device)
+            op = bucket.op
+            layout = op.flat_layout([tuple(values[n].shape) for n in self.names], comm.size, comm.rank)
+            bucket.flat = cp.zeros(layout.total, dtype=np.dtype(values[self.names[0]].dtype) if self.names
+                                   else np.dtype(op.output_specs[0].dtype))
+            bucket.inputs = op.flat_inputs(layout, bucket.flat)
+            bucket.outputs = op.flat_outputs(layout, bucket.flat)
+            bucket.mean_view = op.flat_mean_view(layout, bucket.flat)
+            bucket.ready = cp.cuda.Event(disable_timing=True)
+            bucket.done = cp.cuda.Event(disable_timing=True)
+        bucket = self.bucket
+        with compute:  # the copies in order with the session's kernels, whichever thread calls
+            for name in self.names:
+                bucket.inputs[name][...] = values[name]
+        bucket.ready.record(compute)
+        comm.stream.wait_event(bucket.ready)
+        bucket.op.launch_flat(comm, bucket.flat, bucket.mean_view, bucket.op.label)
+        bucket.done.record(comm.stream)
+
+
+class FinishRunner:
+    def __init__(self, node: onnx.NodeProto, where: str, device, registry: Registry):
+        self.node, self.where, self.device, self.registry = node, where, device, registry
+        self.k = _attr(node, "bucket")
+
+    def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
+        bucket = self.registry.buckets.get(self.k)
+        if bucket is None or bucket.done is None:
+            raise RunError(f"{self.where}: '{self.node.name}' ran before its collective started")
+        compute = self.device.compute
+        compute.wait_event(bucket.done)
+        with compute:
+            for name in self.node.output:
+                values[name][...] = bucket.outputs[name]
+
+
+def runner(group, where: str, device, registry: Registry):
+    """The runner of one start or finish node (TakeNativeNodes hands each node as a group of one)."""
+    (node,) = group.nodes
+    return (StartRunner if node.op_type == START else FinishRunner)(node, where, device, registry)
