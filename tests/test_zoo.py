@@ -96,36 +96,48 @@ NOTABLE = ("SplitToSequence", "HardSwish", "HardSigmoid", "Reciprocal", "Sin", "
 OPS: dict[tuple[str, str, int], list[str]] = {}
 
 
-@pytest.fixture(scope="session")
-def zoo_export(tmp_path_factory):
-    """``zoo_export(model, exporter, opset)`` -> (model.onnx, the torch module, data, export seconds).
+_EXPORTS: dict[tuple[str, str, int], tuple] = {}  # per session, shared with tests/test_zoo_cli.py
+
+
+def export_zoo_model(model: str, exporter: str, opset: int, tmp_path_factory):
+    """(model.onnx, the torch module, data, export seconds) of a zoo case, exported once per session.
 
     The module's state is then set from the exported initializers: TorchScript's training export
     runs one forward, which advances BatchNorm's running statistics (docs/architecture.md)."""
-    cache: dict = {}
+    key = (model, exporter, opset)
+    if key not in _EXPORTS:
+        entry = ZOO[model]
+        if entry.transformers:
+            pytest.importorskip("transformers")
+        module, data = entry.make(), entry.data(ROWS)
+        path = tmp_path_factory.mktemp(f"{model}-{exporter}-{opset}") / "model.onnx"
+        start = time.perf_counter()
+        _export(module, data, path, exporter, opset)
+        seconds = time.perf_counter() - start
+        proto = onnx.load(str(path))
+        OPS[key] = [op for op in NOTABLE if any(n.op_type == op for n in proto.graph.node)]
+        arrays = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+        with torch.no_grad():
+            for name, tensor in module.state_dict(keep_vars=True).items():
+                if name in arrays and tensor.is_floating_point() and arrays[name].shape == tuple(tensor.shape):
+                    tensor.copy_(torch.from_numpy(arrays[name].copy()))
+        _EXPORTS[key] = (path, module, data, seconds)
+    return _EXPORTS[key]
 
-    def get(model: str, exporter: str, opset: int):
-        key = (model, exporter, opset)
-        if key not in cache:
-            entry = ZOO[model]
-            if entry.transformers:
-                pytest.importorskip("transformers")
-            module, data = entry.make(), entry.data(ROWS)
-            path = tmp_path_factory.mktemp(f"{model}-{exporter}-{opset}") / "model.onnx"
-            start = time.perf_counter()
-            _export(module, data, path, exporter, opset)
-            seconds = time.perf_counter() - start
-            proto = onnx.load(str(path))
-            OPS[key] = [op for op in NOTABLE if any(n.op_type == op for n in proto.graph.node)]
-            arrays = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
-            with torch.no_grad():
-                for name, tensor in module.state_dict(keep_vars=True).items():
-                    if name in arrays and tensor.is_floating_point() and arrays[name].shape == tuple(tensor.shape):
-                        tensor.copy_(torch.from_numpy(arrays[name].copy()))
-            cache[key] = (path, module, data, seconds)
-        return cache[key]
 
-    return get
+@pytest.fixture(scope="session")
+def zoo_export(tmp_path_factory):
+    """``zoo_export(model, exporter, opset)`` -> export_zoo_model's (model.onnx, module, data, export seconds)."""
+    return lambda model, exporter, opset: export_zoo_model(model, exporter, opset, tmp_path_factory)
+
+
+def zoo_freeze(model: str, path: Path) -> str | None:
+    """The zoo entry's --freeze regex, or None where the export has no initializer it matches
+    (TorchScript writes such buffers as Constant nodes: nothing to freeze)."""
+    freeze = ZOO[model].freeze
+    if freeze and not any(re.search(freeze, t.name) for t in onnx.load(str(path)).graph.initializer):
+        return None
+    return freeze
 
 
 def _torch_tensors(module) -> dict[str, torch.Tensor]:
@@ -190,22 +202,26 @@ def _train_and_compare(model, exporter, opset, zoo_export, tmp_path, measured: d
 
     entry = ZOO[model]
     path, module, data, export_s = zoo_export(model, exporter, opset)
-    freeze = entry.freeze
-    if freeze and not any(re.search(freeze, t.name) for t in onnx.load(str(path)).graph.initializer):
-        freeze = None  # TorchScript writes such buffers as Constant nodes: nothing to freeze
     start = time.perf_counter()
     transpile(path, tmp_path / "out", Options(world_size=WORLD, optimizer=OptimizerConfig("sgd", lr=LR),
-                                              strategy=strategy, sync_bn=entry.sync_bn), freeze=freeze,
-              train=entry.train)
+                                              strategy=strategy, sync_bn=entry.sync_bn),
+              freeze=zoo_freeze(model, path), train=entry.train)
     transpile_s = time.perf_counter() - start
     start = time.perf_counter()
     result = simulate(tmp_path / "out", data, batch=BATCH, steps=STEPS)
     run_s = time.perf_counter() - start
     assert_replicas_identical(result.parameters)
+    compare_with_torch(module, data, result.parameters[0], result.losses, measured, export_s=export_s,
+                       transpile_s=transpile_s, run_s=run_s)
 
+
+def compare_with_torch(module, data: dict[str, np.ndarray], ours: dict[str, np.ndarray], losses: list[float],
+                       measured: dict, **extra: float) -> None:
+    """Assert that ``ours`` (the trained tensors by name after STEPS steps of BATCH rows) and the
+    global ``losses`` equal PyTorch's own STEPS steps of torch.optim.SGD on ``module``; the errors
+    (error, loss, moved, tensors, noise) and ``extra`` go into ``measured`` before the asserts."""
     torch_losses, expected = train_torch(module, data)
     initial = {n: t.detach().numpy() for n, t in _torch_tensors(module).items()}
-    ours = result.parameters[0]
     unknown = sorted(set(ours) - set(expected))
     assert not unknown, f"trained tensors that are no torch parameter or buffer: {unknown[:5]}"
     trained_ids = {id(_torch_tensors(module)[n]) for n in ours}
@@ -224,11 +240,10 @@ def _train_and_compare(model, exporter, opset, zoo_export, tmp_path, measured: d
     error = max_rel_error({n: ours[n] for n in resolvable}, {n: expected[n] for n in resolvable})
     noise_error = max((float(np.max(np.abs(ours[n].astype(np.float64) - expected[n]))) for n in noise), default=0.0)
     moved = max_rel_error({n: initial[n] for n in ours}, {n: expected[n] for n in ours})
-    loss_error = float(np.max(np.abs(np.array(result.losses) - torch_losses) / np.abs(torch_losses)))
-    measured.update(error=error, loss=loss_error, moved=moved, tensors=len(ours), noise=len(noise),
-                    export_s=export_s, transpile_s=transpile_s, run_s=run_s)
+    loss_error = float(np.max(np.abs(np.array(losses) - torch_losses) / np.abs(torch_losses)))
+    measured.update(error=error, loss=loss_error, moved=moved, tensors=len(ours), noise=len(noise), **extra)
     assert moved > 1e-4, "3 SGD steps did not move the parameters"
-    assert loss_error <= TOLERANCE, f"losses {result.losses} vs torch {torch_losses}"
+    assert loss_error <= TOLERANCE, f"losses {losses} vs torch {torch_losses}"
     worst = max(resolvable, key=lambda n: max_rel_error({n: ours[n]}, {n: expected[n]}))
     assert error <= TOLERANCE, f"max relative error {error:.3g} vs torch.optim.SGD (worst: {worst})"
     assert noise_error <= TOLERANCE * biggest, f"tensors without a resolvable update differ by {noise_error:.3g}"
