@@ -85,8 +85,10 @@ def run_and_sample(command: list[str], cwd: Path) -> dict:
             "max_rank_peak_mib": round(max((kib for kib, _ in ranks.values()), default=0) / 1024, 1)}
 
 
-def build_data(work: Path, gib: float, small: dict[str, np.ndarray]) -> dict[str, Path]:
-    """DATA.npz, npy/ and parquet/ holding the same ``gib`` GiB, written a chunk at a time."""
+def build_data(work: Path, gib: float, small: dict[str, np.ndarray], formats: set[str]) -> None:
+    """npy/ (always: the others are made from it), and data.parquet and data.npz where ``formats``
+    asks, holding the same ``gib`` GiB, written a chunk at a time; a format already there is kept
+    (a set larger than memory is written once: 26 GiB of .npy, and the .npz of it, took 52 GiB)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -95,25 +97,33 @@ def build_data(work: Path, gib: float, small: dict[str, np.ndarray]) -> dict[str
     row_bytes = sum(a[0].nbytes for a in small.values())
     rows = int(gib * (1 << 30) // row_bytes)
     npy = work / "npy"
-    npy.mkdir(parents=True, exist_ok=True)
-    maps = {name: np.lib.format.open_memmap(npy / f"{name}.npy", mode="w+", dtype=a.dtype, shape=(rows, *a.shape[1:]))
-            for name, a in small.items()}
-    writer = None
-    for start in range(0, rows, CHUNK_ROWS):
-        stop = min(rows, start + CHUNK_ROWS)
-        index = np.arange(start, stop) % len(next(iter(small.values())))
-        chunk = {name: a[index] for name, a in small.items()}
-        for name, array in chunk.items():
-            maps[name][start:stop] = array
-        table = pa.table({name: parquet_column(array) for name, array in chunk.items()})
-        writer = writer or pq.ParquetWriter(work / "data.parquet", table.schema)
-        writer.write_table(table, row_group_size=1024)
-    writer.close()
-    for array in maps.values():
-        array.flush()
-    del maps
-    np.savez(work / "data.npz", **{name: np.load(npy / f"{name}.npy", mmap_mode="r") for name in small})
-    return {"npz": work / "data.npz", "npy": npy, "parquet": work / "data.parquet"}
+    write_npy = not all((npy / f"{name}.npy").is_file() for name in small)
+    write_parquet = "parquet" in formats and not (work / "data.parquet").is_file()
+    if write_npy or write_parquet:
+        npy.mkdir(parents=True, exist_ok=True)
+        maps = {name: np.lib.format.open_memmap(npy / f"{name}.npy", mode="w+" if write_npy else "r", dtype=a.dtype,
+                                                shape=(rows, *a.shape[1:]) if write_npy else None)
+                for name, a in small.items()}
+        writer = None
+        for start in range(0, rows, CHUNK_ROWS):
+            stop = min(rows, start + CHUNK_ROWS)
+            index = np.arange(start, stop) % len(next(iter(small.values())))
+            chunk = {name: a[index] for name, a in small.items()}
+            if write_npy:
+                for name, array in chunk.items():
+                    maps[name][start:stop] = array
+            if write_parquet:
+                table = pa.table({name: parquet_column(array) for name, array in chunk.items()})
+                writer = writer or pq.ParquetWriter(work / "data.parquet", table.schema)
+                writer.write_table(table, row_group_size=1024)
+        if writer is not None:
+            writer.close()
+        for array in maps.values():
+            if write_npy:
+                array.flush()
+        del maps
+    if "npz" in formats and not (work / "data.npz").is_file():
+        np.savez(work / "data.npz", **{name: np.load(npy / f"{name}.npy", mmap_mode="r") for name in small})
 
 
 def scan(path: Path, out: Path, rank: int, world: int, batch: int, shuffle: bool) -> dict:
@@ -161,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     cli = [sys.executable, "-m", "transpiler.cli"]
     subprocess.run([*cli, str(work / "gpt" / "model.onnx"), "--gpus", str(args.ranks), "--optimizer", "adamw",
                     "-o", str(work / "out")], check=True, capture_output=True)
-    if not (work / "data.npz").is_file():
-        build_data(work, args.gib, small)
+    formats = args.formats.split(",")
+    build_data(work, args.gib, small, set(formats))
     paths = {"npz": work / "data.npz", "npy": work / "npy", "parquet": work / "data.parquet"}
     sizes = {kind: sum(p.stat().st_size for p in ([path] if path.is_file() else path.iterdir()))
-             for kind, path in paths.items()}
+             for kind, path in paths.items() if kind in formats or kind == "npy"}
     results = {"dataset_gib": round(sizes["npy"] / (1 << 30), 3), "ranks": args.ranks, "steps": args.steps,
                "batch": args.batch, "model": "gpt (models.generate)", "formats": {}}
     for kind in args.formats.split(","):
