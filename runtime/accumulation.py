@@ -35,6 +35,7 @@ from contract.names import ACC, NEXT
 from contract.plan import Accumulator, GraphFiles, Plan
 from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
+from runtime.graph_names import FreshNames
 
 FLOAT = onnx.TensorProto.FLOAT
 
@@ -72,7 +73,7 @@ def accumulation_graphs(step: onnx.ModelProto, plan: Plan, files: GraphFiles, k:
             types.update(_types(onnx.shape_inference.infer_shapes(step, strict_mode=False)))
         except Exception:  # noqa: BLE001 - e.g. a model over 2 GB: float32 is then assumed
             pass
-    names = _Names(step)
+    names = FreshNames(step.graph)
     produced_at = {out: i for i, node in enumerate(graph.node) for out in node.output}
     known = set(produced_at) | {v.name for v in graph.input} | {t.name for t in graph.initializer}
     outputs = {o.name for o in graph.output}
@@ -108,30 +109,20 @@ def _step_graph(step, wraps, shapes, produced_at, inverse: str, k: int, names) -
     renamed = {}
     for g, dtype, acc, _ in wraps:
         shape = list(shapes[g.param])
-        value = g.value
-        nodes = []
-        if dtype != FLOAT:
-            wide = names.fresh(value + ".fp32")
-            nodes.append(helper.make_node("Cast", [value], [wide], to=FLOAT, name=names.fresh(f"grad_accum/{g.param}/fp32")))
-            value = wide
         total, mean = names.fresh(g.value + ".sum"), names.fresh(g.value + ".mean_of_micro_batches")
-        nodes.append(helper.make_node("Add", [acc, value], [total], name=names.fresh(f"grad_accum/{g.param}/add")))
+        nodes = _accumulate(graph, g, dtype, acc, total, shape, names)
         nodes.append(helper.make_node("Mul", [total, inverse], [mean], name=names.fresh(f"grad_accum/{g.param}/mean")))
-        infos = [(total, FLOAT), (mean, FLOAT)] + ([(value, FLOAT)] if value != g.value else [])
+        infos = [(total, FLOAT), (mean, FLOAT)]
         if dtype != FLOAT:
             low = names.fresh(g.value + ".mean_of_micro_batches.sent")
             nodes.append(helper.make_node("Cast", [mean], [low], to=dtype, name=names.fresh(f"grad_accum/{g.param}/sent")))
             infos.append((low, dtype))
             mean = low
         graph.value_info.extend(helper.make_tensor_value_info(n, t, shape) for n, t in infos)
-        graph.input.append(helper.make_tensor_value_info(acc, FLOAT, shape))
         after.setdefault(produced_at.get(g.value, -1), []).extend(nodes)
         renamed[g.value] = mean
     inserted = {id(n) for nodes in after.values() for n in nodes}
-    ordered = list(after.get(-1, []))
-    for i, node in enumerate(graph.node):
-        ordered.append(node)
-        ordered.extend(after.get(i, []))
+    ordered = _with_inserted(graph, after)
     for node in ordered:
         if id(node) in inserted:
             continue
@@ -144,6 +135,29 @@ def _step_graph(step, wraps, shapes, produced_at, inverse: str, k: int, names) -
     return model
 
 
+def _accumulate(graph: onnx.GraphProto, g, dtype: int, acc: str, out: str, shape: list[int], names) -> list[onnx.NodeProto]:
+    """``out = acc + gradient`` in float32 (a --grad-dtype gradient widened first), with the
+    accumulator declared as a graph input: the nodes both derived graphs insert after the gradient."""
+    value, nodes = g.value, []
+    if dtype != FLOAT:
+        value = names.fresh(g.value + ".fp32")
+        nodes.append(helper.make_node("Cast", [g.value], [value], to=FLOAT, name=names.fresh(f"grad_accum/{g.param}/fp32")))
+        graph.value_info.append(helper.make_tensor_value_info(value, FLOAT, shape))
+    nodes.append(helper.make_node("Add", [acc, value], [out], name=names.fresh(f"grad_accum/{g.param}/add")))
+    graph.input.append(helper.make_tensor_value_info(acc, FLOAT, shape))
+    return nodes
+
+
+def _with_inserted(graph: onnx.GraphProto, after: dict[int, list[onnx.NodeProto]]) -> list[onnx.NodeProto]:
+    """The graph's nodes with ``after[i]`` right after node i (``after[-1]`` first): a topological
+    order, each inserted node following the node that computes its gradient."""
+    ordered = list(after.get(-1, []))
+    for i, node in enumerate(graph.node):
+        ordered.append(node)
+        ordered.extend(after.get(i, []))
+    return ordered
+
+
 def _accumulate_graph(step, wraps, shapes, produced_at, plan: Plan, files: GraphFiles, names) -> onnx.ModelProto:
     """Micro-batches 1..K-1: the loss, each accumulator + gradient, the buffers' next values; the
     rest of the step graph (collectives of the gradients, the update) cut away."""
@@ -153,23 +167,11 @@ def _accumulate_graph(step, wraps, shapes, produced_at, plan: Plan, files: Graph
     after: dict[int, list[onnx.NodeProto]] = {}
     outputs = [plan.loss]
     for g, dtype, acc, acc_next in wraps:
-        shape = list(shapes[g.param])
-        value = g.value
-        nodes = []
-        if dtype != FLOAT:
-            wide = names.fresh(value + ".fp32")
-            nodes.append(helper.make_node("Cast", [value], [wide], to=FLOAT, name=names.fresh(f"grad_accum/{g.param}/fp32")))
-            graph.value_info.append(helper.make_tensor_value_info(wide, FLOAT, shape))
-            value = wide
-        nodes.append(helper.make_node("Add", [acc, value], [acc_next], name=names.fresh(f"grad_accum/{g.param}/add")))
-        graph.input.append(helper.make_tensor_value_info(acc, FLOAT, shape))
+        nodes = _accumulate(graph, g, dtype, acc, acc_next, list(shapes[g.param]), names)
         after.setdefault(produced_at.get(g.value, -1), []).extend(nodes)
         outputs.append(acc_next)
     outputs += [s.output for s in files.state if s.kind == "buffer"]
-    ordered = list(after.get(-1, []))
-    for i, node in enumerate(graph.node):
-        ordered.append(node)
-        ordered.extend(after.get(i, []))
+    ordered = _with_inserted(graph, after)
     types = {o.name: o for o in graph.output}
     acc_types = {acc_next: helper.make_tensor_value_info(acc_next, FLOAT, list(shapes[g.param]))
                  for g, _, _, acc_next in wraps}
@@ -218,22 +220,3 @@ def _types(model: onnx.ModelProto) -> dict[str, int]:
         if vi.type.HasField("tensor_type"):
             types[vi.name] = vi.type.tensor_type.elem_type
     return types
-
-
-class _Names:
-    """Fresh top-level names: ``fresh(base)`` is ``base`` unless the graph (or an earlier call)
-    uses it, then ``base.1``, ``base.2``, ..."""
-
-    def __init__(self, model: onnx.ModelProto):
-        graph = model.graph
-        self.used = {v.name for v in [*graph.input, *graph.output, *graph.value_info]}
-        self.used |= {t.name for t in graph.initializer}
-        self.used |= {name for node in graph.node for name in [*node.output, node.name]}
-
-    def fresh(self, base: str) -> str:
-        name, n = base, 0
-        while name in self.used:
-            n += 1
-            name = f"{base}.{n}"
-        self.used.add(name)
-        return name

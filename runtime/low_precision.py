@@ -33,6 +33,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from runtime.graph_names import FreshNames
+
 __all__ = ["LOW_DTYPES", "EXACT_OPS", "has_low_precision", "lower"]
 
 LOW_DTYPES = frozenset({TensorProto.BFLOAT16, TensorProto.FLOAT16})
@@ -166,8 +168,7 @@ class _Rewriter:
     def __init__(self, graph: onnx.GraphProto, types: dict):
         self.types = types
         self.value_info: list[onnx.ValueInfoProto] = []
-        self.names = {n for node in graph.node for n in node.output} | {i.name for i in graph.input}
-        self.names |= {t.name for t in graph.initializer}
+        self.unique = FreshNames(graph, sep="_").fresh
         self.outputs = {o.name for o in graph.output}
         # A cast from a low dtype to float32 is no op here (the value is float32 already): its
         # readers read its input instead (an Identity chain trips onnxruntime's optimizer, 1.32).
@@ -182,13 +183,6 @@ class _Rewriter:
             copy.input[i] = self.alias.get(name, name)
         return copy
 
-    def unique(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.names:
-            k += 1
-            name = f"{base}_{k}"
-        self.names.add(name)
-        return name
 
     def low(self, name: str) -> int | None:
         elem = _elem(self.types, name)

@@ -9,7 +9,6 @@ its bucket's inputs and each finish right before the first reader of its outputs
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import numpy as np
 import onnx
@@ -26,6 +25,7 @@ from runtime.gpu.compile import SessionCollectives, Specialize, compile_segment
 from runtime.gpu.session_collectives import DOMAIN, FINISH, START, Registry
 from runtime.plan import load_plan
 from runtime.segments import cut_graph
+from runtime.simulate import run_threads
 from runtime.specialize import static_values
 from runtime.trainer import Trainer
 
@@ -101,32 +101,23 @@ def test_the_rewritten_step_computes_what_the_cut_program_does(out):
     path, data = out
     plan = load_plan(path)
     group = LocalGroup(WORLD)
-    expected, got, errors = [None] * WORLD, [None] * WORLD, []
+    expected, got = [None] * WORLD, [None] * WORLD
 
     def rank(r: int) -> None:
-        try:
-            comm = group.communicator(r)
-            trainer = Trainer(plan, comm, rank=r, backend=CpuBackend())
-            trainer.initialize()
-            shard = {k: v[r * 4:(r + 1) * 4] for k, v in data.items()}
-            feeds = {**shard, plan.lr_input: np.array(1e-3, np.float32), **trainer.state}
-            expected[r] = trainer.step_program.run({k: np.array(v, copy=True) for k, v in feeds.items()})
-            registry = Registry()
-            registry.comm = comm
-            segment, compiled = _rewritten(path, r, feeds, registry)
-            session = _session(compiled, registry, comm)
-            names = [o.name for o in session.get_outputs()]
-            got[r] = dict(zip(names, session.run(names, {k: np.array(feeds[k], copy=True) for k in segment.inputs})))
-        except BaseException as exc:  # noqa: BLE001 - reported below, the other rank released
-            errors.append(exc)
-            group.abort()
+        comm = group.communicator(r)
+        trainer = Trainer(plan, comm, rank=r, backend=CpuBackend())
+        trainer.initialize()
+        shard = {k: v[r * 4:(r + 1) * 4] for k, v in data.items()}
+        feeds = {**shard, plan.lr_input: np.array(1e-3, np.float32), **trainer.state}
+        expected[r] = trainer.step_program.run({k: np.array(v, copy=True) for k, v in feeds.items()})
+        registry = Registry()
+        registry.comm = comm
+        segment, compiled = _rewritten(path, r, feeds, registry)
+        session = _session(compiled, registry, comm)
+        names = [o.name for o in session.get_outputs()]
+        got[r] = dict(zip(names, session.run(names, {k: np.array(feeds[k], copy=True) for k in segment.inputs})))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors[0]
+    run_threads(group, rank)  # a failing rank aborts the group and raises here
     # One session where the cut made several: onnxruntime fuses and orders the float32 arithmetic
     # of the update differently, so equal up to rounding (relative to each tensor's scale), not bits.
     for r in range(WORLD):
