@@ -77,7 +77,7 @@ def _session(compiled, registry: Registry, comm):
 
         def compute(ctx, original=original, ins=ins, outs=outs, k=k):
             if original.op_type == START:
-                bucket = registry.bucket(original, "step", None)
+                bucket = registry.bucket(k, "step")
                 chained = next(a.i for a in original.attribute if a.name == "chained")
                 values = [_array(ctx.input_ptr(i), s, d).copy() for i, (_, s, d) in enumerate(ins)][chained:]
                 results[k] = bucket.op.run(comm, values) or []

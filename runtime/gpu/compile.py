@@ -124,8 +124,8 @@ class SessionCollectives(SegmentPass):
         Specialize().ensures(state)
 
     def call(self, state):
-        state.model = session_collectives.rewrite(state.model, state.where)
-        session_collectives.record_finishes(state.model, self.registry)
+        state.model, originals = session_collectives.rewrite(state.model, state.where)
+        self.registry.record(state.model, originals)
 
     def ensures(self, state):
         assert not any(n.domain == COLLECTIVE_DOMAIN for n in state.model.graph.node), "a collective node is left"

@@ -49,31 +49,31 @@ START, FINISH = "Start", "Finish"
 TOKEN_SHAPE = (1,)
 
 
-def rewrite(model: onnx.ModelProto, where: str) -> onnx.ModelProto:
+def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
     """``model`` (a specialized segment) with each collective node replaced by its start and finish
-    (the module docstring), the nodes reordered for the PRIORITY_BASED order. A node keeps its
-    collective's attributes (the start: all, with ``collective`` naming the op type; both:
-    ``bucket``, the collective's ``order``), and each token gets its value_info."""
+    (the module docstring), the nodes reordered for the PRIORITY_BASED order, each token with its
+    value_info; and the collective nodes replaced, by ``order``. The start and finish carry
+    ``bucket`` (the collective's order); the start ``chained`` (whether its first input is the
+    previous start's token)."""
     graph = model.graph
     nodes = list(graph.node)
     collectives = sorted((n for n in nodes if n.domain == COLLECTIVE_DOMAIN), key=_order)
     if not collectives:
-        return model
+        return model, {}
     orders = [_order(n) for n in collectives]
     if len(set(orders)) != len(orders):
         raise RunError(f"{where}: collective 'order' attributes repeat: {orders}")
-    starts, finishes, tokens = {}, {}, []
+    starts, finishes, tokens, originals = {}, {}, [], {}
     previous = None
     for node in collectives:
         k = _order(node)
         token = f"{DOMAIN}.token{k}"
-        start = helper.make_node(START, ([previous] if previous else []) + list(node.input), [token], domain=DOMAIN,
-                                 name=f"{node.name or node.op_type}.start", collective=node.op_type, bucket=k,
-                                 chained=int(previous is not None))
-        start.attribute.extend(a for a in node.attribute if a.name not in ("collective", "bucket", "chained"))
-        finish = helper.make_node(FINISH, [token], list(node.output), domain=DOMAIN, name=f"{node.name or node.op_type}.finish",
-                                  bucket=k)
-        starts[k], finishes[k] = start, finish
+        starts[k] = helper.make_node(START, ([previous] if previous else []) + list(node.input), [token], domain=DOMAIN,
+                                     name=f"{node.name or node.op_type}.start", bucket=k, chained=int(previous is not None))
+        finishes[k] = helper.make_node(FINISH, [token], list(node.output), domain=DOMAIN,
+                                       name=f"{node.name or node.op_type}.finish", bucket=k)
+        originals[k] = onnx.NodeProto()
+        originals[k].CopyFrom(node)
         tokens.append(token)
         previous = token
     ordered = _order_nodes([n for n in nodes if n.domain != COLLECTIVE_DOMAIN], [starts[k] for k in orders],
@@ -84,7 +84,7 @@ def rewrite(model: onnx.ModelProto, where: str) -> onnx.ModelProto:
     graph.value_info.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, list(TOKEN_SHAPE)) for t in tokens)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return model
+    return model, originals
 
 
 def _order(node: onnx.NodeProto) -> int:
@@ -158,26 +158,22 @@ class Registry:
     def __init__(self):
         self.comm = None
         self.buckets: dict[int, Bucket] = {}
-        # From each finish node (record_finishes): the collective's output names and static specs.
-        self.outputs: dict[int, list[str]] = {}
+        # From the compile pass (``record``): each collective node replaced, and its output specs.
+        self.nodes: dict[int, onnx.NodeProto] = {}
         self.specs: dict[int, list[TensorSpec]] = {}
 
-    def bucket(self, node: onnx.NodeProto, where: str, device) -> Bucket:
-        k = _attr(node, "bucket")
-        found = self.buckets.get(k)
-        if found is None:
-            collective = onnx.NodeProto()
-            collective.CopyFrom(node)
-            collective.op_type, collective.domain = _attr(node, "collective"), COLLECTIVE_DOMAIN
-            del collective.input[:]
-            collective.input.extend(node.input[1:] if _attr(node, "chained") else node.input)
-            del collective.output[:]
-            collective.output.extend(self.outputs[k])
-            keep = [a for a in collective.attribute if a.name not in ("collective", "bucket", "chained")]
-            del collective.attribute[:]
-            collective.attribute.extend(keep)
-            found = self.buckets[k] = Bucket(make_collective(collective, self.specs[k], self.comm.rank, where))
-        return found
+    def record(self, model: onnx.ModelProto, originals: dict[int, onnx.NodeProto]) -> None:
+        """The collectives ``rewrite`` replaced in ``model`` (a specialized segment) and the static
+        specs of their outputs, for the starts, which run first and lay the buckets out."""
+        known = static_values(model.graph)
+        for k, node in originals.items():
+            self.nodes[k] = node
+            self.specs[k] = [TensorSpec(known[o][0], helper.tensor_dtype_to_np_dtype(known[o][1])) for o in node.output]
+
+    def bucket(self, k: int, where: str) -> Bucket:
+        if k not in self.buckets:
+            self.buckets[k] = Bucket(make_collective(self.nodes[k], self.specs[k], self.comm.rank, where))
+        return self.buckets[k]
 
     def wait_all(self, stream) -> None:
         """``stream`` waits for every collective enqueued so far: the end of a step, outside any
@@ -188,22 +184,11 @@ class Registry:
                 stream.wait_event(bucket.done)
 
 
-def _attr(node: onnx.NodeProto, name: str):
+def _attr(node: onnx.NodeProto, name: str) -> int:
     for a in node.attribute:
         if a.name == name:
-            return helper.get_attribute_value(a).decode() if a.type == onnx.AttributeProto.STRING else helper.get_attribute_value(a)
+            return a.i
     raise RunError(f"node '{node.name}' ({node.op_type}) lacks attribute '{name}'")
-
-
-def record_finishes(model: onnx.ModelProto, registry: Registry) -> None:
-    """The output names and static specs of every finish of ``model`` (a specialized segment), for
-    the start of the same bucket, which runs first and lays out the bucket."""
-    known = static_values(model.graph)
-    for node in model.graph.node:
-        if node.domain == DOMAIN and node.op_type == FINISH:
-            k = _attr(node, "bucket")
-            registry.outputs[k] = list(node.output)
-            registry.specs[k] = [TensorSpec(known[o][0], helper.tensor_dtype_to_np_dtype(known[o][1])) for o in node.output]
 
 
 class StartRunner:
@@ -217,7 +202,7 @@ class StartRunner:
     def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
         comm, cp, compute = self.registry.comm, self.device.cp, self.device.compute
         if self.bucket is None:
-            self.bucket = bucket = self.registry.bucket(self.node, self.where, self.device)
+            self.bucket = bucket = self.registry.bucket(_attr(self.node, "bucket"), self.where)
             op = bucket.op
             layout = op.flat_layout([tuple(values[n].shape) for n in self.names], comm.size, comm.rank)
             bucket.flat = cp.zeros(layout.total, dtype=np.dtype(values[self.names[0]].dtype) if self.names
