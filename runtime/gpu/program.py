@@ -305,9 +305,9 @@ class GpuProgram(ProgramBase):
             if c not in waited:
                 compute.wait_event(self.done[c])
         if self.session_collectives is not None:
-            # Collectives inside the sessions: the same rule for their buckets, and the watchdog
-            # watches the step as a whole (an event recorded inside a captured graph cannot be queried).
-            self.session_collectives.wait_all(compute)
+            # Collectives inside the sessions: each finish, in the session of its start, made the
+            # compute stream wait for its collective (the events were recorded inside a captured
+            # graph, so no stream can wait for them out here); the watchdog watches the step whole.
             self.step_done.record(compute)
             comm.track(("step", id(self)), self.step_done, f"a step of {self.cut.where} (its collectives run inside its sessions)")
         return {name: env[name] for name in self.cut.outputs}

@@ -69,9 +69,9 @@ def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[i
         k = _order(node)
         token = f"{DOMAIN}.token{k}"
         starts[k] = helper.make_node(START, ([previous] if previous else []) + list(node.input), [token], domain=DOMAIN,
-                                     name=f"{node.name or node.op_type}.start", bucket=k, chained=int(previous is not None))
+                                     name=f"{node.name or node.op_type}.start{k}", bucket=k, chained=int(previous is not None))
         finishes[k] = helper.make_node(FINISH, [token], list(node.output), domain=DOMAIN,
-                                       name=f"{node.name or node.op_type}.finish", bucket=k)
+                                       name=f"{node.name or node.op_type}.finish{k}", bucket=k)
         originals[k] = onnx.NodeProto()
         originals[k].CopyFrom(node)
         tokens.append(token)
@@ -174,14 +174,6 @@ class Registry:
         if k not in self.buckets:
             self.buckets[k] = Bucket(make_collective(self.nodes[k], self.specs[k], self.comm.rank, where))
         return self.buckets[k]
-
-    def wait_all(self, stream) -> None:
-        """``stream`` waits for every collective enqueued so far: the end of a step, outside any
-        capture, so that the next step's starts never write a bucket NCCL still reads (a rank that
-        is not a Reduce's root reads none of its results, so no finish of its own waits for it)."""
-        for bucket in self.buckets.values():
-            if bucket.done is not None:
-                stream.wait_event(bucket.done)
 
 
 def _attr(node: onnx.NodeProto, name: str) -> int:
