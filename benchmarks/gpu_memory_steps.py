@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -99,7 +101,8 @@ def main() -> None:
     backend.device.compute.synchronize()
     result["step_ms"] = round((time.perf_counter() - start) * 1e3 / max(args.timed_steps, 1), 3)
     if args.profile:
-        from benchmarks.bench_worker import kernel_profile
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_worker imports its siblings by name
+        from bench_worker import kernel_profile
 
         profile = kernel_profile(lambda: trainer.step_async(data, args.lr), backend.device.compute.synchronize, args.profile)
         result["profile"] = {k: v for k, v in profile.items() if not isinstance(v, list)}
