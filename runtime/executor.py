@@ -230,8 +230,7 @@ class Program(ProgramBase):
                 results = item.run(self.comm, values)
                 self.comm.current = None
             if self.timings is not None:
-                key = ("segments", item.index) if runner is not None else ("collectives", item.order)
-                self.timings.setdefault(key, []).append(time.perf_counter() - started)
+                self.timings.setdefault(timing_key(item, runner), []).append(time.perf_counter() - started)
             env.update(zip(item.outputs, results))
             for name in release:
                 del env[name]
@@ -243,9 +242,19 @@ class Program(ProgramBase):
         self.timings: dict[tuple[str, int], list[float]] | None = {}
 
     def median_timings(self) -> dict[str, dict[str, float]]:
-        """``{"segments": {index: s}, "collectives": {order: s}}``: medians over the recorded runs,
-        the format ``transpile inspect --timings`` reads."""
-        out: dict[str, dict[str, float]] = {"segments": {}, "collectives": {}}
-        for (kind, key), samples in sorted((self.timings or {}).items()):
-            out[kind][str(key)] = float(np.median(samples))
-        return out
+        return median_timings(self.timings or {})
+
+
+def timing_key(item, runner) -> tuple[str, int]:
+    """How ``--timings`` names a cut graph's item: a segment (or native group) by its index, a
+    collective by its order."""
+    return ("segments", item.index) if runner is not None else ("collectives", item.order)
+
+
+def median_timings(samples: dict[tuple[str, int], list[float]]) -> dict[str, dict[str, float]]:
+    """``{"segments": {index: s}, "collectives": {order: s}}``: medians of each item's recorded
+    seconds, the format ``transpile inspect --timings`` reads."""
+    out: dict[str, dict[str, float]] = {"segments": {}, "collectives": {}}
+    for (kind, key), values in sorted(samples.items()):
+        out[kind][str(key)] = float(np.median(values))
+    return out

@@ -96,6 +96,29 @@ def test_every_strategy_trains_the_gpt_like_the_cpu_backend(model_dir, tmp_path,
     np.testing.assert_allclose(gpu, cpu, rtol=1e-5)
 
 
+def test_timings_draw_a_measured_timeline(model_dir, tmp_path):
+    """``transpile run --timings`` on GPUs (CUDA events around each item on its stream) writes every
+    rank's times for every segment and collective of the step, each positive and under the step's
+    wall time, and ``transpile inspect --timeline --timings`` draws them as measured."""
+    import json
+
+    models = model_dir("gpt")
+    out = _transpile(models, tmp_path / "out", GPUS, "sharded")
+    timings = tmp_path / "t.json"
+    done = _run(str(out), "--data", str(models / "data.npz"), "--batch", str(4 * GPUS), "--steps", "12",
+                "--timings", str(timings))
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = json.loads(timings.read_text())["ranks"]
+    assert sorted(r["rank"] for r in ranks) == list(range(GPUS))
+    for r in ranks:
+        assert r["segments"] and r["collectives"], r
+        assert all(0 < t < 1.0 for kind in ("segments", "collectives") for t in r[kind].values()), r
+    inspect = subprocess.run([sys.executable, "-m", "transpiler.cli", "inspect", str(out), "--timeline",
+                              str(tmp_path / "t.svg"), "--timings", str(timings)], capture_output=True, text=True)
+    assert inspect.returncode == 0, inspect.stderr
+    assert "measured" in (tmp_path / "t.svg").read_text()
+
+
 def test_more_ranks_than_gpus_is_a_clear_error(model_dir, tmp_path):
     models = model_dir("perceptron")
     out = _transpile(models, tmp_path / "out", GPUS + 1)

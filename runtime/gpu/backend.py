@@ -42,6 +42,7 @@ class GpuBackend(Backend):
     equality tests); ``ep_options``: the user's CUDA EP options (``--ep-option``)."""
 
     name = "nccl"
+    records_timings = True  # --timings: CUDA events around each item of the bound steps (GpuProgram)
     runs_grad_accumulation = True  # --grad-accumulation K: the trainer's accumulate and step programs, two GpuPrograms
 
     def __init__(self, device_id: int = 0, *, tf32: bool = False, ep_options: dict[str, str] | None = None):

@@ -44,13 +44,14 @@ slots on the communication stream. What bounds the run-ahead is the feed of the 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Any
 
 import numpy as np
 
 from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
-from runtime.executor import Backend, ProgramBase
+from runtime.executor import Backend, ProgramBase, median_timings, timing_key
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.session import OrtCudaSegment, misaligned
 from runtime.segments import CutGraph
@@ -97,6 +98,8 @@ class GpuProgram(ProgramBase):
         self.copy_in: dict[int, list[str]] = {}
         self.outs: dict[int, list[dict[str, Any]]] = {}
         self.block_bytes = 0
+        # --timings: per recorded step, (item key, start event, end event) on the item's stream.
+        self.timed_steps: deque[list[tuple[tuple[str, int], Any, Any]]] | None = None
 
     def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
@@ -270,18 +273,56 @@ class GpuProgram(ProgramBase):
             internal[name] = block[offsets[name]:offsets[name] + nbytes].view(dtype).reshape(shape)
         return internal
 
+    # -- --timings: each item's time on its own stream ------------------------------------------
+    def record_timings(self, steps: int = 64) -> None:
+        """From the next bound call on, time every item of the last ``steps`` calls with a pair of
+        CUDA events around it on its stream (a session's or native group's on the compute stream,
+        a collective's on the communication stream after its wait): the GPU's time for the item,
+        as ``transpile inspect --timings`` draws it. No host wait is added; the events are read
+        by ``median_timings``."""
+        self.timed_steps = deque(maxlen=steps)
+
+    def median_timings(self) -> dict[str, dict[str, float]]:
+        self.device.synchronize()
+        samples: dict[tuple[str, int], list[float]] = {}
+        for marks in self.timed_steps or ():
+            for key, start, end in marks:
+                samples.setdefault(key, []).append(self.cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return median_timings(samples)
+
+    def _mark(self, marks, pos: int, stream):
+        """Records the start of item ``pos`` on ``stream`` where this call is timed; returns what
+        ``_marked`` needs to record its end."""
+        if marks is None:
+            return None
+        start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+        start.record(stream)
+        marks.append((timing_key(*self.steps[pos]), start, end))
+        return end
+
+    @staticmethod
+    def _marked(end, stream) -> None:
+        if end is not None:
+            end.record(stream)
+
     def _run_bound(self, feeds, parity: int):
         comm = self.comm
         compute = self.device.compute
         env = {**self.constants, **feeds}  # fed data: copied on the compute stream, in order
         waited: set[int] = set()
+        marks = None
+        if self.timed_steps is not None:
+            marks = []
+            self.timed_steps.append(marks)
         for pos, (item, runner) in enumerate(self.steps):
             if runner is not None:
                 for c in self.waits[pos]:
                     if c not in waited:
                         compute.wait_event(self.done[c])
                         waited.add(c)
+                end = self._mark(marks, pos, compute)
                 runner.run_bound(parity, env)
+                self._marked(end, compute)
                 if self.debug_sync:
                     self.device.synchronize()
                 env.update(self.outs[pos][parity])
@@ -290,11 +331,13 @@ class GpuProgram(ProgramBase):
             p = parity % len(slots.buffers)
             self.ready[pos].record(compute)
             comm.stream.wait_event(self.ready[pos])
+            end = self._mark(marks, pos, comm.stream)
             if self.copy_in[pos]:
                 with comm.stream:
                     for name in self.copy_in[pos]:
                         slots.inputs[p][name][...] = env[name]
             item.launch_flat(comm, slots.buffers[p], slots.mean_view[p], self.labels[pos])
+            self._marked(end, comm.stream)
             self.done[pos].record(comm.stream)
             if self.debug_sync:
                 self.device.synchronize()
