@@ -47,6 +47,11 @@ from runtime.ort_custom_ops_build import BuildError, load
 KNOWN_VERSIONS = ((1, 16), (2, 0))  # [first, past the last) (major, minor) of onnxruntime
 API_VERSION = 16  # the OrtApi asked for: every function below exists from 1.16 on
 OP_VERSION = 16  # OrtCustomOp.version: fields up to KernelComputeV2 are read (below)
+# An op with in-place hints (PythonOp.may_inplace) states version 18 and fills the fields up to
+# ReleaseAliasMap, where onnxruntime has C API 18 (1.18 on); elsewhere it goes in as version 16,
+# without the hints (its outputs then get buffers of their own: slower, the same results).
+INPLACE_OP_VERSION = 18
+INT_MAX = 2**31 - 1
 ORT_FAIL = 1  # OrtErrorCode
 INPUT_OUTPUT_REQUIRED = 0  # OrtCustomOpInputOutputCharacteristic
 MEM_TYPE_DEFAULT = 0  # OrtMemType: the provider's own memory (the device, for the CUDA EP)
@@ -95,8 +100,25 @@ _FIELDS = [  # OrtCustomOp, in order, up to OP_VERSION's last field
 ]
 
 
+_FIELDS_18 = [  # OrtCustomOp's fields after KernelComputeV2, to INPLACE_OP_VERSION's last
+    ("InferOutputShapeFn", ctypes.c_void_p),  # NULL: the shapes come from the graph's value_info
+    ("GetStartVersion", ctypes.CFUNCTYPE(ctypes.c_int, _OpP)),
+    ("GetEndVersion", ctypes.CFUNCTYPE(ctypes.c_int, _OpP)),
+    # size_t (*)(int** input_index, int** output_index): no op argument, so one function per op.
+    ("GetMayInplace", ctypes.CFUNCTYPE(_sz, ctypes.POINTER(ctypes.POINTER(ctypes.c_int)),
+                                       ctypes.POINTER(ctypes.POINTER(ctypes.c_int)))),
+    ("ReleaseMayInplace", ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int))),
+    ("GetAliasMap", ctypes.c_void_p),  # NULL: no output is always an alias
+    ("ReleaseAliasMap", ctypes.c_void_p),
+]
+
+
 class _OrtCustomOp(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), *_FIELDS]
+
+
+class _OrtCustomOp18(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), *_FIELDS, *_FIELDS_18]
 
 
 _KEEP: list = []  # every ctypes object onnxruntime may still point to (the module docstring)
@@ -177,6 +199,9 @@ class PythonOp:
     compute: Callable[[KernelContext], None]
     provider: str = "CPUExecutionProvider"
     label: str = ""  # what an error names (the node, where it is); the op's name if empty
+    # (input index, output index) pairs whose buffers onnxruntime may share, where the input is
+    # dead after this node (OrtCustomOp's GetMayInplace): a hint, so compute must handle both.
+    may_inplace: tuple[tuple[int, int], ...] = ()
     # The C strings GetName and GetExecutionProviderType hand onnxruntime (alive as long as the op).
     _c_name: ctypes.Array = field(init=False, repr=False)
     _c_provider: ctypes.Array = field(init=False, repr=False)
@@ -208,6 +233,7 @@ class _Callbacks:
 
     def __init__(self):
         self.api: OrtCApi | None = None
+        self.inplace_api = False  # whether onnxruntime reads version-18 ops (C API 18)
         f = dict(_FIELDS)
         bodies = {  # callback -> (its body, what onnxruntime gets if the body raises)
             "CreateKernel": (lambda op, api, info: op, None),
@@ -264,6 +290,7 @@ def _register(options, api_base) -> int | None:
             if not table:
                 raise RuntimeError(f"onnxruntime has no C API version {API_VERSION}")
             callbacks.api = OrtCApi(table)
+            callbacks.inplace_api = bool(get_api(INPLACE_OP_VERSION))
         api = callbacks.api
         while _PENDING:
             domain_name, ops = _PENDING.pop(0)
@@ -272,7 +299,7 @@ def _register(options, api_base) -> int | None:
             api.check(api.CreateCustomOpDomain(name, ctypes.byref(domain)), f"CreateCustomOpDomain({domain_name})")
             _KEEP.append(name)
             for op in ops:
-                struct = _OrtCustomOp(version=OP_VERSION, **callbacks.functions)
+                struct = _struct(op, callbacks)
                 address = ctypes.addressof(struct)
                 _OPS[address] = op
                 _KEEP.append(struct)
@@ -285,6 +312,31 @@ def _register(options, api_base) -> int | None:
             return None
         return callbacks.api.CreateStatus(ORT_FAIL, f"graph-transpiler custom ops: {exc}".encode(errors="replace"))
     return None
+
+
+def _struct(op: PythonOp, callbacks: _Callbacks) -> ctypes.Structure:
+    """The OrtCustomOp of ``op``: version 16, or 18 with its in-place hints where it has some and
+    onnxruntime reads them (C API 18)."""
+    if not op.may_inplace or not callbacks.inplace_api:
+        return _OrtCustomOp(version=OP_VERSION, **callbacks.functions)
+    pairs = list(op.may_inplace)
+    inputs = (ctypes.c_int * len(pairs))(*(i for i, _ in pairs))
+    outputs = (ctypes.c_int * len(pairs))(*(o for _, o in pairs))
+    fields = dict(_FIELDS_18)
+
+    def get(input_index, output_index):  # onnxruntime reads the arrays, then hands them to release
+        input_index[0] = ctypes.cast(inputs, ctypes.POINTER(ctypes.c_int))
+        output_index[0] = ctypes.cast(outputs, ctypes.POINTER(ctypes.c_int))
+        return len(pairs)
+
+    extra = {
+        "GetStartVersion": fields["GetStartVersion"](_guarded(1, lambda _: 1)),
+        "GetEndVersion": fields["GetEndVersion"](_guarded(INT_MAX, lambda _: INT_MAX)),
+        "GetMayInplace": fields["GetMayInplace"](_guarded(0, get)),
+        "ReleaseMayInplace": fields["ReleaseMayInplace"](lambda a, b: None),  # the arrays live in _KEEP
+    }
+    _KEEP.extend([inputs, outputs, *extra.values()])
+    return _OrtCustomOp18(version=INPLACE_OP_VERSION, **callbacks.functions, **extra)
 
 
 # The hook every loaded library gets: one object for the process (``reset`` may load another library).

@@ -119,3 +119,32 @@ def test_sessions_each_get_their_own_ops():
     x = np.zeros(2, np.float32)
     assert first.run(None, {"x": x})[0].tolist() == [1.0, 1.0]
     assert second.run(None, {"x": x})[0].tolist() == [7.0, 7.0]
+
+
+def test_an_in_place_hint_lets_the_output_share_its_dead_input_buffer():
+    """``may_inplace``: onnxruntime gives the output the buffer of an input no later node reads, and
+    a buffer of its own where a later node still reads the input; the op computes right either way."""
+    seen = []
+
+    def add_one(ctx):
+        shape, _ = ctx.input_shape(1)
+        x, y = ctx.input_ptr(1), ctx.output_ptr(0, shape)
+        seen.append(x == y)
+        _array(y, shape, np.float32)[...] = _array(x, shape, np.float32) + 1
+
+    f = TensorProto.FLOAT
+    vi = [helper.make_tensor_value_info(n, f, [4, 8]) for n in ("x", "y", "z")]
+    for later_reader, shared in ((False, True), (True, False)):
+        seen.clear()
+        nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Abs", ["x"], ["m"]),  # not one value (CSE)
+                 helper.make_node("AddOne", ["m", "n"], ["a"], domain="test.python"),
+                 helper.make_node("Add", ["a", "n" if later_reader else "a"], ["y"]), helper.make_node("Neg", ["m"], ["z"])]
+        model = _model(nodes, vi[:1], vi[1:])
+        # Shapes known where the session plans its buffers: it shares only buffers of one size.
+        model.graph.value_info.extend(helper.make_tensor_value_info(n, f, [4, 8]) for n in ("n", "m", "a"))
+        op = ort_custom_ops.PythonOp("AddOne", [f, f], [f], add_one, may_inplace=((1, 0),))
+        x = np.arange(-16, 16, dtype=np.float32).reshape(4, 8)
+        y, z = _session(model, [op]).run(None, {"x": x})
+        np.testing.assert_array_equal(y, (1 - x) + (-x if later_reader else 1 - x))
+        np.testing.assert_array_equal(z, -np.abs(x))
+        assert seen == [shared], (later_reader, seen)
