@@ -22,7 +22,7 @@ from runtime import ort_custom_ops
 from runtime.collectives import COLLECTIVE_DOMAIN, LocalGroup
 from runtime.executor import CpuBackend
 from runtime.gpu.compile import SessionCollectives, Specialize, compile_segment
-from runtime.gpu.session_collectives import DOMAIN, FINISH, START, Registry
+from runtime.gpu.session_collectives import DIRECT, DOMAIN, FINISH, START, Registry
 from runtime.plan import load_plan
 from runtime.segments import cut_graph
 from runtime.simulate import run_threads
@@ -61,10 +61,13 @@ def _rewritten(out, rank: int, feeds: dict, registry: Registry):
     return segment, compile_segment(segment, shapes, "step", [Specialize(), SessionCollectives(registry)], frozenset())
 
 
-def _session(compiled, registry: Registry, comm):
-    """The rewritten segment in onnxruntime's CPU EP, each start and finish a Python custom op."""
+def _session(compiled, registry: Registry, comm, shared: list | None = None):
+    """The rewritten segment in onnxruntime's CPU EP, each start and finish a Python custom op (a
+    direct one's finish with its in-place hints, as on the GPU); ``shared`` collects, per direct
+    output, whether onnxruntime gave it its staged input's buffer."""
     known = static_values(compiled.model.graph)
     results: dict[int, list[np.ndarray]] = {}
+    shared = [] if shared is None else shared
     ops = []
     for node in compiled.model.graph.node:
         if node.domain != DOMAIN:
@@ -74,21 +77,32 @@ def _session(compiled, registry: Registry, comm):
         ins = [(n, known[n][0], helper.tensor_dtype_to_np_dtype(known[n][1])) for n in node.input]
         outs = [(n, known[n][0], helper.tensor_dtype_to_np_dtype(known[n][1])) for n in node.output]
         k = next(a.i for a in node.attribute if a.name == "bucket")
+        direct = next(a.i for a in node.attribute if a.name == "direct")
 
-        def compute(ctx, original=original, ins=ins, outs=outs, k=k):
+        def compute(ctx, original=original, ins=ins, outs=outs, k=k, direct=direct):
             if original.op_type == START:
                 bucket = registry.bucket(k, "step")
                 chained = next(a.i for a in original.attribute if a.name == "chained")
                 values = [_array(ctx.input_ptr(i), s, d).copy() for i, (_, s, d) in enumerate(ins)][chained:]
                 results[k] = bucket.op.run(comm, values) or []
                 ctx.output_ptr(0, outs[0][1])  # the token exists once asked for (as _NodeKernel asks for every output)
+                for j, (_, s, d) in enumerate(outs[1:]):  # direct: the staged outputs, which NCCL writes on a GPU
+                    _array(ctx.output_ptr(1 + j, s), s, d)[...] = results[k][j]
+            elif direct:
+                for j, (_, s, d) in enumerate(outs):
+                    staged, out = ctx.input_ptr(1 + j), ctx.output_ptr(j, s)
+                    shared.append(staged == out)
+                    if staged != out:
+                        _array(out, s, d)[...] = _array(staged, s, d)
             else:
                 for j, (_, s, d) in enumerate(outs):
                     _array(ctx.output_ptr(j, s), s, d)[...] = results[k][j]
 
         op_type = f"{node.op_type}_{len(ops)}"
+        inplace = tuple((1 + j, j) for j in range(len(outs))) if direct and node.op_type == FINISH else ()
         ops.append(ort_custom_ops.PythonOp(op_type, [known[n][1] for n in node.input],
-                                           [known[n][1] for n in node.output], compute, label=node.name))
+                                           [known[n][1] for n in node.output], compute, label=node.name,
+                                           may_inplace=inplace))
         node.op_type = op_type
         del node.attribute[:]
     options = ort.SessionOptions()
@@ -102,6 +116,7 @@ def test_the_rewritten_step_computes_what_the_cut_program_does(out):
     plan = load_plan(path)
     group = LocalGroup(WORLD)
     expected, got = [None] * WORLD, [None] * WORLD
+    shared: list[bool] = []
 
     def rank(r: int) -> None:
         comm = group.communicator(r)
@@ -113,13 +128,17 @@ def test_the_rewritten_step_computes_what_the_cut_program_does(out):
         registry = Registry()
         registry.comm = comm
         segment, compiled = _rewritten(path, r, feeds, registry)
-        session = _session(compiled, registry, comm)
+        session = _session(compiled, registry, comm, shared)
         names = [o.name for o in session.get_outputs()]
         got[r] = dict(zip(names, session.run(names, {k: np.array(feeds[k], copy=True) for k in segment.inputs})))
 
     run_threads(group, rank)  # a failing rank aborts the group and raises here
     # One session where the cut made several: onnxruntime fuses and orders the float32 arithmetic
     # of the update differently, so equal up to rounding (relative to each tensor's scale), not bits.
+    # AllReduce runs direct: onnxruntime hands the finish's outputs the staged buffers, no copy.
+    direct = any(n.domain == COLLECTIVE_DOMAIN and n.op_type in DIRECT
+                 for n in onnx.load(str(path / plan.graphs(0).step.name)).graph.node)
+    assert (len(shared) > 0) == direct and all(shared), shared
     for r in range(WORLD):
         assert set(got[r]) == set(expected[r])
         errors_by_name = {k: max_rel_error({k: got[r][k]}, {k: np.asarray(expected[r][k])}) for k in got[r]}

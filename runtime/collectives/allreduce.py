@@ -19,3 +19,8 @@ class AllReduce(CollectiveOp):
 
     def call_flat(self, comm, buf, label):
         comm.all_reduce_flat(buf, label)
+
+    def launch_direct(self, comm, sends, recvs, label: str) -> None:
+        """Out of place on the caller's buffers, one tensor each (runtime/gpu/session_collectives.py);
+        the mean included. Needs a communicator with ``all_reduce_many`` (the nccl one)."""
+        comm.all_reduce_many(sends, recvs, self.attrs["reduction"] == "mean", label)

@@ -96,7 +96,8 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
         op_type = f"{node.op_type}_{len(ops)}"
         kernel = _NodeKernel(node_runner, original, ins, outs, device, where)
         ops.append(PythonOp(op_type, [known[n][1] for n in node.input], [known[n][1] for n in node.output], kernel,
-                            provider=device.provider, label=f"{where}: '{original.name or original.op_type}'"))
+                            provider=device.provider, label=f"{where}: '{original.name or original.op_type}'",
+                            may_inplace=getattr(node_runner, "may_inplace", ())))
         taken.add((node.domain, node.op_type))
         node.domain, node.op_type = DOMAIN, op_type
         del node.attribute[:]

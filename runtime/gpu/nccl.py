@@ -178,6 +178,33 @@ class NcclCommunicator(Communicator):
         self._call(label, "allReduce", buf.data.ptr, buf.data.ptr, buf.size,
                    _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM)
 
+    def all_reduce_many(self, sends, recvs, mean: bool, label: str) -> None:
+        """``recvs[i] = sum (or mean) over ranks of sends[i]``, out of place, as one NCCL group on the
+        communication stream (one launch). The mean is NCCL's ncclAvg where CuPy has it: each
+        input scaled by 1/size, then summed, which equals sum / size exactly where size is a power
+        of two and within one rounding elsewhere; else the sum, then the division."""
+        if self.size == 1:
+            for send, recv in zip(sends, recvs):
+                with self.stream:
+                    recv[...] = send
+            return
+        nccl = self._nccl
+        avg = getattr(nccl, "NCCL_AVG", None) if mean else None
+        op = avg if avg is not None else nccl.NCCL_SUM
+        try:
+            nccl.groupStart()
+            try:
+                for send, recv in zip(sends, recvs):
+                    self.comm.allReduce(send.data.ptr, recv.data.ptr, send.size, _nccl_dtype(nccl, send.dtype), op,
+                                        self.stream.ptr)
+            finally:
+                nccl.groupEnd()
+        except Exception as exc:  # cupy.cuda.nccl.NcclError, CUDARuntimeError
+            raise RunError(f"rank {self.rank}: NCCL failed in {label}: {exc}") from None
+        if mean and avg is None:
+            for recv in recvs:
+                self.finish_mean(recv)
+
     def reduce_flat(self, buf, root: int, label: str) -> None:
         self._call(label, "reduce", buf.data.ptr, buf.data.ptr, buf.size,
                    _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM, root)
