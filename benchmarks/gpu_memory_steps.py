@@ -53,6 +53,11 @@ class PretendWorld(NcclCommunicator):
     def _call(self, label, method, *args) -> None:
         return None
 
+    def all_reduce_many(self, sends, recvs, mean, label) -> None:  # as one rank: the sum is the input
+        for send, recv in zip(sends, recvs):
+            with self.stream:
+                recv[...] = send
+
 
 def _world_one(device: int) -> NcclCommunicator:
     return NcclCommunicator(None, device)
