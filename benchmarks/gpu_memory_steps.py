@@ -53,10 +53,8 @@ class PretendWorld(NcclCommunicator):
     def _call(self, label, method, *args) -> None:
         return None
 
-    def all_reduce_many(self, sends, recvs, mean, label) -> None:  # as one rank: the sum is the input
-        for send, recv in zip(sends, recvs):
-            with self.stream:
-                recv[...] = send
+    def _launches(self) -> bool:  # the direct collectives as one rank's: each result is the input
+        return False
 
 
 def _world_one(device: int) -> NcclCommunicator:

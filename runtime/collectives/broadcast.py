@@ -30,3 +30,7 @@ class Broadcast(CollectiveOp):
 
     def call_flat(self, comm, buf, label):
         comm.broadcast_flat(buf, self.attrs["root"], label)
+
+    def launch_direct(self, comm, sends, recvs, label: str) -> None:
+        """Out of place on the caller's buffers (AllReduce.launch_direct); ``sends`` empty off the root."""
+        comm.broadcast_many(sends, recvs, self.attrs["root"], label)

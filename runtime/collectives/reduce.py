@@ -26,3 +26,7 @@ class Reduce(CollectiveOp):
 
     def receives_result(self, rank):
         return rank == self.attrs["root"]
+
+    def launch_direct(self, comm, sends, recvs, label: str) -> None:
+        """Out of place on the caller's buffers (AllReduce.launch_direct); ``recvs`` empty off the root."""
+        comm.reduce_many(sends, recvs, self.attrs["root"], self.attrs["reduction"] == "mean", label)

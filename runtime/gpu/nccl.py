@@ -178,32 +178,65 @@ class NcclCommunicator(Communicator):
         self._call(label, "allReduce", buf.data.ptr, buf.data.ptr, buf.size,
                    _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM)
 
+    # -- direct collectives: one tensor per call, out of place, one NCCL group per bucket ---------
+    # (runtime/gpu/session_collectives.py: the session's own buffers, no bucket.) A mean is NCCL's
+    # ncclAvg where CuPy has it: each input scaled by 1/size, then summed, which equals sum / size
+    # exactly where size is a power of two and within one rounding elsewhere; else the sum, then
+    # the division.
     def all_reduce_many(self, sends, recvs, mean: bool, label: str) -> None:
-        """``recvs[i] = sum (or mean) over ranks of sends[i]``, out of place, as one NCCL group on the
-        communication stream (one launch). The mean is NCCL's ncclAvg where CuPy has it: each
-        input scaled by 1/size, then summed, which equals sum / size exactly where size is a power
-        of two and within one rounding elsewhere; else the sum, then the division."""
-        if self.size == 1:
+        """``recvs[i] = sum (or mean) over ranks of sends[i]`` on every rank."""
+        op, divide = self._reduction(mean)
+        self._group(label, "allReduce", sends, recvs,
+                    [(s.data.ptr, r.data.ptr, s.size, _nccl_dtype(self._nccl, s.dtype), op) for s, r in zip(sends, recvs)])
+        if divide:
+            for recv in recvs:
+                self.finish_mean(recv)
+
+    def reduce_many(self, sends, recvs, root: int, mean: bool, label: str) -> None:
+        """On ``root``, ``recvs[i] = sum (or mean) over ranks of sends[i]``; elsewhere ``recvs`` is
+        empty and ``sends`` are only sent."""
+        op, divide = self._reduction(mean)
+        targets = recvs if self.rank == root else sends  # a non-root's receive buffer is not read
+        self._group(label, "reduce", sends, recvs,
+                    [(s.data.ptr, r.data.ptr, s.size, _nccl_dtype(self._nccl, s.dtype), op, root)
+                     for s, r in zip(sends, targets)])
+        if divide and self.rank == root:
+            for recv in recvs:
+                self.finish_mean(recv)
+
+    def broadcast_many(self, sends, recvs, root: int, label: str) -> None:
+        """``recvs[i] = root's sends[i]`` on every rank (only the root has ``sends``)."""
+        sources = sends if self.rank == root else recvs  # a non-root's send buffer is not read
+        self._group(label, "broadcast", sends, recvs,
+                    [(s.data.ptr, r.data.ptr, r.size, _nccl_dtype(self._nccl, r.dtype), root) for s, r in zip(sources, recvs)])
+
+    def _reduction(self, mean: bool) -> tuple[int, bool]:
+        """(NCCL op, whether a division must follow) for a sum or a mean."""
+        avg = getattr(self._nccl, "NCCL_AVG", None) if mean else None
+        return (avg, False) if avg is not None else (self._nccl.NCCL_SUM, mean)
+
+    def _launches(self) -> bool:
+        """Whether collectives go to NCCL (more than one rank); else a rank's result is its input."""
+        return self.size > 1
+
+    def _group(self, label: str, method: str, sends, recvs, calls: list[tuple]) -> None:
+        """``calls`` of the NCCL communicator's ``method`` as one group on the communication stream;
+        alone, each result is the rank's own input (copied where both exist)."""
+        if not self._launches():
             for send, recv in zip(sends, recvs):
                 with self.stream:
                     recv[...] = send
             return
         nccl = self._nccl
-        avg = getattr(nccl, "NCCL_AVG", None) if mean else None
-        op = avg if avg is not None else nccl.NCCL_SUM
         try:
             nccl.groupStart()
             try:
-                for send, recv in zip(sends, recvs):
-                    self.comm.allReduce(send.data.ptr, recv.data.ptr, send.size, _nccl_dtype(nccl, send.dtype), op,
-                                        self.stream.ptr)
+                for args in calls:
+                    getattr(self.comm, method)(*args, self.stream.ptr)
             finally:
                 nccl.groupEnd()
         except Exception as exc:  # cupy.cuda.nccl.NcclError, CUDARuntimeError
             raise RunError(f"rank {self.rank}: NCCL failed in {label}: {exc}") from None
-        if mean and avg is None:
-            for recv in recvs:
-                self.finish_mean(recv)
 
     def reduce_flat(self, buf, root: int, label: str) -> None:
         self._call(label, "reduce", buf.data.ptr, buf.data.ptr, buf.size,

@@ -18,17 +18,19 @@ each of them two nodes of ``DOMAIN``, which TakeNativeNodes then runs as custom 
   and copies the results out of the bucket.
 
 Those two copies cost GPT-2-small 0.6 to 1.0 ms a step on 4 H100s (about 1 GB of traffic each way).
-An AllReduce (``DIRECT``) runs without them: its start also outputs one staged buffer per output,
-which onnxruntime allocates and NCCL writes, out of place from the inputs, all of the bucket's
-tensors in one NCCL group (``AllReduce.launch_direct``; the mean as ncclAvg); its finish reads the
+AllReduce, Reduce and Broadcast (``DIRECT``) run without them: the start also outputs one staged
+buffer per output of the collective on this rank (none for a Reduce off its root), which
+onnxruntime allocates and NCCL writes, out of place from the inputs (none for a Broadcast off its
+root), all of the bucket's tensors in one NCCL group (the op's ``launch_direct``; the mean as
+ncclAvg); its finish reads the
 staged buffers and the inputs, so that onnxruntime hands neither to another value before NCCL is
 done, and tells onnxruntime that each output may take its staged buffer (``may_inplace``: a hint,
 honoured where the sizes match and nothing reads the staged value after; where declined, the
 finish copies). No node ever writes a buffer it reads as an input: onnxruntime may let values share
-buffers (Reshape, common subexpressions) in ways the rewrite cannot see. Reduce, Broadcast,
-ReduceScatter and AllGather keep the bucket (a receiver's buffer must exist at the start, and the
-zero strategy's shards cut across tensors). On CPU every staged buffer is taken in place
-(tests/test_session_collectives.py); on a GPU not yet run.
+buffers (Reshape, common subexpressions) in ways the rewrite cannot see. ReduceScatter and
+AllGather keep the bucket: the zero strategy's shards cut across tensors. On CPU every staged buffer
+is taken in place (tests/test_session_collectives.py); the direct AllReduce, Reduce and Broadcast
+have not run on a GPU yet.
 
 The token chain puts every rank's NCCL calls in one order (the collectives' ``order``), which NCCL
 needs, the more so once a CUDA graph captures them: every rank must capture the same calls. A
@@ -64,7 +66,7 @@ TOKEN_SHAPE = (1,)
 # Collectives run "direct": NCCL reads the session's own input buffers and writes into the start's
 # staged outputs, one tensor each in one NCCL group, and the finish hands the staged buffers on (the
 # module docstring). The others go through a flat bucket, with a copy in and a copy out.
-DIRECT = frozenset({"AllReduce"})
+DIRECT = frozenset({"AllReduce", "Reduce", "Broadcast"})
 STAGED = ".staged"  # suffix of a direct collective's staged output names
 
 
@@ -90,16 +92,23 @@ def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[i
         k = _order(node)
         token = f"{DOMAIN}.token{k}"
         direct = node.op_type in DIRECT
-        # Direct: the start's staged outputs are what NCCL writes; the finish reads them and the
-        # inputs too, so that neither buffer is handed to another value before NCCL is done.
-        staged = [f"{o}{STAGED}" for o in node.output] if direct else []
-        starts[k] = helper.make_node(START, ([previous] if previous else []) + list(node.input), [token, *staged],
+        # Direct: the start's outputs are what NCCL writes: a staged buffer for each output a node
+        # of the segment reads (the finish hands it on, so no reader runs before NCCL is done), the
+        # output itself for one only the segment's caller reads (the finish, before the session
+        # ends, makes the compute stream wait for NCCL: an output of a session is not copied into).
+        # The finish reads the staged buffers and the inputs, so that onnxruntime hands neither to
+        # another value before NCCL is done.
+        read_here = {n for other in nodes if other is not node for n in other.input}
+        staged_for = [o for o in node.output if o in read_here] if direct else []
+        staged = [f"{o}{STAGED}" for o in staged_for]
+        written = [f"{o}{STAGED}" if o in staged_for else o for o in node.output] if direct else []
+        starts[k] = helper.make_node(START, ([previous] if previous else []) + list(node.input), [token, *written],
                                      domain=DOMAIN, name=f"{node.name or node.op_type}.start{k}", bucket=k,
                                      chained=int(previous is not None), direct=int(direct))
-        finishes[k] = helper.make_node(FINISH, [token, *staged, *(node.input if direct else [])], list(node.output),
-                                       domain=DOMAIN, name=f"{node.name or node.op_type}.finish{k}", bucket=k,
-                                       direct=int(direct))
-        for name, out in zip(staged, node.output):
+        finishes[k] = helper.make_node(FINISH, [token, *staged, *(node.input if direct else [])],
+                                       staged_for if direct else list(node.output), domain=DOMAIN,
+                                       name=f"{node.name or node.op_type}.finish{k}", bucket=k, direct=int(direct))
+        for name, out in zip(staged, staged_for):
             if out not in known:
                 raise RunError(f"{where}: collective '{node.name}': output '{out}' has no static shape")
             shape, dtype = known[out]
@@ -222,7 +231,7 @@ class StartRunner:
     def __init__(self, node: onnx.NodeProto, where: str, device, registry: Registry):
         self.node, self.where, self.device, self.registry = node, where, device, registry
         self.names = list(node.input[1:] if _attr(node, "chained") else node.input)
-        self.staged = list(node.output[1:])  # direct: where NCCL writes
+        self.written = list(node.output[1:])  # direct: where NCCL writes (staged buffers, or the outputs)
         self.direct = bool(_attr(node, "direct"))
         self.bucket: Bucket | None = None
 
@@ -236,7 +245,7 @@ class StartRunner:
             bucket = self.bucket
             bucket.ready.record(compute)
             comm.stream.wait_event(bucket.ready)
-            bucket.op.launch_direct(comm, [values[n] for n in self.names], [values[n] for n in self.staged],
+            bucket.op.launch_direct(comm, [values[n] for n in self.names], [values[n] for n in self.written],
                                     bucket.op.label)
             bucket.done.record(comm.stream)
             return
