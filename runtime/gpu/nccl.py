@@ -185,8 +185,10 @@ class NcclCommunicator(Communicator):
     # the division.
     def all_reduce_many(self, sends, recvs, mean: bool, label: str) -> None:
         """``recvs[i] = sum (or mean) over ranks of sends[i]`` on every rank."""
+        if self._alone(sends, recvs):
+            return
         op, divide = self._reduction(mean)
-        self._group(label, "allReduce", sends, recvs,
+        self._group(label, "allReduce",
                     [(s.data.ptr, r.data.ptr, s.size, _nccl_dtype(self._nccl, s.dtype), op) for s, r in zip(sends, recvs)])
         if divide:
             for recv in recvs:
@@ -195,20 +197,23 @@ class NcclCommunicator(Communicator):
     def reduce_many(self, sends, recvs, root: int, mean: bool, label: str) -> None:
         """On ``root``, ``recvs[i] = sum (or mean) over ranks of sends[i]``; elsewhere ``recvs`` is
         empty and ``sends`` are only sent."""
+        if self._alone(sends, recvs):
+            return
         op, divide = self._reduction(mean)
         targets = recvs if self.rank == root else sends  # a non-root's receive buffer is not read
-        self._group(label, "reduce", sends, recvs,
-                    [(s.data.ptr, r.data.ptr, s.size, _nccl_dtype(self._nccl, s.dtype), op, root)
-                     for s, r in zip(sends, targets)])
+        self._group(label, "reduce", [(s.data.ptr, r.data.ptr, s.size, _nccl_dtype(self._nccl, s.dtype), op, root)
+                                      for s, r in zip(sends, targets)])
         if divide and self.rank == root:
             for recv in recvs:
                 self.finish_mean(recv)
 
     def broadcast_many(self, sends, recvs, root: int, label: str) -> None:
         """``recvs[i] = root's sends[i]`` on every rank (only the root has ``sends``)."""
+        if self._alone(sends, recvs):
+            return
         sources = sends if self.rank == root else recvs  # a non-root's send buffer is not read
-        self._group(label, "broadcast", sends, recvs,
-                    [(s.data.ptr, r.data.ptr, r.size, _nccl_dtype(self._nccl, r.dtype), root) for s, r in zip(sources, recvs)])
+        self._group(label, "broadcast", [(s.data.ptr, r.data.ptr, r.size, _nccl_dtype(self._nccl, r.dtype), root)
+                                         for s, r in zip(sources, recvs)])
 
     def _reduction(self, mean: bool) -> tuple[int, bool]:
         """(NCCL op, whether a division must follow) for a sum or a mean."""
@@ -219,14 +224,17 @@ class NcclCommunicator(Communicator):
         """Whether collectives go to NCCL (more than one rank); else a rank's result is its input."""
         return self.size > 1
 
-    def _group(self, label: str, method: str, sends, recvs, calls: list[tuple]) -> None:
-        """``calls`` of the NCCL communicator's ``method`` as one group on the communication stream;
-        alone, each result is the rank's own input (copied where both exist)."""
-        if not self._launches():
-            for send, recv in zip(sends, recvs):
-                with self.stream:
-                    recv[...] = send
-            return
+    def _alone(self, sends, recvs) -> bool:
+        """Where nothing launches, each result is the rank's own input (copied where both exist)."""
+        if self._launches():
+            return False
+        for send, recv in zip(sends, recvs):
+            with self.stream:
+                recv[...] = send
+        return True
+
+    def _group(self, label: str, method: str, calls: list[tuple]) -> None:
+        """``calls`` of the NCCL communicator's ``method`` as one group on the communication stream."""
         nccl = self._nccl
         try:
             nccl.groupStart()
