@@ -118,8 +118,8 @@ def build_data(work: Path, gib: float, small: dict[str, np.ndarray], formats: se
                 writer.write_table(table, row_group_size=1024)
         if writer is not None:
             writer.close()
-        for array in maps.values():
-            if write_npy:
+        if write_npy:
+            for array in maps.values():
                 array.flush()
         del maps
     if "npz" in formats and not (work / "data.npz").is_file():

@@ -194,17 +194,18 @@ def _accumulate_graph(step, wraps, shapes, produced_at, plan: Plan, files: Graph
         next(a for a in node.attribute if a.name == "order").i = number
     del graph.node[:]
     graph.node.extend(kept)
-    inputs = [v for v in graph.input if v.name in needed]
-    del graph.input[:]
-    graph.input.extend(inputs)
-    initializers = [t for t in graph.initializer if t.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)
     present = {out for node in kept for out in node.output}
-    infos = [v for v in graph.value_info if v.name in present]
-    del graph.value_info[:]
-    graph.value_info.extend(infos)
+    _keep(graph.input, needed)
+    _keep(graph.initializer, needed)
+    _keep(graph.value_info, present)
     return model
+
+
+def _keep(entries, names: set[str]) -> None:
+    """Of a graph's repeated field (inputs, initializers, value_info), the entries named in ``names``."""
+    kept = [e for e in entries if e.name in names]
+    del entries[:]
+    entries.extend(kept)
 
 
 def _order(node: onnx.NodeProto) -> int:

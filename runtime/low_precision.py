@@ -183,7 +183,6 @@ class _Rewriter:
             copy.input[i] = self.alias.get(name, name)
         return copy
 
-
     def low(self, name: str) -> int | None:
         elem = _elem(self.types, name)
         return elem if elem in LOW_DTYPES else None

@@ -208,4 +208,3 @@ class Trainer:
         running statistics)."""
         return {s.param or s.input: np.array(self.backend.to_host(self.state[s.input]), copy=True)
                 for s in self.state_entries if s.kind in EXPORTED_KINDS}
-
