@@ -27,6 +27,12 @@ class _Buffer:
         self.data, self.size, self.dtype = SimpleNamespace(ptr=ptr), size, np.dtype(np.float32)
 
 
+class _Stream(nullcontext):
+    """The communication stream: a context (copies alone) with a pointer (the calls)."""
+
+    ptr = 99
+
+
 def _communicator(rank: int, size: int, *, avg: bool = True, fail: bool = False):
     log: list[tuple] = []
     module = SimpleNamespace(NCCL_SUM=SUM, NCCL_FLOAT32=FLOAT32, NCCL_FLOAT64=8, NCCL_FLOAT16=6, NCCL_INT64=5,
@@ -49,9 +55,6 @@ def _communicator(rank: int, size: int, *, avg: bool = True, fail: bool = False)
     comm.finish_mean = lambda view: log.append(("mean", view.data.ptr))
     return comm, log
 
-
-class _Stream(nullcontext):
-    ptr = 99
 
 
 def test_all_reduce_is_one_group_of_out_of_place_calls_and_the_mean_is_ncclavg():

@@ -290,20 +290,13 @@ class GpuProgram(ProgramBase):
                 samples.setdefault(key, []).append(self.cp.cuda.get_elapsed_time(start, end) / 1e3)
         return median_timings(samples)
 
-    def _mark(self, marks, pos: int, stream):
-        """Records the start of item ``pos`` on ``stream`` where this call is timed; returns what
-        ``_marked`` needs to record its end."""
-        if marks is None:
-            return None
+    def _mark(self, marks: list, pos: int, stream):
+        """Records the start of item ``pos`` on ``stream`` in a timed call; returns the event to
+        record at its end."""
         start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
         start.record(stream)
         marks.append((timing_key(*self.steps[pos]), start, end))
         return end
-
-    @staticmethod
-    def _marked(end, stream) -> None:
-        if end is not None:
-            end.record(stream)
 
     def _run_bound(self, feeds, parity: int):
         comm = self.comm
@@ -320,9 +313,10 @@ class GpuProgram(ProgramBase):
                     if c not in waited:
                         compute.wait_event(self.done[c])
                         waited.add(c)
-                end = self._mark(marks, pos, compute)
+                end = self._mark(marks, pos, compute) if marks is not None else None
                 runner.run_bound(parity, env)
-                self._marked(end, compute)
+                if end is not None:
+                    end.record(compute)
                 if self.debug_sync:
                     self.device.synchronize()
                 env.update(self.outs[pos][parity])
@@ -331,13 +325,14 @@ class GpuProgram(ProgramBase):
             p = parity % len(slots.buffers)
             self.ready[pos].record(compute)
             comm.stream.wait_event(self.ready[pos])
-            end = self._mark(marks, pos, comm.stream)
+            end = self._mark(marks, pos, comm.stream) if marks is not None else None
             if self.copy_in[pos]:
                 with comm.stream:
                     for name in self.copy_in[pos]:
                         slots.inputs[p][name][...] = env[name]
             item.launch_flat(comm, slots.buffers[p], slots.mean_view[p], self.labels[pos])
-            self._marked(end, comm.stream)
+            if end is not None:
+                end.record(comm.stream)
             self.done[pos].record(comm.stream)
             if self.debug_sync:
                 self.device.synchronize()

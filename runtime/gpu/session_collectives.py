@@ -236,21 +236,31 @@ class StartRunner:
         self.bucket: Bucket | None = None
 
     def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
-        comm, cp, compute = self.registry.comm, self.device.cp, self.device.compute
+        comm, compute = self.registry.comm, self.device.compute
+        if self.bucket is None:
+            self.bucket = self._bucket(values)
+        bucket = self.bucket
+        if not self.direct:
+            with compute:  # the copies in order with the session's kernels, whichever thread calls
+                for name in self.names:
+                    bucket.inputs[name][...] = values[name]
+        bucket.ready.record(compute)
+        comm.stream.wait_event(bucket.ready)
         if self.direct:
-            if self.bucket is None:
-                self.bucket = self.registry.bucket(_attr(self.node, "bucket"), self.where)
-                self.bucket.ready = cp.cuda.Event(disable_timing=True)
-                self.bucket.done = cp.cuda.Event(disable_timing=True)
-            bucket = self.bucket
-            bucket.ready.record(compute)
-            comm.stream.wait_event(bucket.ready)
             bucket.op.launch_direct(comm, [values[n] for n in self.names], [values[n] for n in self.written],
                                     bucket.op.label)
-            bucket.done.record(comm.stream)
-            return
-        if self.bucket is None:
-            self.bucket = bucket = self.registry.bucket(_attr(self.node, "bucket"), self.where)
+        else:
+            bucket.op.launch_flat(comm, bucket.flat, bucket.mean_view, bucket.op.label)
+        bucket.done.record(comm.stream)
+
+    def _bucket(self, values: dict[str, Any]) -> Bucket:
+        """This collective's bucket, made at the first launch: its two events, and (not direct) its
+        flat buffer and the views of the inputs and outputs in it."""
+        comm, cp = self.registry.comm, self.device.cp
+        bucket = self.registry.bucket(_attr(self.node, "bucket"), self.where)
+        bucket.ready = cp.cuda.Event(disable_timing=True)
+        bucket.done = cp.cuda.Event(disable_timing=True)
+        if not self.direct:
             op = bucket.op
             layout = op.flat_layout([tuple(values[n].shape) for n in self.names], comm.size, comm.rank)
             bucket.flat = cp.zeros(layout.total, dtype=np.dtype(values[self.names[0]].dtype) if self.names
@@ -258,16 +268,7 @@ class StartRunner:
             bucket.inputs = op.flat_inputs(layout, bucket.flat)
             bucket.outputs = op.flat_outputs(layout, bucket.flat)
             bucket.mean_view = op.flat_mean_view(layout, bucket.flat)
-            bucket.ready = cp.cuda.Event(disable_timing=True)
-            bucket.done = cp.cuda.Event(disable_timing=True)
-        bucket = self.bucket
-        with compute:  # the copies in order with the session's kernels, whichever thread calls
-            for name in self.names:
-                bucket.inputs[name][...] = values[name]
-        bucket.ready.record(compute)
-        comm.stream.wait_event(bucket.ready)
-        bucket.op.launch_flat(comm, bucket.flat, bucket.mean_view, bucket.op.label)
-        bucket.done.record(comm.stream)
+        return bucket
 
 
 class FinishRunner:
