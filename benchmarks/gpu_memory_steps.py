@@ -50,10 +50,7 @@ class PretendWorld(NcclCommunicator):
         threading.Thread(target=self._watch, name="nccl-watchdog", daemon=True).start()
         self._relaxed_known.wait(5.0)
 
-    def _call(self, label, method, *args) -> None:
-        return None
-
-    def _launches(self) -> bool:  # the direct collectives as one rank's: each result is the input
+    def _launches(self) -> bool:  # every collective as one rank's: each result is the input
         return False
 
 

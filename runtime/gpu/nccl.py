@@ -167,7 +167,7 @@ class NcclCommunicator(Communicator):
     # -- flat-buffer collectives (Communicator's flat interface), enqueued on self.stream -------
     def _call(self, label: str, method: str, *args) -> None:
         """The NCCL communicator's ``method`` on ``args`` and the communication stream."""
-        if self.size == 1:
+        if not self._launches():
             return  # one rank: the sum, mean, root's value, shard and gather of a buffer are the buffer
         try:
             getattr(self.comm, method)(*args, self.stream.ptr)
