@@ -28,6 +28,9 @@ class SegmentRunner(ABC):
     def run(self, feeds: dict[str, Any]) -> list[Any]:
         """The segment's outputs, in ``segment.outputs`` order."""
 
+    def release(self) -> None:
+        """Drop what the runner holds on the device (sessions, their CUDA graphs); it is not run again."""
+
 
 class LaunchRunner(SegmentRunner):
     """A backend-native runner whose whole work is ``launch(values, allocate)`` on a mapping of

@@ -25,11 +25,7 @@ NATIVE_OFF = "GRAPH_TRANSPILER_NATIVE_OFF"
 # ~/.cache/graph-transpiler; runtime/ort_custom_ops.py).
 CACHE = "GRAPH_TRANSPILER_CACHE"
 
-# EXPERIMENT, until a GPU run decides: "1" runs a step's collectives inside its onnxruntime session
-# (runtime/gpu/session_collectives.py) instead of cutting the step at each of them.
-SESSION_COLLECTIVES = "GRAPH_TRANSPILER_SESSION_COLLECTIVES"
-
-ALL = (DEBUG_SYNC, DUMP, NATIVE_OFF, CACHE, SESSION_COLLECTIVES)
+ALL = (DEBUG_SYNC, DUMP, NATIVE_OFF, CACHE)
 
 
 def flag(name: str) -> bool:

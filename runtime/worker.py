@@ -307,6 +307,10 @@ def _rank_life(setup: Setup, launch: LaunchEnv | None, watchdog: Watchdog, *, ti
         return _finish(host, comm, watchdog, _agreed_exit(host))
     if host.rank == 0 and launch is not None and not spawned:
         print(f"launcher: {launch.launcher} ({host.size} rank(s), backend {config.backend})", flush=True)
+    def close() -> None:
+        if rank_comm is not comm:
+            rank_comm.close()  # NCCL's: after the sessions that captured its calls (NcclCommunicator.close)
+
     try:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
@@ -314,10 +318,12 @@ def _rank_life(setup: Setup, launch: LaunchEnv | None, watchdog: Watchdog, *, ti
               evaluator=evaluator)
     except PeerFailed:
         # Every rank knows (a host agreement): the rank that failed prints its line; all exit 2.
+        close()
         return _finish(host, comm, watchdog, _agreed_exit(host))
     except RunError as exc:
         print(f"transpile: error: rank {host.rank}: {exc}", file=sys.stderr, flush=True)
         if getattr(exc, "agreed", False):
+            close()
             return _finish(host, comm, watchdog, _agreed_exit(host))
         _tear_down(host, 2, spawned, watchdog)
     except OSError as exc:  # a write the loop does not handle itself (stdout closed, ...): one line
@@ -327,6 +333,7 @@ def _rank_life(setup: Setup, launch: LaunchEnv | None, watchdog: Watchdog, *, ti
         traceback.print_exc()
         print(f"transpile: error: rank {host.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
         _tear_down(host, 1, spawned, watchdog)
+    close()
     return _finish(host, comm, watchdog, 0)
 
 

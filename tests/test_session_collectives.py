@@ -1,4 +1,4 @@
-"""runtime/gpu/session_collectives.py (EXPERIMENT): the rewrite of a rank's step segment whose
+"""runtime/gpu/session_collectives.py: the rewrite of a rank's step segment whose
 collectives stay inside, checked on CPU. Each rank's segment, rewritten into start and finish nodes,
 runs in onnxruntime's CPU EP with the starts and finishes as Python custom ops that run the
 collective synchronously (the list form, on in-process ranks), and must compute what the cut

@@ -143,6 +143,13 @@ class Communicator(ABC):
     def abort(self, code: int) -> None:
         """Tear down every rank, so peers blocked in a collective do not hang after this rank fails."""
 
+    def before_destroy(self, release) -> None:
+        """Call ``release`` (a bound method) before ``close`` destroys this communicator's resources:
+        what captured its calls in CUDA graphs must go first (NcclCommunicator). Others hold none."""
+
+    def close(self) -> None:
+        """Destroy what the communicator holds, after the rank's last collective (default: nothing)."""
+
     # -- flat-buffer collectives ----------------------------------------------------------------
     # In place on one persistent flat buffer per collective (``CollectiveOp.flat_layout``), enqueued
     # rather than completed: what a device program runs every step (runtime/gpu/program.py). Always

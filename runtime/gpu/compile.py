@@ -113,7 +113,7 @@ def _all_nodes(graph: onnx.GraphProto):
 
 
 class SessionCollectives(SegmentPass):
-    """EXPERIMENT: the collective nodes the cut kept in the segment become start and finish nodes
+    """The collective nodes the cut kept in the segment become start and finish nodes
     run inside the session (runtime/gpu/session_collectives.py); their output specs are recorded
     in ``registry`` for the starts, which lay the buckets out."""
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import os
 import sys
+import gc
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -39,6 +41,7 @@ from runtime.gpu.cuda import import_cupy, relax_capture_mode
 
 DEFAULT_TIMEOUT_S = 300.0  # transpile run's --timeout default, which the rank passes (one knob for every watchdog)
 ABORT_WAIT_S = 3.0  # how long a failing rank waits for ncclCommAbort before it exits regardless
+DESTROY_WAIT_S = 20.0  # how long close() waits for the device, the sessions' release and ncclCommDestroy
 
 
 def _nccl_dtype(nccl, dtype: np.dtype) -> int:
@@ -96,6 +99,13 @@ class NcclCommunicator(Communicator):
         self._relaxed_known = threading.Event()
         self._aborted = False
         self._sync_calls = 0
+        # What must go before ncclCommDestroy (close): the sessions whose CUDA graphs captured this
+        # communicator's calls. NCCL will not destroy a communicator while a graph that captured it
+        # lives (commDestroySync polls until the graphs' references are gone), so a destroy left to
+        # the garbage collector, before the sessions, spun for ever at the end of a run (4 H200s,
+        # the perceptron, session collectives: 2 of 4 runs). Weak: the hooks do not keep programs alive.
+        self._before_destroy: list[weakref.WeakMethod] = []
+        self._watchdog: threading.Thread | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -107,12 +117,47 @@ class NcclCommunicator(Communicator):
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         if self.size > 1:
             self.comm = join_nccl(self._nccl, self.host, self.rank, self.size, self.device)
-        threading.Thread(target=self._watch, name="nccl-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="nccl-watchdog", daemon=True)
+        self._watchdog.start()
         # Programs decide whether to capture CUDA graphs from ``relaxed`` (GpuProgram): know it first.
         self._relaxed_known.wait(5.0)
 
+    def before_destroy(self, release: Callable[[], None]) -> None:
+        """Have ``close`` call ``release`` (a bound method) before it destroys the NCCL communicator."""
+        self._before_destroy.append(weakref.WeakMethod(release))
+
     def close(self) -> None:
+        """The end of the run on this rank (every rank calls it after its last collective): stop the
+        watchdog; then, in a helper thread, wait for the device, drop what captured NCCL calls
+        (``before_destroy``) and destroy the NCCL communicator. The rank waits for that at most
+        DESTROY_WAIT_S: one that does not finish (a collective a failed peer never joined, NCCL's
+        bug or ours) is left to the process's end instead of hanging the rank, and its thread keeps
+        CuPy's object alive, so no finalizer destroys it again. Not used after; idempotent."""
         self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(ABORT_WAIT_S)  # it reads self.comm: done before the communicator goes
+        comm, self.comm = self.comm, None
+        if comm is None:
+            return
+        releases = [release for release in (ref() for ref in self._before_destroy) if release is not None]
+        self._before_destroy.clear()
+
+        def destroy() -> None:
+            device = self.cp.cuda.Device(self.device)
+            device.use()
+            device.synchronize()
+            for release in releases:
+                release()
+            releases.clear()
+            gc.collect()  # a session held in a reference cycle goes now, before the destroy
+            comm.destroy()
+
+        destroying = threading.Thread(target=destroy, name="nccl-destroy", daemon=True)
+        destroying.start()
+        destroying.join(DESTROY_WAIT_S)
+        if destroying.is_alive():
+            print(f"transpile: warning: rank {self.rank}: the NCCL communicator was not destroyed within "
+                  f"{DESTROY_WAIT_S:.0f} s; it goes with the process", file=sys.stderr, flush=True)
 
     # -- watchdog ------------------------------------------------------------------------------
     def track(self, key, event, label: str) -> None:

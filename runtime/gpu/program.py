@@ -80,8 +80,9 @@ class GpuProgram(ProgramBase):
                  debug_sync: bool = False, collectives=None):
         super().__init__(cut, backend, comm)  # segments and native groups compiled, constants on the device
         self.device, self.debug_sync = device, debug_sync
-        # EXPERIMENT: the step's collectives inside its sessions (session_collectives.Registry), or None.
+        # The step's collectives inside its sessions (session_collectives.Registry), or None (cut).
         self.session_collectives = collectives if comm.size > 1 else None
+        comm.before_destroy(self.release)  # its graphs may have captured NCCL calls
         self.step_done = device.cp.cuda.Event(disable_timing=True)
         cp = self.cp = device.cp
         producer = self.producer
@@ -118,6 +119,12 @@ class GpuProgram(ProgramBase):
             # 2; no later call allocates, so give them back once, after call 2 is done.
             self._release_pool()
         return self._run_bound(feeds, self.calls % 2)
+
+    def release(self) -> None:
+        """Drop every session and its CUDA graphs (the communicator's close calls it); not run again."""
+        for _, runner in self.steps:
+            if runner is not None:
+                runner.release()
 
     def _release_pool(self) -> None:
         self.device.compute.synchronize()

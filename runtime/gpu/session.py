@@ -108,7 +108,7 @@ class SessionPolicy:
         if custom_ops:
             ort_custom_ops.register(options, IN_SESSION_DOMAIN, custom_ops)
         if any(op.name.startswith(COLLECTIVE_OP_PREFIXES) for op in custom_ops):
-            # EXPERIMENT (session_collectives.py): onnxruntime's priority order follows the node
+            # session_collectives.py: onnxruntime's priority order follows the node
             # order, where each start is placed right after its bucket's last gradient.
             options.execution_order = self.ort.ExecutionOrder.PRIORITY_BASED
         if self.dump:
@@ -252,6 +252,10 @@ class OrtCudaSegment(SegmentRunner):
         for name, value in zip(computed, io.get_outputs()):
             fixed[name] = allocated[name] if name in allocated else self.device.wrap(value)
         return [fixed[name] for name in self.outputs]
+
+    def release(self) -> None:
+        self.session = None
+        self.bindings = [None, None]  # an IOBinding holds its session
 
     def written_once(self) -> set[str]:
         """Outputs ``prepare`` fills and no run writes again (constants): their buffers must be theirs alone."""

@@ -1,10 +1,11 @@
-"""Collectives inside the step's onnxruntime session. EXPERIMENT (GRAPH_TRANSPILER_SESSION_COLLECTIVES=1).
-Why, the design and what it measured: docs/gpu.md, "What the cut costs, and what replaces it". On
-4 H100s it equals the CPU backend (tests/test_gpu_equivalence.py with the variable set, GPT and the
-BN CNN, every strategy) and saves 1.5 to 2.1 GiB per GPU on GPT-2-small, at 0.6 to 1.0 ms a step
-(the copies into and out of the buckets), so the cut stays the default for now.
+"""Collectives inside the step's onnxruntime session: the default for a multi-rank step wherever our
+custom ops run in the sessions (GpuBackend). Why, the design and what it measured: docs/gpu.md,
+"What the cut costs, and what replaces it". On 4 H200s (run h200x4-s27, GPT-2-small) the direct
+collectives below took the step from 32.98 to 32.44 ms (allreduce) and 34.86 to 33.95 (sharded),
+and peak memory from 14.08 to 11.37 GiB and 14.01 to 11.21, against the cut, which now serves only
+where the kernels run between sessions (GRAPH_TRANSPILER_NATIVE_OFF).
 
-Today the cut (runtime/segments.py) ends a session at every collective: 18 sessions per GPT-2-small
+The cut (runtime/segments.py) ends a session at every collective: 18 sessions per GPT-2-small
 step on 4 ranks, whose crossing values live in the program's block beside each session's arena.
 Here the cut keeps the collective nodes in the segments
 (``cut_graph(..., collectives_inside=True)``) and the compile pass ``SessionCollectives`` makes
@@ -29,8 +30,12 @@ honoured where the sizes match and nothing reads the staged value after; where d
 finish copies). No node ever writes a buffer it reads as an input: onnxruntime may let values share
 buffers (Reshape, common subexpressions) in ways the rewrite cannot see. ReduceScatter and
 AllGather keep the bucket: the zero strategy's shards cut across tensors. On CPU every staged buffer
-is taken in place (tests/test_session_collectives.py); the direct AllReduce, Reduce and Broadcast
-have not run on a GPU yet.
+is taken in place (tests/test_session_collectives.py); on 4 H200s the direct collectives equal the
+CPU backend (tests/test_gpu_equivalence.py: GPT, the BN CNN, every strategy, 2e-7 to 6e-7).
+
+A graph that captured NCCL calls must go before its communicator: NCCL does not destroy a
+communicator that a live graph captured, so NcclCommunicator.close drops the programs' sessions
+first (GpuProgram.release), then destroys it.
 
 The token chain puts every rank's NCCL calls in one order (the collectives' ``order``), which NCCL
 needs, the more so once a CUDA graph captures them: every rank must capture the same calls. A
