@@ -30,6 +30,7 @@ class SegmentRunner(ABC):
 
     def release(self) -> None:
         """Drop what the runner holds on the device (sessions, their CUDA graphs); it is not run again."""
+        return None  # nothing to release by default
 
 
 class LaunchRunner(SegmentRunner):

@@ -146,9 +146,11 @@ class Communicator(ABC):
     def before_destroy(self, release) -> None:
         """Call ``release`` (a bound method) before ``close`` destroys this communicator's resources:
         what captured its calls in CUDA graphs must go first (NcclCommunicator). Others hold none."""
+        return None  # nothing captures their calls
 
     def close(self) -> None:
         """Destroy what the communicator holds, after the rank's last collective (default: nothing)."""
+        return None
 
     # -- flat-buffer collectives ----------------------------------------------------------------
     # In place on one persistent flat buffer per collective (``CollectiveOp.flat_layout``), enqueued

@@ -15,9 +15,9 @@ process. Under mpiexec the others then exit too; a rank that died outright is na
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
-import gc
 import threading
 import time
 import weakref
