@@ -36,6 +36,7 @@ from pathlib import Path
 
 from runtime import checkpoint
 from runtime.bootstrap import HostGroup, MpiHost, torch_style_host
+from runtime.collectives.base import Communicator
 from runtime.collectives.mpi import MpiCommunicator
 from runtime.config import AGREEMENT, DEFAULT_TIMEOUT_S, RunConfig, agreed_fields
 from runtime.data import Dataset
@@ -100,11 +101,15 @@ def _agreed_exit(host: HostGroup) -> int:
     return 2
 
 
-def _finish(host: HostGroup, comm: MpiCommunicator | None, watchdog: Watchdog, code: int) -> int:
-    """The rank's last collective steps, still under the watchdog: closing the host group and MPI
-    finalization (a peer stopped there would hang this rank for ever otherwise); then the exit is
-    recorded for ``transpile run``. Returns ``code``."""
+def _finish(host: HostGroup, comm: MpiCommunicator | None, watchdog: Watchdog, code: int,
+            training: Communicator | None = None) -> int:
+    """The rank's last collective steps, still under the watchdog: closing the communicator training
+    used (``training``: NCCL's goes after the sessions that captured its calls, NcclCommunicator.close),
+    the host group and MPI finalization (a peer stopped there would hang this rank for ever
+    otherwise); then the exit is recorded for ``transpile run``. Returns ``code``."""
     watchdog.progress(watchdog.step, "shutdown")
+    if training is not None:
+        training.close()
     host.close()
     if comm is not None:
         finalize_mpi()
@@ -307,10 +312,6 @@ def _rank_life(setup: Setup, launch: LaunchEnv | None, watchdog: Watchdog, *, ti
         return _finish(host, comm, watchdog, _agreed_exit(host))
     if host.rank == 0 and launch is not None and not spawned:
         print(f"launcher: {launch.launcher} ({host.size} rank(s), backend {config.backend})", flush=True)
-    def close() -> None:
-        if rank_comm is not comm:
-            rank_comm.close()  # NCCL's: after the sessions that captured its calls (NcclCommunicator.close)
-
     try:
         if rank_comm is not comm:
             rank_comm.connect()  # NCCL init is a collective: only once every rank is known to be set up
@@ -318,13 +319,11 @@ def _rank_life(setup: Setup, launch: LaunchEnv | None, watchdog: Watchdog, *, ti
               evaluator=evaluator)
     except PeerFailed:
         # Every rank knows (a host agreement): the rank that failed prints its line; all exit 2.
-        close()
-        return _finish(host, comm, watchdog, _agreed_exit(host))
+        return _finish(host, comm, watchdog, _agreed_exit(host), rank_comm)
     except RunError as exc:
         print(f"transpile: error: rank {host.rank}: {exc}", file=sys.stderr, flush=True)
         if getattr(exc, "agreed", False):
-            close()
-            return _finish(host, comm, watchdog, _agreed_exit(host))
+            return _finish(host, comm, watchdog, _agreed_exit(host), rank_comm)
         _tear_down(host, 2, spawned, watchdog)
     except OSError as exc:  # a write the loop does not handle itself (stdout closed, ...): one line
         print(f"transpile: error: rank {host.rank}: {os_error_line(exc)}", file=sys.stderr, flush=True)
@@ -333,8 +332,7 @@ def _rank_life(setup: Setup, launch: LaunchEnv | None, watchdog: Watchdog, *, ti
         traceback.print_exc()
         print(f"transpile: error: rank {host.rank}: internal error: {type(exc).__name__}", file=sys.stderr)
         _tear_down(host, 1, spawned, watchdog)
-    close()
-    return _finish(host, comm, watchdog, 0)
+    return _finish(host, comm, watchdog, 0, rank_comm)
 
 
 def os_error_line(exc: OSError) -> str:

@@ -63,3 +63,17 @@ def test_a_destroy_that_never_returns_ends_the_close_in_bounded_time(monkeypatch
     assert time.monotonic() - started < 2.0
     assert "rank 1: the NCCL communicator was not destroyed within" in capsys.readouterr().err
     stuck.set()
+
+
+def test_a_release_that_fails_leaves_the_communicator_undestroyed_and_says_why(capsys):
+    class Broken(_Program):
+        def release(self) -> None:
+            raise RuntimeError("cudaErrorIllegalAddress")
+
+    log: list = []
+    comm = _communicator(log)
+    program = Broken(log, "step")
+    comm.before_destroy(program.release)
+    comm.close()
+    assert ("destroy",) not in log  # a graph may still hold it: NCCL's destroy would spin
+    assert "rank 1: the NCCL communicator was not destroyed (RuntimeError: cudaErrorIllegalAddress)" in capsys.readouterr().err

@@ -15,6 +15,7 @@ process. Under mpiexec the others then exit too; a rank that died outright is na
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -66,6 +67,14 @@ def join_nccl(nccl, host: HostGroup | None, rank: int, size: int, device: int):
         return nccl.NcclCommunicator(size, uid, rank)
     except Exception as exc:
         raise RunError(f"rank {rank}: NCCL communicator init failed on device {device}: {exc}") from None
+
+
+def _keep_undestroyed(comm) -> None:
+    """Never let CuPy's finalizer destroy ``comm``: one more reference that nothing drops. Its
+    ncclCommDestroy could spin for ever while a CUDA graph that captured the communicator lives (or
+    a peer never joins its last collective); the process's end frees it instead (as PyTorch's
+    NCCLComm destructor leaves communicators it was not told to destroy)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(comm))
 
 
 class NcclCommunicator(Communicator):
@@ -130,9 +139,10 @@ class NcclCommunicator(Communicator):
         """The end of the run on this rank (every rank calls it after its last collective): stop the
         watchdog; then, in a helper thread, wait for the device, drop what captured NCCL calls
         (``before_destroy``) and destroy the NCCL communicator. The rank waits for that at most
-        DESTROY_WAIT_S: one that does not finish (a collective a failed peer never joined, NCCL's
-        bug or ours) is left to the process's end instead of hanging the rank, and its thread keeps
-        CuPy's object alive, so no finalizer destroys it again. Not used after; idempotent."""
+        DESTROY_WAIT_S. Where it does not finish (a collective a failed peer never joined, NCCL's
+        bug or ours) or a step of it fails, the rank says so in one line and the communicator is
+        left undestroyed to the process's end (``_keep_undestroyed``) rather than hanging the rank.
+        Not used after; idempotent."""
         self._stop.set()
         if self._watchdog is not None:
             self._watchdog.join(ABORT_WAIT_S)  # it reads self.comm: done before the communicator goes
@@ -141,23 +151,33 @@ class NcclCommunicator(Communicator):
             return
         releases = [release for release in (ref() for ref in self._before_destroy) if release is not None]
         self._before_destroy.clear()
+        failed: list[str] = []
 
         def destroy() -> None:
-            device = self.cp.cuda.Device(self.device)
-            device.use()
-            device.synchronize()
-            for release in releases:
-                release()
-            releases.clear()
-            gc.collect()  # a session held in a reference cycle goes now, before the destroy
-            comm.destroy()
+            try:
+                device = self.cp.cuda.Device(self.device)
+                device.use()
+                device.synchronize()
+                for release in releases:
+                    release()
+                releases.clear()
+                gc.collect()  # a session held in a reference cycle goes now, before the destroy
+                comm.destroy()
+            except Exception as exc:  # noqa: BLE001 - said below, in the rank's own words
+                failed.append(f"({type(exc).__name__}: {exc})".splitlines()[0])
 
         destroying = threading.Thread(target=destroy, name="nccl-destroy", daemon=True)
-        destroying.start()
-        destroying.join(DESTROY_WAIT_S)
-        if destroying.is_alive():
-            print(f"transpile: warning: rank {self.rank}: the NCCL communicator was not destroyed within "
-                  f"{DESTROY_WAIT_S:.0f} s; it goes with the process", file=sys.stderr, flush=True)
+        if self._watchdog is not None and self._watchdog.is_alive():
+            failed.append("(the watchdog did not stop)")  # it may still read the communicator: no destroy
+        else:
+            destroying.start()
+            destroying.join(DESTROY_WAIT_S)
+            if destroying.is_alive():
+                failed.append(f"within {DESTROY_WAIT_S:.0f} s")
+        if failed:
+            _keep_undestroyed(comm)
+            print(f"transpile: warning: rank {self.rank}: the NCCL communicator was not destroyed {failed[0]}; "
+                  "it goes with the process", file=sys.stderr, flush=True)
 
     # -- watchdog ------------------------------------------------------------------------------
     def track(self, key, event, label: str) -> None:
@@ -176,9 +196,10 @@ class NcclCommunicator(Communicator):
                 else:
                     pending.append((started, label))
             oldest = min(pending, default=None)
+            comm = self.comm  # once: close() may set it to None meanwhile
             try:
-                if self.comm is not None:
-                    self.comm.check_async_error()
+                if comm is not None:
+                    comm.check_async_error()
             except Exception as exc:
                 where = f" (in flight: {oldest[1]})" if oldest else ""
                 self._fail(f"NCCL reported an error{where}: {exc}")
