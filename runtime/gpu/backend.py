@@ -60,9 +60,10 @@ class GpuBackend(Backend):
             except OSError as exc:
                 raise RunError(f"{variables.DUMP}={dump}: cannot create the folder: {exc.strerror}") from None
         # A multi-rank step's collectives run inside its sessions (session_collectives.py) wherever our
-        # custom ops run there; else (GRAPH_TRANSPILER_NATIVE_OFF=in_session or all) the step is cut
+        # custom ops run there, whichever kernels are off; else (no custom ops, or
+        # GRAPH_TRANSPILER_NATIVE_OFF=in_session or all) the step is cut
         # at each collective and the program runs them between sessions (program.py).
-        self.collectives = session_collectives.Registry() if self.plan.inside else None
+        self.collectives = session_collectives.Registry() if self.plan.custom_ops else None
         self.collectives_inside = self.collectives is not None
         inside = self.plan.inside | ({session_collectives.DOMAIN} if self.collectives_inside else set())
         self.policy = SessionPolicy(device, passes=default_passes(device.ort, self._node_runner, device, self.collectives),

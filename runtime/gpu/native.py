@@ -72,6 +72,7 @@ class NativePlan:
     inside: frozenset[str]  # domains run inside the sessions
     between: frozenset[str]  # domains run between sessions (the cut takes their nodes out)
     line: str  # the decision, for the banner
+    custom_ops: bool = False  # our custom ops run inside the sessions (a multi-rank step's collectives too)
 
     @property
     def fuse_elementwise(self) -> bool:
@@ -116,7 +117,7 @@ def decide(ort, off: frozenset[str] = frozenset()) -> NativePlan:
         line += f": no custom ops, {why_not}"
     if off:
         line += f" ({NATIVE_OFF}={','.join(sorted(off))})"
-    return NativePlan(tuple(k.name for k in on), in_domains, between, line)
+    return NativePlan(tuple(k.name for k in on), in_domains, between, line, custom_ops=inside)
 
 
 def from_environment(ort, text: str) -> NativePlan:

@@ -123,6 +123,17 @@ class SessionPolicy:
             disabled_optimizers=["ConstantFolding"])
 
 
+class _Released:
+    """What a released segment (OrtCudaSegment.release) holds in place of its session and its
+    bindings: any use is an error."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __getattr__(self, name: str):
+        raise RunError(f"{self.where}: run after its communicator was closed (the session is released)")
+
+
 class OrtCudaSegment(SegmentRunner):
     """One segment as a CUDA EP session on the device's compute stream.
 
@@ -254,8 +265,10 @@ class OrtCudaSegment(SegmentRunner):
         return [fixed[name] for name in self.outputs]
 
     def release(self) -> None:
-        self.session = None
-        self.bindings = [None, None]  # an IOBinding holds its session
+        # Not None: a segment whose session is None has only constant outputs, and would run on
+        # silently. An IOBinding holds its session, so the bindings go too.
+        released = _Released(self.where)
+        self.session, self.bindings = released, [released, released]
 
     def written_once(self) -> set[str]:
         """Outputs ``prepare`` fills and no run writes again (constants): their buffers must be theirs alone."""

@@ -3,7 +3,8 @@ custom ops run in the sessions (GpuBackend). Why, the design and what it measure
 "What the cut costs, and what replaces it". On 4 H200s (run h200x4-s27, GPT-2-small) the direct
 collectives below took the step from 32.98 to 32.44 ms (allreduce) and 34.86 to 33.95 (sharded),
 and peak memory from 14.08 to 11.37 GiB and 14.01 to 11.21, against the cut, which now serves only
-where the kernels run between sessions (GRAPH_TRANSPILER_NATIVE_OFF).
+where our custom ops do not run in the sessions (no library, or GRAPH_TRANSPILER_NATIVE_OFF naming
+in_session or all).
 
 The cut (runtime/segments.py) ends a session at every collective: 18 sessions per GPT-2-small
 step on 4 ranks, whose crossing values live in the program's block beside each session's arena.
