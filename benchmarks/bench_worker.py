@@ -333,7 +333,7 @@ def run_ours(spec: dict) -> dict:
 
         cupy.cuda.Device(ranks.local).use()
         base_used = used_bytes(cupy.cuda.runtime.memGetInfo)
-        from skipping import skippable_nccl  # sibling file, like bench_lib (an @DIR tree may lack it)
+        from skipping import skippable_nccl, skips  # sibling file, like bench_lib (an @DIR tree may lack it)
 
         from runtime.gpu import GpuBackend
 
@@ -378,7 +378,9 @@ def run_ours(spec: dict) -> dict:
             trace = spec["result"] + f".rank{ranks.rank}.trace.json" if spec.get("traces") else None
             result.update(kernel_profile(step, sync, spec["profile_steps"], trace))
             trainer.collect_losses()
-        if ranks.world > 1:
+        if ranks.world > 1 and not skips(backend):
+            result["nocomm_step_ms"] = None  # the captured sessions replay their NCCL calls
+        elif ranks.world > 1:
             # The same step with no NCCL call: the difference is the communication left exposed.
             comm.skip = True
             for _ in range(2):

@@ -52,7 +52,7 @@ def worker(args) -> int:
     """One rank: build the trainer once, time with collectives, then with them skipped."""
     from mpi4py import MPI
 
-    from benchmarks.skipping import skippable_nccl
+    from benchmarks.skipping import skippable_nccl, skips
     from runtime.collectives.mpi import MpiCommunicator
     from runtime.gpu import GpuBackend
     from runtime.plan import load_plan
@@ -75,15 +75,17 @@ def worker(args) -> int:
         trainer.step_async(data, lr)
     losses = trainer.collect_losses()
     with_comm = _timed(trainer, data, lr, args.steps, args.window, backend.device.compute)
-    comm.skip = True
-    for _ in range(2):
-        trainer.step_async(data, lr)
-    skipped = _timed(trainer, data, lr, args.steps, args.window, backend.device.compute)
+    skipped = None  # where skipping cannot take effect (skipping.skips)
+    if skips(backend):
+        comm.skip = True
+        for _ in range(2):
+            trainer.step_async(data, lr)
+        skipped = _timed(trainer, data, lr, args.steps, args.window, backend.device.compute)
     import cupy
 
     peak = cupy.get_default_memory_pool().total_bytes()
     result = {"median_ms": statistics.median(with_comm), "windows_ms": with_comm,
-              "skipped_median_ms": statistics.median(skipped), "skipped_windows_ms": skipped,
+              "skipped_median_ms": statistics.median(skipped) if skipped else None, "skipped_windows_ms": skipped,
               "first_losses": losses[:3], "session_setup_s": round(setup_s, 1), "cupy_pool_bytes": int(peak)}
     results = host.comm.gather(result, root=0)
     if host.rank == 0:
@@ -171,8 +173,10 @@ def main() -> int:
         else:
             data = json.loads(result.read_text())
             slow = data["per_rank"][data["slowest_rank"]]
-            entry.update(median_ms=round(slow["median_ms"], 3), collectives_skipped_median_ms=round(slow["skipped_median_ms"], 3),
-                         exposed_comm_ms=round(slow["median_ms"] - slow["skipped_median_ms"], 3), detail=data)
+            skipped = slow["skipped_median_ms"]  # None where skipping cannot take effect
+            entry.update(median_ms=round(slow["median_ms"], 3),
+                         collectives_skipped_median_ms=None if skipped is None else round(skipped, 3),
+                         exposed_comm_ms=None if skipped is None else round(slow["median_ms"] - skipped, 3), detail=data)
         report["results"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "detail"}), flush=True)
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -18,3 +18,10 @@ def skippable_nccl(host, device: int, **kwargs):
                 super()._call(label, method, *args)
 
     return Skippable(host, device, **kwargs)
+
+
+def skips(backend) -> bool:
+    """Whether ``skip`` takes effect on ``backend``'s programs: not where the step's collectives run
+    inside its captured sessions (runtime/gpu/session_collectives.py), whose CUDA graphs replay the
+    NCCL calls recorded at capture whatever ``skip`` says (the default since run h200x4-s27)."""
+    return not getattr(backend, "collectives_inside", False)
