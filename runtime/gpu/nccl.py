@@ -69,6 +69,15 @@ def join_nccl(nccl, host: HostGroup | None, rank: int, size: int, device: int):
         raise RunError(f"rank {rank}: NCCL communicator init failed on device {device}: {exc}") from None
 
 
+def _within(seconds: float, target: Callable[[], None], name: str) -> bool:
+    """Run ``target`` in a daemon thread; whether it returned within ``seconds`` (else it is left
+    running: an NCCL call that never returns must not hold the rank)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
 def _keep_undestroyed(comm) -> None:
     """Never let CuPy's finalizer destroy ``comm``: one more reference that nothing drops. Its
     ncclCommDestroy could spin for ever while a CUDA graph that captured the communicator lives (or
@@ -108,11 +117,9 @@ class NcclCommunicator(Communicator):
         self._relaxed_known = threading.Event()
         self._aborted = False
         self._sync_calls = 0
-        # What must go before ncclCommDestroy (close): the sessions whose CUDA graphs captured this
-        # communicator's calls. NCCL will not destroy a communicator while a graph that captured it
-        # lives (commDestroySync polls until the graphs' references are gone), so a destroy left to
-        # the garbage collector, before the sessions, spun for ever at the end of a run (4 H200s,
-        # the perceptron, session collectives: 2 of 4 runs). Weak: the hooks do not keep programs alive.
+        # What goes before ncclCommDestroy (close): the sessions whose CUDA graphs captured our calls.
+        # NCCL's destroy polls until no such graph lives: left to the garbage collector, before the
+        # sessions, it spun for ever (4 H200s, the perceptron, 2 jobs of 4). Weak: programs may go.
         self._before_destroy: list[weakref.WeakMethod] = []
         self._watchdog: threading.Thread | None = None
 
@@ -138,11 +145,9 @@ class NcclCommunicator(Communicator):
     def close(self) -> None:
         """The end of the run on this rank (every rank calls it after its last collective): stop the
         watchdog; then, in a helper thread, wait for the device, drop what captured NCCL calls
-        (``before_destroy``) and destroy the NCCL communicator. The rank waits for that at most
-        DESTROY_WAIT_S. Where it does not finish (a collective a failed peer never joined, NCCL's
-        bug or ours) or a step of it fails, the rank says so in one line and the communicator is
-        left undestroyed to the process's end (``_keep_undestroyed``) rather than hanging the rank.
-        Not used after; idempotent."""
+        (``before_destroy``) and destroy the NCCL communicator, at most DESTROY_WAIT_S. Where that
+        does not finish (a collective a failed peer never joined) or fails, the rank says so in one
+        line and leaves the communicator undestroyed (``_keep_undestroyed``). Idempotent."""
         self._stop.set()
         if self._watchdog is not None:
             self._watchdog.join(ABORT_WAIT_S)  # it reads self.comm: done before the communicator goes
@@ -166,14 +171,10 @@ class NcclCommunicator(Communicator):
             except Exception as exc:  # noqa: BLE001 - said below, in the rank's own words
                 failed.append(f"({type(exc).__name__}: {exc})".splitlines()[0])
 
-        destroying = threading.Thread(target=destroy, name="nccl-destroy", daemon=True)
         if self._watchdog is not None and self._watchdog.is_alive():
             failed.append("(the watchdog did not stop)")  # it may still read the communicator: no destroy
-        else:
-            destroying.start()
-            destroying.join(DESTROY_WAIT_S)
-            if destroying.is_alive():
-                failed.append(f"within {DESTROY_WAIT_S:.0f} s")
+        elif not _within(DESTROY_WAIT_S, destroy, "nccl-destroy"):
+            failed.append(f"within {DESTROY_WAIT_S:.0f} s")
         if failed:
             _keep_undestroyed(comm)
             print(f"transpile: warning: rank {self.rank}: the NCCL communicator was not destroyed {failed[0]}; "
@@ -213,9 +214,7 @@ class NcclCommunicator(Communicator):
         # The exit must not depend on ncclCommAbort returning (on 2 H100s a job whose peer hung ran
         # past 120 s): abort from a helper thread, wait at most ABORT_WAIT_S, then exit; when this
         # process exits, the driver ends any of its kernels still spinning.
-        aborting = threading.Thread(target=self._abort_quietly, name="nccl-abort", daemon=True)
-        aborting.start()
-        aborting.join(ABORT_WAIT_S)
+        _within(ABORT_WAIT_S, self._abort_quietly, "nccl-abort")
         os._exit(3)
 
     def _abort_quietly(self) -> None:
