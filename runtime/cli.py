@@ -92,7 +92,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--resume with this run's --lr and schedule options instead of refusing ones that differ")
     parser.add_argument("--timings", metavar="FILE.json",
                         help="write each rank's median segment and collective times (cpu backend: host clock; nccl: "
-                             "CUDA events on each item's stream), for "
+                             "CUDA events on each item's stream, with the collectives between the sessions, not inside them "
+                             "as by default), for "
                              "'transpile inspect OUT --timeline T.png --timings FILE.json'")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="cpu (onnxruntime CPU, MPI), nccl (one GPU per rank: onnxruntime CUDA, NCCL) or "

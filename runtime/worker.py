@@ -208,7 +208,7 @@ def _make_backend(config: RunConfig, host: HostGroup, comm: MpiCommunicator | No
     if local_rank is None:
         raise RunError(f"{launch.launcher} gave this rank no local rank (LOCAL_RANK): cannot tell which GPU it drives")
     device = pick_gpu(local_rank, local_size)
-    return (GpuBackend(device, tf32=config.tf32, ep_options=config.ep_options),
+    return (GpuBackend(device, tf32=config.tf32, ep_options=config.ep_options, per_item_timings=config.timings is not None),
             NcclCommunicator(host, device, timeout=config.timeout))
 
 

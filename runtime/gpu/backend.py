@@ -45,7 +45,8 @@ class GpuBackend(Backend):
     records_timings = True  # --timings: CUDA events around each item of the bound steps (GpuProgram)
     runs_grad_accumulation = True  # --grad-accumulation K: the trainer's accumulate and step programs, two GpuPrograms
 
-    def __init__(self, device_id: int = 0, *, tf32: bool = False, ep_options: dict[str, str] | None = None):
+    def __init__(self, device_id: int = 0, *, tf32: bool = False, ep_options: dict[str, str] | None = None,
+                 per_item_timings: bool = False):
         self.device = device = GpuDevice(device_id, tf32=tf32)
         if device.cp.cuda.Device(device_id).compute_capability.startswith("9"):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", HOPPER_CUBLAS_WORKSPACE)
@@ -62,8 +63,11 @@ class GpuBackend(Backend):
         # A multi-rank step's collectives run inside its sessions (session_collectives.py) wherever our
         # custom ops run there, whichever kernels are off; else (no custom ops, or
         # GRAPH_TRANSPILER_NATIVE_OFF=in_session or all) the step is cut
-        # at each collective and the program runs them between sessions (program.py).
-        self.collectives = session_collectives.Registry() if self.plan.custom_ops else None
+        # at each collective and the program runs them between sessions (program.py). So is a run
+        # that times each item (--timings, ``per_item_timings``): a collective inside a captured
+        # session has no events of its own around it, and the timeline's items are the cut's.
+        inside = self.plan.custom_ops and not per_item_timings
+        self.collectives = session_collectives.Registry() if inside else None
         self.collectives_inside = self.collectives is not None
         inside = self.plan.inside | ({session_collectives.DOMAIN} if self.collectives_inside else set())
         self.policy = SessionPolicy(device, passes=default_passes(device.ort, self._node_runner, device, self.collectives),

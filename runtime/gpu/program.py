@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -159,7 +160,11 @@ class GpuProgram(ProgramBase):
         for pos, (item, runner) in enumerate(self.steps):
             values = [env[name] for name in item.inputs]
             if runner is not None:
-                results = runner.run(dict(zip(item.inputs, values)))
+                inputs = dict(zip(item.inputs, values))
+                if self.session_collectives is not None and isinstance(runner, OrtCudaSegment):
+                    runner.ensure_compiled(inputs)  # making the session is not a hang: not watched
+                with self._watched("the first step"):
+                    results = runner.run(inputs)
             else:
                 results = item.run(self.comm, values)
             env.update(zip(item.outputs, results))
@@ -306,14 +311,18 @@ class GpuProgram(ProgramBase):
         return end
 
     def _run_bound(self, feeds, parity: int):
-        comm = self.comm
-        compute = self.device.compute
         env = {**self.constants, **feeds}  # fed data: copied on the compute stream, in order
-        waited: set[int] = set()
         marks = None
         if self.timed_steps is not None:
             marks = []
             self.timed_steps.append(marks)
+        with self._watched("a step"):
+            self._enqueue(env, parity, marks)
+        return {name: env[name] for name in self.cut.outputs}
+
+    def _enqueue(self, env: dict, parity: int, marks: list | None) -> None:
+        comm, compute = self.comm, self.device.compute
+        waited: set[int] = set()
         for pos, (item, runner) in enumerate(self.steps):
             if runner is not None:
                 for c in self.waits[pos]:
@@ -349,13 +358,37 @@ class GpuProgram(ProgramBase):
         for c in self.collective_pos:
             if c not in waited:
                 compute.wait_event(self.done[c])
-        if self.session_collectives is not None:
-            # Collectives inside the sessions: each finish, in the session of its start, made the
-            # compute stream wait for its collective (the events were recorded inside a captured
-            # graph, so no stream can wait for them out here); the watchdog watches the step whole.
-            self.step_done.record(compute)
-            comm.track(("step", id(self)), self.step_done, f"a step of {self.cut.where} (its collectives run inside its sessions)")
-        return {name: env[name] for name in self.cut.outputs}
+
+    @contextmanager
+    def _watched(self, what: str):
+        """With the collectives inside the sessions, the watchdog watches what is enqueued in this
+        block whole: each finish, in the session of its start, made the compute stream wait for its
+        collective (events recorded inside a captured graph, which no stream out here can wait
+        for). The entry is made before the block, not after it: a peer that died can block this
+        host inside it (a first call's runs wait for NCCL), and an entry never made never expires.
+        It is done once the block returned and the compute stream passed its end."""
+        if self.session_collectives is None:
+            yield
+            return
+        entry = _InFlight(self.step_done)
+        self.comm.track(("step", id(self)), entry, f"{what} of {self.cut.where} (its collectives run inside its sessions)")
+        try:
+            yield
+        finally:
+            self.step_done.record(self.device.compute)
+            entry.enqueued = True
+
+
+class _InFlight:
+    """A watchdog entry (NcclCommunicator.track's ``event``) for work still being enqueued: not
+    done before ``enqueued`` is set, then done when ``event`` has happened."""
+
+    def __init__(self, event):
+        self.event, self.enqueued = event, False
+
+    @property
+    def done(self) -> bool:
+        return self.enqueued and self.event.done
 
 
 def pack_buffers(lifetimes: list[tuple[str, int, int, int]], align: int = BUFFER_ALIGN) -> tuple[dict[str, int], int]:

@@ -233,6 +233,12 @@ class OrtCudaSegment(SegmentRunner):
         copy[...] = value
         return copy
 
+    def ensure_compiled(self, feeds) -> None:
+        """The session, made for the shapes of ``feeds`` on the first call."""
+        if not self.compiled:
+            self._compile(feeds)
+            self.compiled = True
+
     def run(self, feeds):
         """First-call path: outputs whose shape the specialized session states are allocated by
         CuPy and bound (the rest onnxruntime allocates, wrapped as CuPy arrays). Never captured:
@@ -240,9 +246,7 @@ class OrtCudaSegment(SegmentRunner):
         holds what passes between items in the first call: the program allocates the same kind of
         values from that pool from the second call on, and a shared arena never gives memory back
         (GpuBackend.make_program)."""
-        if not self.compiled:
-            self._compile(feeds)
-            self.compiled = True
+        self.ensure_compiled(feeds)
         fixed = self._fixed_values(feeds)
         if self.session is None:
             return [fixed[name] for name in self.outputs]
