@@ -1,0 +1,88 @@
+"""The NCCL watchdog's view of a step whose collectives run inside its sessions, checked without a
+GPU (stand-ins for the program's device, events and communicator): the step's entry is made
+before its work is enqueued, so a host that blocks inside the step (a first call's run waiting
+for a peer that died) still times out; the entry is done only once the whole step was enqueued
+and the GPU passed its end."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from runtime.gpu import nccl as nccl_module
+from runtime.gpu.nccl import NcclCommunicator
+from runtime.gpu.program import GpuProgram
+
+
+class _Event:
+    def __init__(self):
+        self.recorded, self.done = 0, True  # an event never recorded counts as happened (CUDA's rule)
+
+    def record(self, stream=None) -> None:
+        self.recorded += 1
+
+
+class _Comm:
+    def __init__(self):
+        self.tracked: dict = {}
+
+    def track(self, key, event, label: str) -> None:
+        self.tracked[key] = (event, label)
+
+
+def _program(comm) -> SimpleNamespace:
+    """What GpuProgram._watched reads of its program."""
+    return SimpleNamespace(session_collectives=object(), comm=comm, step_done=_Event(),
+                           device=SimpleNamespace(compute="compute"), cut=SimpleNamespace(where="rank 0's step"))
+
+
+def test_the_entry_is_made_before_the_step_and_done_only_after_it():
+    comm = _Comm()
+    program = _program(comm)
+    with GpuProgram._watched(program, "a step"):
+        ((entry, label),) = comm.tracked.values()
+        assert not entry.done  # the event says done (last step's record), but this step is not enqueued yet
+        assert program.step_done.recorded == 0
+    assert program.step_done.recorded == 1 and entry.done
+    program.step_done.done = False  # the GPU has not passed the step's end
+    assert not entry.done
+    assert label == "a step of rank 0's step (its collectives run inside its sessions)"
+
+
+def test_a_cut_step_makes_no_step_entry():
+    comm = _Comm()
+    program = _program(comm)
+    program.session_collectives = None  # its collectives are tracked one by one, between the sessions
+    with GpuProgram._watched(program, "a step"):
+        pass
+    assert comm.tracked == {} and program.step_done.recorded == 0
+
+
+def test_a_step_that_blocks_the_host_times_out(monkeypatch):
+    """The watchdog fails a step whose enqueueing never returns, within its timeout."""
+    monkeypatch.setattr(nccl_module, "relax_capture_mode", lambda: True)
+    failed: list[str] = []
+    comm = object.__new__(NcclCommunicator)  # no device: only what the watchdog uses
+    comm.rank, comm.timeout, comm.comm = 0, 0.2, None
+    comm._inflight, comm._stop, comm._relaxed_known = {}, threading.Event(), threading.Event()
+    comm._fail = failed.append
+    watchdog = threading.Thread(target=comm._watch, daemon=True)
+    watchdog.start()
+    program = _program(comm)
+    stuck = threading.Event()
+
+    def step() -> None:
+        with GpuProgram._watched(program, "the first step"):
+            stuck.wait(10)  # a run that waits for NCCL kernels a dead peer never joins
+
+    host = threading.Thread(target=step, daemon=True)
+    started = time.monotonic()
+    host.start()
+    while not failed and time.monotonic() - started < 5:
+        time.sleep(0.05)
+    comm._stop.set()
+    stuck.set()
+    assert failed and failed[0].startswith("the first step of rank 0's step (its collectives run inside its "
+                                           "sessions) did not complete within 0 s")
+    assert time.monotonic() - started < 3
