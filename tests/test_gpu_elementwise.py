@@ -15,7 +15,8 @@ from conftest import one_graph_model
 from onnx import TensorProto, helper
 
 from runtime.gpu.elementwise import ElementwiseRunner
-from runtime.gpu.elementwise_fusion import DOMAIN, evaluate_numpy, fuse_elementwise
+from runtime.gpu.elementwise_fusion import fuse_elementwise
+from runtime.gpu.elementwise_steps import DOMAIN, evaluate_numpy
 
 
 def _session(model: onnx.ModelProto, extra_outputs: list[str]) -> ort.InferenceSession:

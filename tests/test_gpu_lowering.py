@@ -157,7 +157,8 @@ def test_the_backward_where_goes_also_where_elementwise_fusion_took_its_product(
     """The softmax backward ``S * (g - r)`` fused into one node (GPU elementwise fusion, before the
     cut) still ends in a product with S, which is 0 where the mask filled: the Where goes. A fused
     node that ends in something else (``S * g - r``: not 0 where S is) keeps it."""
-    from runtime.gpu.elementwise_fusion import DOMAIN, fuse_elementwise
+    from runtime.gpu.elementwise_fusion import fuse_elementwise
+    from runtime.gpu.elementwise_steps import DOMAIN
 
     f = TensorProto.FLOAT
     x, g = (helper.make_tensor_value_info(n, f, ["N", 3, 4, 4]) for n in ("x", "g"))

@@ -11,8 +11,8 @@ from conftest import one_graph_model
 from onnx import TensorProto, helper
 
 from runtime.errors import RunError
-from runtime.gpu.elementwise_fusion import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise_fusion import fuse_elementwise
+from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.in_session import DOMAIN, take_native_nodes
 from runtime.specialize import specialize
 

@@ -25,8 +25,9 @@ from runtime.errors import RunError
 from runtime.executor import CpuBackend, LaunchRunner, SegmentRunner
 from runtime.gpu import native
 from runtime.gpu.compile import FixedOutputs, InlineFunctions, Specialize, TakeNativeNodes, compile_segment
-from runtime.gpu.elementwise_fusion import DOMAIN as ELEMENTWISE_DOMAIN
-from runtime.gpu.elementwise_fusion import evaluate_numpy, fuse_elementwise, fuse_relu_masks
+from runtime.gpu.elementwise_fusion import fuse_elementwise, fuse_relu_masks
+from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.elementwise_steps import evaluate_numpy
 from runtime.gpu.in_session import DOMAIN as IN_SESSION_DOMAIN
 from runtime.segments import NativeGroup
 from runtime.update_reference import ReferenceUpdateRunner

@@ -22,8 +22,8 @@ from runtime.executor import Backend
 from runtime.gpu import native, session_collectives
 from runtime.gpu.compile import default_passes
 from runtime.gpu.device import GpuDevice
-from runtime.gpu.elementwise_fusion import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise_fusion import fuse_elementwise, fuse_relu_masks
+from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.host_io import HostIO
 from runtime.gpu.program import GpuProgram
 from runtime.gpu.session import OrtCudaSegment, SessionPolicy
@@ -83,7 +83,9 @@ class GpuBackend(Backend):
         if self.plan.relu_masks:
             model = fuse_relu_masks(model, (self.plan.inside | self.plan.between) - {ELEMENTWISE_DOMAIN})
         if self.plan.fuse_elementwise:
-            model = fuse_elementwise(model, additions=True)
+            # bfloat16 casts join the chains: fused nodes run only inside the sessions, where a
+            # bfloat16 value is onnxruntime's buffer (between sessions there is none: WidenBfloat16).
+            model = fuse_elementwise(model, additions=True, bfloat16=True)
         return model
 
     def compile(self, segment, where):

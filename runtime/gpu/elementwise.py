@@ -14,7 +14,7 @@ import onnx
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
 from runtime.gpu.cuda import compiled_module
-from runtime.gpu.elementwise_fusion import DOMAIN, RELU_MASK, fused_steps
+from runtime.gpu.elementwise_steps import BF16, DOMAIN, PREAMBLE, RELU_MASK, fused_steps, fused_types
 from runtime.segments import place
 
 
@@ -89,15 +89,18 @@ class ElementwiseRunner(LaunchRunner):
             if node.domain != DOMAIN:
                 raise RunError(f"{self.where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused elementwise node")
             code = next(a.s.decode() for a in node.attribute if a.name == "code")
-            key = (len(node.input), len(node.output), code)
+            types = fused_types(node)  # a bfloat16 value is passed as its raw bits (elementwise_steps.py)
+            key = (code, *map(tuple, types))
             if _is_relu_mask(node):
                 key = RELU_MASK
                 if key not in cache:
                     cache[key] = _ReluMaskKernel(self.cp)
             if key not in cache:
-                params_in = ", ".join(f"float32 x{i}" for i in range(len(node.input)))
-                params_out = ", ".join(f"float32 y{j}" for j in range(len(node.output)))
-                cache[key] = self.cp.ElementwiseKernel(params_in, params_out, code, f"fused_elementwise_{len(cache)}")
+                param = lambda t, name: f"{'uint16' if t == BF16 else 'float32'} {name}"  # noqa: E731
+                params_in = ", ".join(param(t, f"x{i}") for i, t in enumerate(types[0]))
+                params_out = ", ".join(param(t, f"y{j}") for j, t in enumerate(types[1]))
+                cache[key] = self.cp.ElementwiseKernel(params_in, params_out, code, f"fused_elementwise_{len(cache)}",
+                                                       preamble=PREAMBLE)
             self.kernels.append((node, cache[key]))
 
     def launch(self, values, allocate: bool) -> None:

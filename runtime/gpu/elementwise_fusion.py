@@ -15,88 +15,48 @@ fused node also carries a function of its steps, so onnxruntime can run it where
 Clusters: nodes of ``OPS`` whose output is float32 of the same (possibly symbolic) shape, joined
 along producer -> consumer edges; an input may be any float32 tensor that broadcasts (numpy rules,
 as ONNX and CuPy both broadcast), or a scalar constant, which is written into the kernel as its exact
-bits. A cluster stays convex: no path leaves it and comes back (the fused node must be placeable in
+bits. With ``bfloat16`` (--precision bf16), casts between bfloat16 and float32 join too, so a chain
+reads its bfloat16 inputs and writes its bfloat16 results itself (elementwise_steps.py). A cluster stays convex: no path leaves it and comes back (the fused node must be placeable in
 a topological order). Only clusters of at least ``MIN_NODES`` nodes over a tensor with a symbolic
 (batch) dimension or at least ``MIN_ELEMENTS`` elements are kept; clusters of additions only (a bias
 and a residual, which onnxruntime folds into its Gemm) only with ``additions`` (inside a session a
 fused node costs no cut of the graph, so the backend always passes it).
 
-Arithmetic: each node computes what onnxruntime's kernel computes, in float32, with the
-round-to-nearest intrinsics (``__fadd_rn``...), which the compiler never contracts into an FMA, and
-the same CUDA math functions (``expf``, ``erff``, ``tanhf``, ``powf``); so values equal the unfused
-graph's on the GPU up to the math library's own last-bit behaviour. The table also holds a NumPy
-form of each op, so the CPU tests check a cluster's wiring against onnxruntime without a GPU.
+Arithmetic (elementwise_steps.py): each node computes what onnxruntime's kernel computes, in
+float32, so values equal the unfused graph's on the GPU up to the math library's own last-bit
+behaviour; a NumPy form of each step lets the CPU tests check a cluster's wiring against
+onnxruntime without a GPU.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from contract.collectives import consumed
 from runtime.errors import RunError
+from runtime.gpu.elementwise_steps import (
+    BF16,
+    DOMAIN,
+    FLOAT,
+    OP_TYPE,
+    OPS,
+    RELU_MASK,
+    ROUND,
+    WIDEN,
+    function,
+    make_fused,
+)
 from runtime.variables import NATIVE_OFF
 
-DOMAIN = "graph_transpiler.elementwise"
-OP_TYPE = "Fused"
 MIN_NODES = 2
 MIN_ELEMENTS = 1 << 16
 _ADDS = frozenset({"Add", "Sum"})
-RELU_MASK = "ReluMask"  # the step of fuse_relu_masks's nodes
-
-_erf = np.vectorize(math.erf, otypes=[np.float32])
-
-
-@dataclass(frozen=True)
-class _Op:
-    arity: int | None  # None: variadic (Sum)
-    cuda: Callable[[list[str]], str]
-    numpy: Callable[[list[np.ndarray]], np.ndarray]
-
-
-def _fold(fmt: str, args: list[str]) -> str:
-    expr = args[0]
-    for arg in args[1:]:
-        expr = fmt.format(expr, arg)
-    return expr
-
-
-OPS: dict[str, _Op] = {
-    "Add": _Op(2, lambda a: f"__fadd_rn({a[0]}, {a[1]})", lambda a: a[0] + a[1]),
-    "Sub": _Op(2, lambda a: f"__fsub_rn({a[0]}, {a[1]})", lambda a: a[0] - a[1]),
-    "Mul": _Op(2, lambda a: f"__fmul_rn({a[0]}, {a[1]})", lambda a: a[0] * a[1]),
-    "Div": _Op(2, lambda a: f"__fdiv_rn({a[0]}, {a[1]})", lambda a: a[0] / a[1]),
-    "Sum": _Op(None, lambda a: _fold("__fadd_rn({0}, {1})", a), lambda a: sum(a[1:], a[0])),
-    "Neg": _Op(1, lambda a: f"(-{a[0]})", lambda a: -a[0]),
-    "Abs": _Op(1, lambda a: f"fabsf({a[0]})", lambda a: np.abs(a[0])),
-    "Exp": _Op(1, lambda a: f"expf({a[0]})", lambda a: np.exp(a[0])),
-    "Erf": _Op(1, lambda a: f"erff({a[0]})", lambda a: _erf(a[0])),
-    "Tanh": _Op(1, lambda a: f"tanhf({a[0]})", lambda a: np.tanh(a[0])),
-    "Sqrt": _Op(1, lambda a: f"__fsqrt_rn({a[0]})", lambda a: np.sqrt(a[0])),
-    "Reciprocal": _Op(1, lambda a: f"__fdiv_rn(1.0f, {a[0]})", lambda a: np.float32(1) / a[0]),
-    "Relu": _Op(1, lambda a: f"fmaxf({a[0]}, 0.0f)", lambda a: np.maximum(a[0], np.float32(0))),
-    "Pow": _Op(2, lambda a: f"powf({a[0]}, {a[1]})", lambda a: np.power(a[0], a[1])),
-    # Where(Greater(y, 0), dy, 0) as one step (fuse_relu_masks): no ONNX op has this name, so no
-    # graph node is ever clustered as one.
-    RELU_MASK: _Op(2, lambda a: f"({a[0]} > 0.0f ? {a[1]} : 0.0f)",
-                   lambda a: np.where(a[0] > 0, a[1], np.float32(0))),
-}
-
-
-def _literal(value: float) -> str:
-    """A float32 scalar in CUDA source, bit-exact."""
-    bits = int(np.array(value, np.float32).view(np.uint32))
-    return f"__int_as_float(0x{bits:08x})"
-
-
 # -- the pass ----------------------------------------------------------------------------------
 
 class _Facts:
@@ -121,10 +81,14 @@ class _Facts:
                 self.readers.setdefault(name, set()).add(i)
         self.graph_outputs = {o.name for o in model.graph.output}
 
-    def shape_of(self, name: str) -> tuple | None:
-        """A float32 value's shape (ints and symbols), None if not float32 or not fully known."""
+    def dtype_of(self, name: str) -> int | None:
         t = self.types.get(name)
-        if t is None or not t.HasField("tensor_type") or t.tensor_type.elem_type != TensorProto.FLOAT:
+        return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else None
+
+    def shape_of(self, name: str, dtype: int = FLOAT) -> tuple | None:
+        """The shape (ints and symbols) of a value of ``dtype``, None if of another or not fully known."""
+        t = self.types.get(name)
+        if t is None or not t.HasField("tensor_type") or t.tensor_type.elem_type != dtype:
             return None
         if not t.tensor_type.HasField("shape"):
             return None
@@ -146,9 +110,9 @@ class _Facts:
         return float(value.reshape(-1)[0])
 
 
-def fuse_elementwise(model: onnx.ModelProto, additions: bool = False) -> onnx.ModelProto:
+def fuse_elementwise(model: onnx.ModelProto, additions: bool = False, bfloat16: bool = False) -> onnx.ModelProto:
     """A copy of ``model`` with its elementwise clusters (module docstring) as ``DOMAIN`` nodes;
-    with ``additions``, clusters of additions only too. Where fused nodes run inside the sessions,
+    with ``additions``, clusters of additions only too; with ``bfloat16``, the casts at their edges. Where fused nodes run inside the sessions,
     a Linear's bias and the residual after it (onnxruntime: its Gemm's bias broadcast, the GEMM, an
     Add: three kernels) become a MatMul and one fused kernel, and a gradient's chain of Sums one
     kernel; where each fused node cuts the session, that is not worth its cut."""
@@ -156,7 +120,9 @@ def fuse_elementwise(model: onnx.ModelProto, additions: bool = False) -> onnx.Mo
     nodes, producer, shape_of, scalar = facts.nodes, facts.producer, facts.shape_of, facts.scalar
 
     def eligible(node: onnx.NodeProto) -> tuple | None:
-        op = OPS.get(node.op_type)
+        if node.op_type == "Cast" and bfloat16:
+            return _cast_shape(node, facts)
+        op = OPS.get(node.op_type) if node.op_type not in (RELU_MASK, WIDEN, ROUND) else None
         if op is None or node.domain not in ("", "ai.onnx") or len(node.output) != 1 or node.attribute:
             return None
         if op.arity is not None and len(node.input) != op.arity:
@@ -225,7 +191,7 @@ def fuse_elementwise(model: onnx.ModelProto, additions: bool = False) -> onnx.Mo
             continue
         if not additions and all(nodes[i].op_type in _ADDS for i in idx):
             continue  # a bias add and a residual add: onnxruntime folds the bias into its Gemm instead
-        fused[idx[0]] = _fused_node([nodes[i] for i in idx], set(idx), readers, graph_outputs, scalar)
+        fused[idx[0]] = _fused_node([nodes[i] for i in idx], set(idx), readers, graph_outputs, scalar, facts.dtype_of)
         dropped |= set(idx)
     if not fused:
         return model
@@ -274,7 +240,7 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
             continue
         if not any(nodes[r].domain in native_domains for r in facts.readers.get(out, ())):
             continue
-        fused[i] = _make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"],
+        fused[i] = make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"],
                                [(RELU_MASK, [("x", 0), ("x", 1)])], [0])
         dropped.add(g)
     if not fused:
@@ -296,49 +262,34 @@ def _with_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in model.graph.node:
         if node.domain != DOMAIN or node.op_type != OP_TYPE:
             continue
-        function = _function(node, opset)
-        node.op_type = function.name
-        if (function.domain, function.name) not in known:
-            known.add((function.domain, function.name))
-            model.functions.append(function)
+        steps = function(node, opset)
+        node.op_type = steps.name
+        if (steps.domain, steps.name) not in known:
+            known.add((steps.domain, steps.name))
+            model.functions.append(steps)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
 
 
-def _function(node: onnx.NodeProto, opset: int) -> onnx.FunctionProto:
-    """A fused node's steps as an ONNX function of inputs ``x0..`` and outputs ``y0..``: each step one
-    node of its op (the relu mask: Greater and Where), each constant a Constant node of its float32
-    value. It computes what the kernel computes, up to float32 rounding of the math functions."""
-    steps, results = fused_steps(node)
-    body: list[onnx.NodeProto] = []
-    for k, (op_type, refs) in enumerate(steps):
-        args = []
-        for j, (kind, value) in enumerate(refs):
-            if kind == "c":
-                args.append(f"c{k}_{j}")
-                body.append(helper.make_node("Constant", [], [args[-1]], value_float=float(value)))
-            else:
-                args.append(f"{kind}{value}")
-        if op_type == RELU_MASK:
-            body += [helper.make_node("Constant", [], [f"zero{k}"], value_float=0.0),
-                     helper.make_node("Greater", [args[0], f"zero{k}"], [f"mask{k}"]),
-                     helper.make_node("Where", [f"mask{k}", args[1], f"zero{k}"], [f"t{k}"])]
-        else:
-            body.append(helper.make_node(op_type, args, [f"t{k}"]))
-    outputs = [f"y{j}" for j in range(len(results))]
-    body += [helper.make_node("Identity", [f"t{k}"], [y]) for y, k in zip(outputs, results)]
-    digest = hashlib.sha256(f"{len(node.input)}|{json.dumps(steps)}|{results}".encode()).hexdigest()[:12]
-    return helper.make_function(DOMAIN, f"{OP_TYPE}_{digest}", [f"x{i}" for i in range(len(node.input))], outputs,
-                                body, [helper.make_opsetid("", opset)])
+def _cast_shape(node: onnx.NodeProto, facts: _Facts) -> tuple | None:
+    """The shape of a Cast from bfloat16 to float32 or back (the module docstring), else None."""
+    to = [a.i for a in node.attribute if a.name == "to"]
+    if node.domain not in ("", "ai.onnx") or len(node.attribute) != 1 or len(to) != 1 or len(node.input) != 1:
+        return None
+    source = {FLOAT: BF16, BF16: FLOAT}.get(to[0])
+    shape = facts.shape_of(node.input[0], source) if source is not None else None
+    return shape if shape is not None and facts.shape_of(node.output[0], to[0]) == shape else None
 
 
 def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[str, set[int]],
-                graph_outputs: set[str], scalar: Callable[[str], float | None]) -> onnx.NodeProto:
+                graph_outputs: set[str], scalar: Callable[[str], float | None],
+                dtype_of: Callable[[str], int | None]) -> onnx.NodeProto:
     """One DOMAIN node for ``members`` (in graph order): its inputs are the tensors they read from
     outside, its outputs the values read outside (or graph outputs); attribute ``code`` is the
     kernel's body over parameters ``x0..`` / ``y0..``, ``ops`` the member op types (for the NumPy
-    form and for reading the graph)."""
+    form and for reading the graph). A Cast member is the step WIDEN (to float32) or ROUND (to
+    bfloat16)."""
     produced = {node.output[0]: k for k, node in enumerate(members)}
     inputs: list[str] = []
     steps = []
@@ -355,34 +306,15 @@ def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[
             if name not in inputs:
                 inputs.append(name)
             refs.append(("x", inputs.index(name)))
-        steps.append((node.op_type, refs))
+        step = node.op_type
+        if step == "Cast":
+            step = WIDEN if node.attribute[0].i == FLOAT else ROUND
+        steps.append((step, refs))
     outputs = [node.output[0] for node in members
                if node.output[0] in graph_outputs or readers.get(node.output[0], set()) - indices]
     first = members[0].name or members[0].output[0]
-    return _make_fused(inputs, outputs, f"{first}/fused_elementwise", [n.op_type for n in members], steps,
-                       [produced[name] for name in outputs])
-
-
-def _make_fused(inputs: list[str], outputs: list[str], name: str, ops: list[str], steps: list,
-                results: list[int]) -> onnx.NodeProto:
-    """A DOMAIN node computing ``steps`` (``(op, refs)`` each, a ref ``("x", i)`` node input i,
-    ``("t", k)`` step k's value, ``("c", value)`` a float32 constant) with step ``results[j]`` as
-    output j. Attributes: ``steps`` and ``results`` (what the function, the NumPy form and the graph
-    readers read back, ``fused_steps``), ``code`` the CUDA body they give over parameters ``x0..`` /
-    ``y0..``, and ``ops`` the op types it stands for."""
-    lines = []
-    for k, (op_type, refs) in enumerate(steps):
-        args = [f"t{i}" if kind == "t" else _literal(i) if kind == "c" else f"x{i}" for kind, i in refs]
-        lines.append(f"float t{k} = {OPS[op_type].cuda(args)};")
-    lines += [f"y{j} = t{k};" for j, k in enumerate(results)]
-    return helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN, code=" ".join(lines), ops=ops,
-                            steps=json.dumps(steps), results=results)
-
-
-def fused_steps(node: onnx.NodeProto) -> tuple[list, list[int]]:
-    """A fused node's steps and, per output, the index of the step it is (``_make_fused``)."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return json.loads(attrs["steps"].decode()), list(attrs["results"])
+    return make_fused(inputs, outputs, f"{first}/fused_elementwise", [n.op_type for n in members], steps,
+                      [produced[name] for name in outputs], [dtype_of(n) for n in inputs], [dtype_of(n) for n in outputs])
 
 
 def _topological(items: list[tuple[int, onnx.NodeProto]], available: set[str]) -> list[onnx.NodeProto]:
@@ -406,26 +338,3 @@ def _topological(items: list[tuple[int, onnx.NodeProto]], available: set[str]) -
     if len(out) != len(items):  # a cycle: the convexity check failed (a bug, never the user's graph)
         raise RunError(f"elementwise fusion made a cycle; set {NATIVE_OFF}=elementwise and report it")
     return out
-
-
-def final_factors(node: onnx.NodeProto, output: str) -> list[str]:
-    """The node's inputs that its ``output`` is the product of, where that output's last step is a
-    Mul of node inputs or of earlier steps (only the inputs are returned); else none."""
-    if output not in node.output:
-        return []
-    steps, results = fused_steps(node)
-    op_type, refs = steps[results[list(node.output).index(output)]]
-    if op_type != "Mul":
-        return []
-    return [node.input[i] for kind, i in refs if kind == "x"]
-
-
-def evaluate_numpy(node: onnx.NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    """A fused node's outputs computed with the NumPy form of its ops (float32), for tests."""
-    steps, results = fused_steps(node)
-    values: list[np.ndarray] = []
-    for op_type, refs in steps:
-        args = [values[i] if kind == "t" else np.float32(i) if kind == "c" else np.asarray(inputs[i], np.float32)
-                for kind, i in refs]
-        values.append(np.asarray(OPS[op_type].numpy(args), np.float32))
-    return [values[k] for k in results]

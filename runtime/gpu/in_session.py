@@ -7,7 +7,8 @@ Why: as native stages, each such node cut the step into one more session (ResNet
 and gaps that ate their gain, docs/gpu.md). Inside the session they run on its stream, between its
 own kernels, and its CUDA graph captures them: a replay launches them with no Python at all.
 
-A node is taken in only where every input and output is float32 with a static shape in the
+A node is taken in only where every input and output is float32 (or, for a fused elementwise node,
+bfloat16, passed as its raw bits: ``TAKES``) with a static shape in the
 specialized segment (the runners' first call checks the rest, as between sessions; an error it
 raises fails the run naming the segment and the node). Each taken node becomes a node of
 ``DOMAIN`` with an op_type of its own in the session (the op is that one node: its runner, its
@@ -25,15 +26,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import onnx
 from onnx import helper
 
 from runtime.errors import RunError
+from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.ort_custom_ops import KernelContext, PythonOp
 from runtime.segments import build_native
 from runtime.specialize import static_values
 
 DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
+# The element types each runner computes on (every other runner: float32 only, as the transpiler
+# writes its nodes only for float32). CuPy has no bfloat16: such a value is viewed as uint16.
+TAKES = {ELEMENTWISE_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16)}
+_VIEW = {onnx.TensorProto.BFLOAT16: np.uint16}
 
 
 class _NodeKernel:
@@ -81,9 +88,9 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
         if node.domain not in domains:
             continue
         names = [n for n in node.input if n], [n for n in node.output if n]
-        # Every runner here computes in float32 (the transpiler writes its nodes only for float32).
+        takes = TAKES.get(node.domain, (onnx.TensorProto.FLOAT,))
         if len(names[0]) != len(node.input) or len(names[1]) != len(node.output) or not all(
-                n in known and known[n][1] == onnx.TensorProto.FLOAT for n in names[0] + names[1]):
+                n in known and known[n][1] in takes for n in names[0] + names[1]):
             if not any(f.domain == node.domain and f.name == node.op_type for f in model.functions):
                 raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) has no static float32 "
                                "shape for every input and output, and no function to run it otherwise")
@@ -91,7 +98,7 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
         original = onnx.NodeProto()
         original.CopyFrom(node)
         node_runner = runner(build_native([original], here), where)
-        spec = lambda name: (name, known[name][0], helper.tensor_dtype_to_np_dtype(known[name][1]))  # noqa: E731
+        spec = lambda name: (name, known[name][0], _VIEW.get(known[name][1]) or helper.tensor_dtype_to_np_dtype(known[name][1]))  # noqa: E731
         ins, outs = [spec(n) for n in node.input], [spec(n) for n in node.output]
         op_type = f"{node.op_type}_{len(ops)}"
         kernel = _NodeKernel(node_runner, original, ins, outs, device, where)

@@ -33,8 +33,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from runtime.gpu.elementwise_fusion import DOMAIN as ELEMENTWISE_DOMAIN
-from runtime.gpu.elementwise_fusion import final_factors
+from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.elementwise_steps import final_factors
 
 _SPLIT_REDUCTIONS = ("ReduceSum", "ReduceMean")
 CONCAT_MAX_INPUTS = 32  # onnxruntime's CUDA Concat under CUDA-graph capture (concat.cc)

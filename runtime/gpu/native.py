@@ -33,7 +33,7 @@ from runtime.executor import SegmentRunner
 from runtime.gpu.batchnorm import BatchNormRunner
 from runtime.gpu.conv_grad import ConvGradRunner
 from runtime.gpu.elementwise import ElementwiseRunner
-from runtime.gpu.elementwise_fusion import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.layernorm import LayerNormRunner
 from runtime.gpu.update_kernel import FusedUpdateRunner
 from runtime.segments import NativeGroup
