@@ -86,8 +86,51 @@ def test_the_fused_node_computes_what_the_casts_and_float32_nodes_computed():
     np.testing.assert_array_equal(_run(fused, feeds), expected)
 
 
+def _scores_model() -> onnx.ModelProto:
+    """The attention scores as --precision bf16 writes them: a bf16 product (here a Transpose's
+    bf16 output) scaled and causally masked in bf16 (scale and fill are bf16 casts of constants),
+    then cast up for the float32 Softmax."""
+    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=B),
+             helper.make_node("Transpose", ["xb"], ["a"], perm=[1, 0]),
+             helper.make_node("Constant", [], ["scale"], value_float=0.125),
+             helper.make_node("Cast", ["scale"], ["scale_b"], to=B),
+             helper.make_node("Constant", [], ["fill"], value_float=-np.inf),
+             helper.make_node("Cast", ["fill"], ["fill_b"], to=B),
+             helper.make_node("Mul", ["a", "scale_b"], ["s"]),
+             helper.make_node("Where", ["m", "s", "fill_b"], ["w"]),
+             helper.make_node("Cast", ["w"], ["wf"], to=F),
+             helper.make_node("Softmax", ["wf"], ["y"], axis=-1)]
+    inputs = [helper.make_tensor_value_info("x", F, ["n", 64]), helper.make_tensor_value_info("m", TensorProto.BOOL, ["n"])]
+    return one_graph_model(nodes, inputs, [helper.make_tensor_value_info("y", F, [64, "n"])])
+
+
+def test_nodes_computing_in_bfloat16_join_as_their_op_then_a_rounding():
+    model = _scores_model()
+    fused = fuse_elementwise(model, bfloat16=True)
+    (node,) = [n for n in fused.graph.node if n.domain == DOMAIN]
+    assert list(node.input) == ["a", "scale_b", "m", "fill_b"] and list(node.output) == ["wf"]
+    assert fused_types(node) == ([B, B, TensorProto.BOOL, B], [F])
+    assert [op for op, _ in fused_steps(node)[0]] == ["Mul", ROUND, "Where", ROUND, WIDEN]
+    # Without bfloat16 nothing here is float32 elementwise but the Softmax's input cast: no cluster.
+    assert not [n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN]
+    # Values: the graph as the CPU backend computes bf16 (runtime/low_precision.py: each bf16 node in
+    # float32, its output rounded once, as the GPU's kernels do), the fused graph run by onnxruntime
+    # through the node's function, and the NumPy form: the same bits.
+    from runtime.low_precision import lower
+
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.normal(size=(29, 64)).astype(np.float32) * np.float32(7), "m": rng.random(29) < 0.7}
+    expected = _run(lower(model), feeds)
+    np.testing.assert_array_equal(_run(fused, feeds), expected)
+    a = round_bf16_numpy(feeds["x"]).T.copy()
+    scale, fill = round_bf16_numpy(np.float32(0.125)), round_bf16_numpy(np.float32(-np.inf))
+    (wf,) = evaluate_numpy(node, [a, scale, feeds["m"], fill])
+    e = np.exp(wf - wf.max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(e / e.sum(axis=-1, keepdims=True), expected, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.gpu
-def test_the_cupy_kernel_equals_the_numpy_form_bit_for_bit():
+def test_the_cupy_kernels_equal_the_numpy_form_bit_for_bit():
     cp = pytest.importorskip("cupy")
     try:
         cp.cuda.runtime.getDeviceCount()
@@ -96,20 +139,25 @@ def test_the_cupy_kernel_equals_the_numpy_form_bit_for_bit():
     from runtime.gpu.elementwise import ElementwiseRunner
     from runtime.segments import NativeGroup
 
-    feeds = _feeds()
-    (node,) = [n for n in fuse_elementwise(_model(), bfloat16=True).graph.node if n.domain == DOMAIN]
-
     class _Backend:
         compute = cp.cuda.Stream()
 
     _Backend.cp = cp
-    inputs = [round_bf16_numpy(feeds["x"]).T.copy(), feeds["b"]]
-    group = NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output))
-    (got,) = ElementwiseRunner(group, "test", _Backend).run({n: cp.asarray(v) for n, v in zip(node.input, inputs)})
-    assert got.dtype == np.uint16
-    got, expected = cp.asnumpy(got), evaluate_numpy(node, inputs)[0]
-    # Bit for bit but for NaN's payload: the GPU's NaN * NaN is 0x7fffffff, NumPy's 0x7fc00000
-    # (one H200); either is bfloat16's NaN after rounding.
-    nan = np.isnan(widen_bf16_numpy(expected))
-    assert nan.any() and np.array_equal(nan, np.isnan(widen_bf16_numpy(got)))
-    np.testing.assert_array_equal(got[~nan], expected[~nan])
+    feeds = _feeds()
+    rng = np.random.default_rng(1)
+    cases = [(_model(), [round_bf16_numpy(feeds["x"]).T.copy(), feeds["b"]]),
+             (_scores_model(), [round_bf16_numpy(feeds["x"]).T.copy(), round_bf16_numpy(np.float32(0.125)),
+                                rng.random(len(feeds["b"])) < 0.7, round_bf16_numpy(np.float32(-np.inf))])]
+    for model, inputs in cases:
+        (node,) = [n for n in fuse_elementwise(model, bfloat16=True).graph.node if n.domain == DOMAIN]
+        group = NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output))
+        (got,) = ElementwiseRunner(group, "test", _Backend).run({n: cp.asarray(v) for n, v in zip(node.input, inputs)})
+        expected = evaluate_numpy(node, inputs)[0]
+        assert got.dtype == expected.dtype
+        got = cp.asnumpy(got)
+        # Bit for bit but for NaN's payload: the GPU's NaN * NaN is 0x7fffffff, NumPy's 0x7fc00000
+        # (one H200); either is bfloat16's NaN after rounding.
+        as_float = (lambda v: widen_bf16_numpy(v)) if got.dtype == np.uint16 else (lambda v: v)
+        nan = np.isnan(as_float(expected))
+        assert np.array_equal(nan, np.isnan(as_float(got)))
+        np.testing.assert_array_equal(got[~nan], expected[~nan])

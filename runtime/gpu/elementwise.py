@@ -14,7 +14,7 @@ import onnx
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
 from runtime.gpu.cuda import compiled_module
-from runtime.gpu.elementwise_steps import BF16, DOMAIN, PREAMBLE, RELU_MASK, fused_steps, fused_types
+from runtime.gpu.elementwise_steps import BF16, BOOL, DOMAIN, PREAMBLE, RELU_MASK, fused_steps, fused_types
 from runtime.segments import place
 
 
@@ -96,7 +96,7 @@ class ElementwiseRunner(LaunchRunner):
                 if key not in cache:
                     cache[key] = _ReluMaskKernel(self.cp)
             if key not in cache:
-                param = lambda t, name: f"{'uint16' if t == BF16 else 'float32'} {name}"  # noqa: E731
+                param = lambda t, name: f"{ {BF16: 'uint16', BOOL: 'bool'}.get(t, 'float32')} {name}"  # noqa: E731
                 params_in = ", ".join(param(t, f"x{i}") for i, t in enumerate(types[0]))
                 params_out = ", ".join(param(t, f"y{j}") for j, t in enumerate(types[1]))
                 cache[key] = self.cp.ElementwiseKernel(params_in, params_out, code, f"fused_elementwise_{len(cache)}",

@@ -15,8 +15,10 @@ fused node also carries a function of its steps, so onnxruntime can run it where
 Clusters: nodes of ``OPS`` whose output is float32 of the same (possibly symbolic) shape, joined
 along producer -> consumer edges; an input may be any float32 tensor that broadcasts (numpy rules,
 as ONNX and CuPy both broadcast), or a scalar constant, which is written into the kernel as its exact
-bits. With ``bfloat16`` (--precision bf16), casts between bfloat16 and float32 join too, so a chain
-reads its bfloat16 inputs and writes its bfloat16 results itself (elementwise_steps.py). A cluster stays convex: no path leaves it and comes back (the fused node must be placeable in
+bits. With ``bfloat16`` (--precision bf16), casts between bfloat16 and float32 and the nodes of
+``OPS`` that compute in bfloat16 join too, so a chain reads its bfloat16 inputs and writes its
+bfloat16 results itself (elementwise_steps.py); a cluster's nodes share one output shape, not one
+dtype. A Where's condition is a bool tensor that broadcasts. A cluster stays convex: no path leaves it and comes back (the fused node must be placeable in
 a topological order). Only clusters of at least ``MIN_NODES`` nodes over a tensor with a symbolic
 (batch) dimension or at least ``MIN_ELEMENTS`` elements are kept; clusters of additions only (a bias
 and a residual, which onnxruntime folds into its Gemm) only with ``additions`` (inside a session a
@@ -42,6 +44,7 @@ from contract.collectives import consumed
 from runtime.errors import RunError
 from runtime.gpu.elementwise_steps import (
     BF16,
+    BOOL,
     DOMAIN,
     FLOAT,
     OP_TYPE,
@@ -120,8 +123,8 @@ def fuse_elementwise(model: onnx.ModelProto, additions: bool = False, bfloat16: 
     nodes, producer, shape_of, scalar = facts.nodes, facts.producer, facts.shape_of, facts.scalar
 
     def eligible(node: onnx.NodeProto) -> tuple | None:
-        if node.op_type == "Cast" and bfloat16:
-            return _cast_shape(node, facts)
+        if node.op_type == "Cast":
+            return _cast_shape(node, facts) if bfloat16 else None
         op = OPS.get(node.op_type) if node.op_type not in (RELU_MASK, WIDEN, ROUND) else None
         if op is None or node.domain not in ("", "ai.onnx") or len(node.output) != 1 or node.attribute:
             return None
@@ -129,9 +132,16 @@ def fuse_elementwise(model: onnx.ModelProto, additions: bool = False, bfloat16: 
             return None
         if node.op_type == "Pow" and scalar(node.input[1]) is None:
             return None
-        out = shape_of(node.output[0])
-        if out is None or any(name == "" or (scalar(name) is None and shape_of(name) is None) for name in node.input):
+        dtype = facts.dtype_of(node.output[0])
+        if dtype not in ((FLOAT, BF16) if bfloat16 else (FLOAT,)):
             return None
+        out = shape_of(node.output[0], dtype)
+        for i, name in enumerate(node.input):
+            condition = node.op_type == "Where" and i == 0
+            if name == "" or (condition and shape_of(name, BOOL) is None):
+                return None
+            if not condition and scalar(name) is None and shape_of(name, dtype) is None:
+                return None
         return out
 
     cluster_of: dict[int, int] = {}
@@ -289,8 +299,8 @@ def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[
     outside, its outputs the values read outside (or graph outputs); attribute ``code`` is the
     kernel's body over parameters ``x0..`` / ``y0..``, ``ops`` the member op types (for the NumPy
     form and for reading the graph). A Cast member is the step WIDEN (to float32) or ROUND (to
-    bfloat16)."""
-    produced = {node.output[0]: k for k, node in enumerate(members)}
+    bfloat16); a member computing in bfloat16 is its op, then ROUND."""
+    produced: dict[str, int] = {}  # a member's output -> the step that is it
     inputs: list[str] = []
     steps = []
     for node in members:
@@ -310,6 +320,9 @@ def _fused_node(members: list[onnx.NodeProto], indices: set[int], readers: dict[
         if step == "Cast":
             step = WIDEN if node.attribute[0].i == FLOAT else ROUND
         steps.append((step, refs))
+        if step not in (WIDEN, ROUND) and dtype_of(node.output[0]) == BF16:
+            steps.append((ROUND, [("t", len(steps) - 1)]))
+        produced[node.output[0]] = len(steps) - 1
     outputs = [node.output[0] for node in members
                if node.output[0] in graph_outputs or readers.get(node.output[0], set()) - indices]
     first = members[0].name or members[0].output[0]

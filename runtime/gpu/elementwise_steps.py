@@ -8,9 +8,11 @@ computes in float32, as onnxruntime's kernel for that node does, with the round-
 intrinsics (``__fadd_rn``...), which the compiler never contracts into an FMA, and the same CUDA
 math functions (``expf``, ``erff``, ``tanhf``, ``powf``).
 
-bfloat16 at the edges (``--precision bf16``): a chain may begin with casts of bfloat16 values up
-to float32 (``Cast(to=float)``, step ``WIDEN``) and end with casts of its results down
-(``Cast(to=bfloat16)``, step ``ROUND``): inside, everything is float32 as in the graph. A bfloat16
+bfloat16 (``--precision bf16``): a chain may begin with casts of bfloat16 values up to float32
+(``Cast(to=float)``, step ``WIDEN``) and end with casts of its results down (``Cast(to=bfloat16)``,
+step ``ROUND``), and a node computing in bfloat16 (the attention scores' scale and causal mask) is
+its op on the widened inputs, then ``ROUND``: what onnxruntime's bfloat16 kernels compute (float
+arithmetic, the result rounded once). A bfloat16
 input or output is passed to the kernel as its 16 raw bits (``uint16``: CuPy and NumPy have no
 bfloat16); widening is exact (the bits shifted into a float's high half), rounding is to nearest
 even with NaN kept NaN, as onnxruntime's Cast and ``__float2bfloat16_rn`` round. So the fused
@@ -35,7 +37,7 @@ OP_TYPE = "Fused"
 RELU_MASK = "ReluMask"  # the step of fuse_relu_masks's nodes
 WIDEN = "WidenBf16"  # Cast(to=float) of a bfloat16 value: the value itself (inputs are widened as read)
 ROUND = "RoundBf16"  # Cast(to=bfloat16): rounded to nearest even, held as the float it equals
-FLOAT, BF16 = TensorProto.FLOAT, TensorProto.BFLOAT16
+FLOAT, BF16, BOOL = TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.BOOL
 
 _erf = np.vectorize(math.erf, otypes=[np.float32])
 
@@ -82,6 +84,7 @@ OPS: dict[str, _Op] = {
     "Reciprocal": _Op(1, lambda a: f"__fdiv_rn(1.0f, {a[0]})", lambda a: np.float32(1) / a[0]),
     "Relu": _Op(1, lambda a: f"fmaxf({a[0]}, 0.0f)", lambda a: np.maximum(a[0], np.float32(0))),
     "Pow": _Op(2, lambda a: f"powf({a[0]}, {a[1]})", lambda a: np.power(a[0], a[1])),
+    "Where": _Op(3, lambda a: f"({a[0]} ? {a[1]} : {a[2]})", lambda a: np.where(a[0], a[1], a[2])),  # a[0]: bool
     # Where(Greater(y, 0), dy, 0) as one step (fuse_relu_masks): no ONNX op has this name, so no
     # graph node is ever clustered as one; nor as WIDEN or ROUND (casts become those).
     RELU_MASK: _Op(2, lambda a: f"({a[0]} > 0.0f ? {a[1]} : 0.0f)",
@@ -111,7 +114,8 @@ def make_fused(inputs: list[str], outputs: list[str], name: str, ops: list[str],
                results: list[int], input_types: list[int] | None = None,
                output_types: list[int] | None = None) -> onnx.NodeProto:
     """A DOMAIN node computing ``steps`` (the module docstring) with step ``results[j]`` as output
-    j; ``input_types``/``output_types``: each one's ONNX dtype, FLOAT or BF16 (default all FLOAT).
+    j; ``input_types``/``output_types``: each one's ONNX dtype, FLOAT or BF16, or BOOL for a Where's
+    condition (default all FLOAT).
     Attributes: ``steps``, ``results`` and the types (what the function, the NumPy form and the
     graph readers read back, ``fused_steps``), ``code`` the CUDA body over parameters ``x0..`` /
     ``y0..``, and ``ops`` the op types it stands for."""
@@ -146,9 +150,12 @@ def function(node: onnx.NodeProto, opset: int) -> onnx.FunctionProto:
     """A fused node's steps as an ONNX function of inputs ``x0..`` and outputs ``y0..``: each step one
     node of its op (the relu mask: Greater and Where; WIDEN and ROUND: their Casts), each constant a
     Constant node of its float32 value. It computes what the kernel computes, up to float32
-    rounding of the math functions."""
+    rounding of the math functions. As in the kernel, every step's value ``t{k}`` is float32: a
+    bfloat16 input is read widened (``w{i}``), a ROUND step is the bfloat16 ``r{k}`` widened back."""
     steps, results = fused_steps(node)
-    body: list[onnx.NodeProto] = []
+    input_types, output_types = fused_types(node)
+    body: list[onnx.NodeProto] = [helper.make_node("Cast", [f"x{i}"], [f"w{i}"], to=FLOAT)
+                                  for i, t in enumerate(input_types) if t == BF16]
     for k, (op_type, refs) in enumerate(steps):
         args = []
         for j, (kind, value) in enumerate(refs):
@@ -156,19 +163,21 @@ def function(node: onnx.NodeProto, opset: int) -> onnx.FunctionProto:
                 args.append(f"c{k}_{j}")
                 body.append(helper.make_node("Constant", [], [args[-1]], value_float=float(value)))
             else:
-                args.append(f"{kind}{value}")
+                args.append(f"w{value}" if kind == "x" and input_types[value] == BF16 else f"{kind}{value}")
         if op_type == RELU_MASK:
             body += [helper.make_node("Constant", [], [f"zero{k}"], value_float=0.0),
                      helper.make_node("Greater", [args[0], f"zero{k}"], [f"mask{k}"]),
                      helper.make_node("Where", [f"mask{k}", args[1], f"zero{k}"], [f"t{k}"])]
-        elif op_type in (WIDEN, ROUND):
-            body.append(helper.make_node("Cast", args, [f"t{k}"], to=FLOAT if op_type == WIDEN else BF16))
+        elif op_type == WIDEN:
+            body.append(helper.make_node("Cast", args, [f"t{k}"], to=FLOAT))
+        elif op_type == ROUND:
+            body += [helper.make_node("Cast", args, [f"r{k}"], to=BF16), helper.make_node("Cast", [f"r{k}"], [f"t{k}"], to=FLOAT)]
         else:
             body.append(helper.make_node(op_type, args, [f"t{k}"]))
     outputs = [f"y{j}" for j in range(len(results))]
-    body += [helper.make_node("Identity", [f"t{k}"], [y]) for y, k in zip(outputs, results)]
-    types = fused_types(node)
-    digest = hashlib.sha256(f"{len(node.input)}|{json.dumps(steps)}|{results}|{types}".encode()).hexdigest()[:12]
+    body += [helper.make_node("Identity", [f"r{k}" if t == BF16 else f"t{k}"], [y])
+             for y, k, t in zip(outputs, results, output_types)]
+    digest = hashlib.sha256(f"{len(node.input)}|{json.dumps(steps)}|{results}|{input_types}|{output_types}".encode()).hexdigest()[:12]
     return helper.make_function(DOMAIN, f"{OP_TYPE}_{digest}", [f"x{i}" for i in range(len(node.input))], outputs,
                                 body, [helper.make_opsetid("", opset)])
 
@@ -190,7 +199,8 @@ def evaluate_numpy(node: onnx.NodeProto, inputs: list[np.ndarray]) -> list[np.nd
     bfloat16 input or output is its raw bits (uint16), as the kernel takes and writes it."""
     steps, results = fused_steps(node)
     input_types, output_types = fused_types(node)
-    widened = [widen_bf16_numpy(x) if t == BF16 else np.asarray(x, np.float32) for x, t in zip(inputs, input_types)]
+    widened = [widen_bf16_numpy(x) if t == BF16 else np.asarray(x, bool) if t == BOOL else np.asarray(x, np.float32)
+               for x, t in zip(inputs, input_types)]
     values: list[np.ndarray] = []
     for op_type, refs in steps:
         args = [values[i] if kind == "t" else np.float32(i) if kind == "c" else widened[i] for kind, i in refs]

@@ -8,7 +8,7 @@ and gaps that ate their gain, docs/gpu.md). Inside the session they run on its s
 own kernels, and its CUDA graph captures them: a replay launches them with no Python at all.
 
 A node is taken in only where every input and output is float32 (or, for a fused elementwise node,
-bfloat16, passed as its raw bits: ``TAKES``) with a static shape in the
+bfloat16, passed as its raw bits, and a Where's bool condition: ``TAKES``) with a static shape in the
 specialized segment (the runners' first call checks the rest, as between sessions; an error it
 raises fails the run naming the segment and the node). Each taken node becomes a node of
 ``DOMAIN`` with an op_type of its own in the session (the op is that one node: its runner, its
@@ -39,7 +39,7 @@ from runtime.specialize import static_values
 DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
 # The element types each runner computes on (every other runner: float32 only, as the transpiler
 # writes its nodes only for float32). CuPy has no bfloat16: such a value is viewed as uint16.
-TAKES = {ELEMENTWISE_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16)}
+TAKES = {ELEMENTWISE_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.BOOL)}
 _VIEW = {onnx.TensorProto.BFLOAT16: np.uint16}
 
 
