@@ -141,6 +141,74 @@ def test_a_float32_attention_s_scale_and_mask_stay_onnxruntime_s():
     assert [n.op_type for n in fuse_elementwise(model, additions=True, bfloat16=True).graph.node] == ["MatMul", "Mul", "Where"]
 
 
+@pytest.fixture(scope="module")
+def gpt_bf16_train(tmp_path_factory):
+    """The built-in small GPT's single-device training graph with --precision bf16, and one step's
+    feeds (as conftest's gpt_train)."""
+    from conftest import load_data
+
+    import models
+    from transpiler import OptimizerConfig, Options, transpile
+
+    tmp = tmp_path_factory.mktemp("gpt_bf16")
+    models.generate("gpt", tmp / "model", seed=0, rows=8)
+    transpile(tmp / "model" / "model.onnx", tmp / "out", Options(optimizer=OptimizerConfig("adamw"), precision="bf16"))
+    model = onnx.load(str(tmp / "out" / "train.onnx"))
+    state = _session(onnx.load(str(tmp / "out" / "train_init.onnx"))).run(None, {})
+    names = [o.name for o in onnx.load(str(tmp / "out" / "train_init.onnx")).graph.output]
+    data = load_data(tmp / "model" / "data.npz")
+    feeds = {**{k: v[:4] for k, v in data.items()}, **dict(zip(names, state)), "lr": np.array(1e-3, np.float32)}
+    return model, {i.name: feeds[i.name] for i in model.graph.input}
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def test_the_bf16_gpt_s_fused_step_computes_what_its_graph_computes(gpt_bf16_train):
+    """The whole bf16 GPT training step, fused as the GPU backend fuses it: its fused nodes' ONNX
+    functions give every output of the step bit for bit (the CPU backend's bf16 lowering, which
+    rounds as the GPU's kernels do), and each fused node's NumPy form (the GPU kernel's reference,
+    test below) gives its outputs from its inputs' values: float32 ones within float32 rounding of
+    the math functions, bf16 ones bit for bit but for rare one-unit roundings after them."""
+    import onnx.inliner
+
+    from runtime.low_precision import lower
+
+    model, feeds = gpt_bf16_train
+    fused = fuse_elementwise(model, additions=True, bfloat16=True)
+    nodes = [n for n in fused.graph.node if n.domain == DOMAIN]
+    assert sum(B in t for n in nodes for t in fused_types(n)) >= 20  # chains reading or writing bf16
+    lowered = lower(model)
+    # The lowering drops a cast up of a bf16 value (held as the float32 it equals): such a name has
+    # no value of its own there, and the nodes reading or writing one are not checked one by one.
+    there = {o for n in lowered.graph.node for o in n.output} | set(feeds)
+    checked = [n for n in nodes if all(name in there for name in (*n.input, *n.output))]
+    assert len(checked) >= len(nodes) // 2 and any(B in fused_types(n)[0] for n in checked)
+    names = list(dict.fromkeys(name for n in checked for name in (*n.input, *n.output)))
+    known = {o.name for o in lowered.graph.output}
+    lowered.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in known | set(feeds))
+    session = _session(lowered)
+    values = {**feeds, **dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))}
+    steps = _session(lower(onnx.inliner.inline_local_functions(fused))).run(None, feeds)
+    for name, got in zip([o.name for o in model.graph.output], steps):
+        np.testing.assert_array_equal(got, values[name], err_msg=name)
+    for node in checked:
+        input_types, output_types = fused_types(node)
+        inputs = [round_bf16_numpy(values[n]) if t == B else values[n] for n, t in zip(node.input, input_types)]
+        for name, t, got in zip(node.output, output_types, evaluate_numpy(node, inputs)):
+            if t != B:
+                np.testing.assert_allclose(got, values[name], rtol=2e-5, atol=1e-6, err_msg=f"{node.name}: {name}")
+                continue
+            # A math function's last float bit (NumPy's erf against onnxruntime's erff) may carry
+            # a bf16 rounding one unit the other way: rare, and never more than one unit.
+            apart = np.abs(got.astype(np.int32) - round_bf16_numpy(values[name]).astype(np.int32))
+            assert apart.max() <= 1 and np.count_nonzero(apart) <= 1e-4 * apart.size, f"{node.name}: {name}"
+
+
 @pytest.mark.gpu
 def test_the_cupy_kernels_equal_the_numpy_form_bit_for_bit():
     cp = pytest.importorskip("cupy")
