@@ -228,8 +228,9 @@ class FakeNcclCommunicator(Communicator):
     def allreduce_scalars(self, values, reduction="mean"): return self.host.allreduce_scalars(values, reduction)
     def abort(self, code): self.host.abort(code)
 
-def FakeGpuBackend(device, *, tf32, ep_options):
-    print("gpu-backend", json.dumps({"tf32": tf32, "ep_options": ep_options}), file=sys.stderr, flush=True)
+def FakeGpuBackend(device, *, tf32, ep_options, per_item_timings):
+    print("gpu-backend", json.dumps({"tf32": tf32, "ep_options": ep_options, "per_item_timings": per_item_timings}),
+          file=sys.stderr, flush=True)
     return CpuBackend(threads=1)
 
 runtime.gpu.GpuBackend = FakeGpuBackend
@@ -266,7 +267,7 @@ def test_gpu_path_under_a_torch_style_launcher_with_a_fake_nccl(tmp_path):
 
     # The one --timeout bounds the NCCL watchdog too; --ep-option reaches the backend.
     assert said("nccl-timeout") == [45.0, 45.0]
-    assert said("gpu-backend") == [{"tf32": True, "ep_options": {"prefer_nhwc": "1"}}] * 2
+    assert said("gpu-backend") == [{"tf32": True, "ep_options": {"prefer_nhwc": "1"}, "per_item_timings": False}] * 2
     lines = outputs[0][0].splitlines()
     assert lines[0] == "launcher: torchrun (2 rank(s), backend nccl)"  # rank 0 says how it was started
     assert outputs[1][0] == ""  # the log is rank 0's

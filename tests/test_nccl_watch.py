@@ -18,8 +18,12 @@ from runtime.gpu.program import GpuProgram
 class _Event:
     def __init__(self):
         self.recorded, self.done = 0, True  # an event never recorded counts as happened (CUDA's rule)
+        self.entry = None  # the watchdog entry that waits for this event, if the test sets it
 
     def record(self, stream=None) -> None:
+        # Recorded before the entry says "enqueued": else, between the two, the entry would read
+        # the previous step's record as this step's end.
+        assert self.entry is None or not self.entry.enqueued
         self.recorded += 1
 
 
@@ -42,6 +46,7 @@ def test_the_entry_is_made_before_the_step_and_done_only_after_it():
     program = _program(comm)
     with GpuProgram._watched(program, "a step"):
         ((entry, label),) = comm.tracked.values()
+        program.step_done.entry = entry
         assert not entry.done  # the event says done (last step's record), but this step is not enqueued yet
         assert program.step_done.recorded == 0
     assert program.step_done.recorded == 1 and entry.done
@@ -59,6 +64,43 @@ def test_a_cut_step_makes_no_step_entry():
     assert comm.tracked == {} and program.step_done.recorded == 0
 
 
+def test_a_done_entry_replaced_meanwhile_is_kept(monkeypatch):
+    """The watchdog drops an entry it found done only if it is still the one in place: track() may
+    have put the next step's there since (that entry is what watches a host blocked in that step)."""
+    monkeypatch.setattr(nccl_module, "relax_capture_mode", lambda: True)
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.timeout, comm.comm = 0, 1e9, None
+    comm._inflight, comm._inflight_lock = {}, threading.Lock()
+    comm._stop, comm._relaxed_known = _StopAfter(1), threading.Event()
+    following = _Event()
+    following.done = False
+
+    class _Replaced(_Event):  # its query is where the next step's track() lands
+        @property
+        def done(self):
+            comm.track("step", following, "step 2")
+            return True
+
+        @done.setter
+        def done(self, _value):
+            pass
+
+    comm.track("step", _Replaced(), "step 1")
+    comm._watch()
+    assert comm._inflight["step"][1] is following
+
+
+class _StopAfter:
+    """A stop event whose wait() lets the watchdog loop run ``n`` times."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def wait(self, _seconds: float) -> bool:
+        self.n -= 1
+        return self.n < 0
+
+
 def test_a_step_that_blocks_the_host_times_out(monkeypatch):
     """The watchdog fails a step whose enqueueing never returns, within its timeout."""
     monkeypatch.setattr(nccl_module, "relax_capture_mode", lambda: True)
@@ -66,6 +108,7 @@ def test_a_step_that_blocks_the_host_times_out(monkeypatch):
     comm = object.__new__(NcclCommunicator)  # no device: only what the watchdog uses
     comm.rank, comm.timeout, comm.comm = 0, 0.2, None
     comm._inflight, comm._stop, comm._relaxed_known = {}, threading.Event(), threading.Event()
+    comm._inflight_lock = threading.Lock()
     comm._fail = failed.append
     watchdog = threading.Thread(target=comm._watch, daemon=True)
     watchdog.start()

@@ -15,7 +15,8 @@ its op on the widened inputs, then ``ROUND``: what onnxruntime's bfloat16 kernel
 arithmetic, the result rounded once). A bfloat16
 input or output is passed to the kernel as its 16 raw bits (``uint16``: CuPy and NumPy have no
 bfloat16); widening is exact (the bits shifted into a float's high half), rounding is to nearest
-even with NaN kept NaN, as onnxruntime's Cast and ``__float2bfloat16_rn`` round. So the fused
+even, as onnxruntime's Cast and ``__float2bfloat16_rn`` round (a NaN stays a NaN; its payload may
+differ from theirs, as a NaN's payload may between any two kernels). So the fused
 chain computes exactly what the graph's casts and float32 nodes do, in one kernel where
 onnxruntime runs one per cast (a bf16 GPT's step spent a fifth of its kernel time in casts).
 """
@@ -43,7 +44,8 @@ _erf = np.vectorize(math.erf, otypes=[np.float32])
 
 
 def round_bf16_numpy(x: np.ndarray) -> np.ndarray:
-    """float32 -> the bfloat16 nearest (ties to even) as 16 raw bits; NaN stays NaN."""
+    """float32 -> the bfloat16 nearest (ties to even) as 16 raw bits; a NaN stays a NaN (quiet, its
+    payload's high bits kept: the kernel's rule, not necessarily onnxruntime's)."""
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
     rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
     nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)

@@ -3,14 +3,14 @@ and logging, and a watchdog that turns a hang into an error.
 
 The unique id that every rank needs to join the NCCL communicator travels through the host group
 (MPI bcast under mpiexec, the TCP bootstrap under torchrun: runtime/bootstrap.py); a world of one
-needs none. Every NCCL call is enqueued on
-``self.stream`` and returns at once; callers order it against the compute stream with CUDA events.
+needs none. Every NCCL call is enqueued on ``self.stream`` and returns at once; callers order it
+against the compute stream with CUDA events.
 
-Watchdog: the program registers each collective it enqueues with the time and the event recorded
-after it. If one is still not done after ``timeout`` seconds (``transpile run --timeout``; a peer
-died or hangs: NCCL kernels spin forever), or NCCL reports an asynchronous error, the watchdog aborts the NCCL communicator
-(ncclCommAbort unblocks the kernels), prints which rank and which collective, and exits the
-process. Under mpiexec the others then exit too; a rank that died outright is named by mpiexec.
+Watchdog: the program registers each collective (or step) it enqueues with the time and an event
+recorded after it. One not done after ``timeout`` seconds (``transpile run --timeout``; a peer died
+or hangs: NCCL kernels spin forever), or an asynchronous NCCL error, and the watchdog aborts the
+communicator (which unblocks the kernels), prints the rank and the collective, and exits the
+process; under mpiexec the others then exit too (a rank that died outright is named by mpiexec).
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def _keep_undestroyed(comm) -> None:
 
 
 class NcclCommunicator(Communicator):
-    """Rank ``host.rank`` of ``host.size`` on CUDA device ``device``; ``host`` is the ranks' host
-    group (runtime/bootstrap.py: MPI, or the TCP bootstrap; None for a world of one). Call ``connect()`` on every rank before the first collective."""
+    """Rank ``host.rank`` of ``host.size`` on CUDA device ``device``; ``host``: the ranks' host group
+    (runtime/bootstrap.py; None for a world of one). ``connect()`` on every rank, then collectives."""
 
     def __init__(self, host: HostGroup | Communicator | None, device: int, *, timeout: float | None = None):
         self.cp = import_cupy()
@@ -112,7 +112,7 @@ class NcclCommunicator(Communicator):
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         self._inflight: dict[int, tuple[float, object, str]] = {}
         self._stop = threading.Event()
-        self._abort_lock = threading.Lock()
+        self._abort_lock, self._inflight_lock = threading.Lock(), threading.Lock()
         self.relaxed: bool | None = None  # whether the watchdog thread runs in relaxed capture mode
         self._relaxed_known = threading.Event()
         self._aborted = False
@@ -155,17 +155,15 @@ class NcclCommunicator(Communicator):
         if comm is None:
             return
         releases = [release for release in (ref() for ref in self._before_destroy) if release is not None]
-        self._before_destroy.clear()
-        failed: list[str] = []
+        self._before_destroy, failed = [], []
 
         def destroy() -> None:
             try:
                 device = self.cp.cuda.Device(self.device)
                 device.use()
                 device.synchronize()
-                for release in releases:
-                    release()
-                releases.clear()
+                while releases:
+                    releases.pop(0)()
                 gc.collect()  # a session held in a reference cycle goes now, before the destroy
                 comm.destroy()
             except Exception as exc:  # noqa: BLE001 - said below, in the rank's own words
@@ -182,8 +180,9 @@ class NcclCommunicator(Communicator):
 
     # -- watchdog ------------------------------------------------------------------------------
     def track(self, key, event, label: str) -> None:
-        """Register ``key`` (a collective's position, or a step's key) as enqueued now, complete once ``event`` has happened."""
-        self._inflight[key] = (time.monotonic(), event, label)
+        """``key`` (a collective's position, a step's key) is in flight from now until ``event`` happened."""
+        with self._inflight_lock:
+            self._inflight[key] = (time.monotonic(), event, label)
 
     def _watch(self) -> None:
         self.relaxed = relax_capture_mode()  # this thread's event queries must not break a capture
@@ -191,11 +190,13 @@ class NcclCommunicator(Communicator):
         while not self._stop.wait(1.0):
             now = time.monotonic()
             pending = []
-            for key, (started, event, label) in list(self._inflight.items()):
-                if event.done:
-                    self._inflight.pop(key, None)
-                else:
-                    pending.append((started, label))
+            for key, entry in list(self._inflight.items()):
+                if not entry[1].done:
+                    pending.append((entry[0], entry[2]))
+                    continue
+                with self._inflight_lock:  # not the entry track() put there since (the next step's)
+                    if self._inflight.get(key) is entry:
+                        del self._inflight[key]
             oldest = min(pending, default=None)
             comm = self.comm  # once: close() may set it to None meanwhile
             try:
