@@ -129,3 +129,25 @@ def pytest_collection_modifyitems(items):
         if (item.module.__name__ in SLOW_MODULES or item.originalname in SLOW_TESTS
                 or item.get_closest_marker("mpi")):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def cupy_kernels():
+    """CuPy on the first CUDA device (the test skips without CuPy or a device) and ``runner(node)``:
+    the ElementwiseRunner of one fused node, on a stream of its own as the backend's compute stream."""
+    from types import SimpleNamespace
+
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        pytest.skip("no CUDA device")
+    from runtime.gpu.elementwise import ElementwiseRunner
+    from runtime.segments import NativeGroup
+
+    backend = SimpleNamespace(cp=cp, compute=cp.cuda.Stream())
+
+    def runner(node):
+        return ElementwiseRunner(NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output)), "test", backend)
+
+    return SimpleNamespace(cp=cp, runner=runner)

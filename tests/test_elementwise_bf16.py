@@ -223,19 +223,8 @@ def test_the_bf16_gpt_s_fused_step_computes_what_its_graph_computes(gpt_bf16_tra
 
 
 @pytest.mark.gpu
-def test_the_cupy_kernels_equal_the_numpy_form_bit_for_bit():
-    cp = pytest.importorskip("cupy")
-    try:
-        cp.cuda.runtime.getDeviceCount()
-    except Exception:
-        pytest.skip("no CUDA device")
-    from runtime.gpu.elementwise import ElementwiseRunner
-    from runtime.segments import NativeGroup
-
-    class _Backend:
-        compute = cp.cuda.Stream()
-
-    _Backend.cp = cp
+def test_the_cupy_kernels_equal_the_numpy_form_bit_for_bit(cupy_kernels):
+    cp = cupy_kernels.cp
     feeds = _feeds()
     rng = np.random.default_rng(1)
     cases = [(_model(), [round_bf16_numpy(feeds["x"]).T.copy(), feeds["b"]]),
@@ -243,8 +232,7 @@ def test_the_cupy_kernels_equal_the_numpy_form_bit_for_bit():
                                 rng.random(len(feeds["b"])) < 0.7, round_bf16_numpy(np.float32(-np.inf))])]
     for model, inputs in cases:
         (node,) = [n for n in fuse_elementwise(model, bfloat16=True).graph.node if n.domain == DOMAIN]
-        group = NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output))
-        (got,) = ElementwiseRunner(group, "test", _Backend).run({n: cp.asarray(v) for n, v in zip(node.input, inputs)})
+        (got,) = cupy_kernels.runner(node).run({n: cp.asarray(v) for n, v in zip(node.input, inputs)})
         expected = evaluate_numpy(node, inputs)[0]
         assert got.dtype == expected.dtype
         got = cp.asnumpy(got)

@@ -14,7 +14,6 @@ import pytest
 from conftest import one_graph_model
 from onnx import TensorProto, helper
 
-from runtime.gpu.elementwise import ElementwiseRunner
 from runtime.gpu.elementwise_fusion import fuse_elementwise
 from runtime.gpu.elementwise_steps import DOMAIN, evaluate_numpy
 
@@ -114,27 +113,14 @@ def test_scalar_constants_are_inlined_exactly_and_small_or_additive_chains_are_l
 
 
 @pytest.mark.gpu
-def test_the_cupy_kernels_equal_the_numpy_form(gpt_train):
-    cp = pytest.importorskip("cupy")
-    try:
-        cp.cuda.runtime.getDeviceCount()
-    except Exception:
-        pytest.skip("no CUDA device")
-    from runtime.segments import NativeGroup
-
+def test_the_cupy_kernels_equal_the_numpy_form(gpt_train, cupy_kernels):
+    cp = cupy_kernels.cp
     model, _ = gpt_train
     nodes = [n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN]
-
-    class _Backend:
-        compute = cp.cuda.Stream()
-
-    _Backend.cp = cp
     rng = np.random.default_rng(0)
     for node in nodes:
         inputs = [rng.uniform(-2, 2, size=(4, 3, 16)).astype(np.float32) for _ in node.input]
-        group = NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output))
-        runner = ElementwiseRunner(group, "test", _Backend)
-        got = runner.run({name: cp.asarray(v) for name, v in zip(node.input, inputs)})
+        got = cupy_kernels.runner(node).run({name: cp.asarray(v) for name, v in zip(node.input, inputs)})
         for g, e in zip(got, evaluate_numpy(node, inputs)):
             np.testing.assert_allclose(cp.asnumpy(g), e, rtol=1e-6, atol=1e-6, err_msg=node.name)
 
@@ -192,23 +178,13 @@ def test_relu_s_backward_stays_with_onnxruntime_where_fusing_would_cut_or_change
 
 
 @pytest.mark.gpu
-def test_the_relu_mask_kernel_equals_its_numpy_form():
-    cp = pytest.importorskip("cupy")
-    try:
-        cp.cuda.runtime.getDeviceCount()
-    except Exception:
-        pytest.skip("no CUDA device")
+def test_the_relu_mask_kernel_equals_its_numpy_form(cupy_kernels):
     from runtime.gpu.elementwise_fusion import fuse_relu_masks
-    from runtime.segments import NativeGroup
 
+    cp = cupy_kernels.cp
     node = fuse_relu_masks(_relu_grad_model("test.native"), {"test.native"}).graph.node[1]
-
-    class _Backend:
-        compute = cp.cuda.Stream()
-
-    _Backend.cp = cp
     rng = np.random.default_rng(1)
-    runner = ElementwiseRunner(NativeGroup(0, 0, 1, (node,), tuple(node.input), tuple(node.output)), "test", _Backend)
+    runner = cupy_kernels.runner(node)
     # 16-byte loads over whole rows; a tail of 3 after them; views 4 bytes off (one element at a time).
     for shape, offset in (((64, 33), 0), ((7, 5), 0), ((1001,), 1)):
         y = np.maximum(rng.normal(size=shape), 0).astype(np.float32)
