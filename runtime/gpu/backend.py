@@ -66,8 +66,7 @@ class GpuBackend(Backend):
         # at each collective and the program runs them between sessions (program.py). So is a run
         # that times each item (--timings, ``per_item_timings``): a collective inside a captured
         # session has no events of its own around it, and the timeline's items are the cut's.
-        inside = self.plan.custom_ops and not per_item_timings
-        self.collectives = session_collectives.Registry() if inside else None
+        self.collectives = session_collectives.Registry() if self.plan.custom_ops and not per_item_timings else None
         self.collectives_inside = self.collectives is not None
         inside = self.plan.inside | ({session_collectives.DOMAIN} if self.collectives_inside else set())
         self.policy = SessionPolicy(device, passes=default_passes(device.ort, self._node_runner, device, self.collectives),

@@ -14,7 +14,7 @@ import onnx
 from runtime.errors import RunError
 from runtime.executor import LaunchRunner
 from runtime.gpu.cuda import compiled_module
-from runtime.gpu.elementwise_steps import BF16, BOOL, DOMAIN, PREAMBLE, RELU_MASK, fused_steps, fused_types
+from runtime.gpu.elementwise_steps import CUPY_DTYPES, DOMAIN, PREAMBLE, RELU_MASK, fused_steps, fused_types
 from runtime.segments import place
 
 
@@ -89,16 +89,15 @@ class ElementwiseRunner(LaunchRunner):
             if node.domain != DOMAIN:
                 raise RunError(f"{self.where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused elementwise node")
             code = next(a.s.decode() for a in node.attribute if a.name == "code")
-            types = fused_types(node)  # a bfloat16 value is passed as its raw bits (elementwise_steps.py)
-            key = (code, *map(tuple, types))
+            ins, outs = ([CUPY_DTYPES[t].name for t in types] for types in fused_types(node))
+            key = (code, tuple(ins), tuple(outs))
             if _is_relu_mask(node):
                 key = RELU_MASK
                 if key not in cache:
                     cache[key] = _ReluMaskKernel(self.cp)
             if key not in cache:
-                param = lambda t, name: f"{ {BF16: 'uint16', BOOL: 'bool'}.get(t, 'float32')} {name}"  # noqa: E731
-                params_in = ", ".join(param(t, f"x{i}") for i, t in enumerate(types[0]))
-                params_out = ", ".join(param(t, f"y{j}") for j, t in enumerate(types[1]))
+                params_in = ", ".join(f"{t} x{i}" for i, t in enumerate(ins))
+                params_out = ", ".join(f"{t} y{j}" for j, t in enumerate(outs))
                 cache[key] = self.cp.ElementwiseKernel(params_in, params_out, code, f"fused_elementwise_{len(cache)}",
                                                        preamble=PREAMBLE)
             self.kernels.append((node, cache[key]))

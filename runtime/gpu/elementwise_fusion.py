@@ -18,8 +18,9 @@ as ONNX and CuPy both broadcast), or a scalar constant, which is written into th
 bits. With ``bfloat16`` (--precision bf16), casts between bfloat16 and float32 and the nodes of
 ``OPS`` that compute in bfloat16 join too, so a chain reads its bfloat16 inputs and writes its
 bfloat16 results itself (elementwise_steps.py); a cluster's nodes share one output shape, not one
-dtype. So does a Where computing in bfloat16 (its condition a bool tensor that broadcasts). A cluster stays convex: no path leaves it and comes back (the fused node must be placeable in
-a topological order). Only clusters of at least ``MIN_NODES`` nodes over a tensor with a symbolic
+dtype. So does a Where computing in bfloat16 (its condition a bool tensor that broadcasts). A
+cluster stays convex: no path leaves it and comes back (the fused node must be placeable in a
+topological order). Only clusters of at least ``MIN_NODES`` nodes over a tensor with a symbolic
 (batch) dimension or at least ``MIN_ELEMENTS`` elements are kept; clusters of additions only (a bias
 and a residual, which onnxruntime folds into its Gemm) only with ``additions`` (inside a session a
 fused node costs no cut of the graph, so the backend always passes it).
@@ -115,17 +116,18 @@ class _Facts:
 
 def fuse_elementwise(model: onnx.ModelProto, additions: bool = False, bfloat16: bool = False) -> onnx.ModelProto:
     """A copy of ``model`` with its elementwise clusters (module docstring) as ``DOMAIN`` nodes;
-    with ``additions``, clusters of additions only too; with ``bfloat16``, the casts at their edges. Where fused nodes run inside the sessions,
-    a Linear's bias and the residual after it (onnxruntime: its Gemm's bias broadcast, the GEMM, an
-    Add: three kernels) become a MatMul and one fused kernel, and a gradient's chain of Sums one
-    kernel; where each fused node cuts the session, that is not worth its cut."""
+    with ``additions``, clusters of additions only too; with ``bfloat16``, the bfloat16 casts and
+    nodes too (the module docstring). Where fused nodes run inside the sessions, a Linear's bias and
+    the residual after it (onnxruntime: its Gemm's bias broadcast, the GEMM, an Add: three kernels)
+    become a MatMul and one fused kernel, and a gradient's chain of Sums one kernel; where each
+    fused node cuts the session, that is not worth its cut."""
     facts = _Facts(model)
     nodes, producer, shape_of, scalar = facts.nodes, facts.producer, facts.shape_of, facts.scalar
 
     def eligible(node: onnx.NodeProto) -> tuple | None:
         if node.op_type == "Cast":
             return _cast_shape(node, facts) if bfloat16 else None
-        op = OPS.get(node.op_type) if node.op_type not in (RELU_MASK, WIDEN, ROUND) else None
+        op = OPS.get(node.op_type)  # no ONNX op has the name of one of the table's own steps
         if op is None or node.domain not in ("", "ai.onnx") or len(node.output) != 1 or node.attribute:
             return None
         if op.arity is not None and len(node.input) != op.arity:

@@ -39,6 +39,9 @@ RELU_MASK = "ReluMask"  # the step of fuse_relu_masks's nodes
 WIDEN = "WidenBf16"  # Cast(to=float) of a bfloat16 value: the value itself (inputs are widened as read)
 ROUND = "RoundBf16"  # Cast(to=bfloat16): rounded to nearest even, held as the float it equals
 FLOAT, BF16, BOOL = TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.BOOL
+# How a fused node's input or output of each element type is held in CuPy (which has no bfloat16:
+# its raw bits), for the kernel's parameters and the in-session views of onnxruntime's buffers.
+CUPY_DTYPES = {FLOAT: np.dtype(np.float32), BF16: np.dtype(np.uint16), BOOL: np.dtype(np.bool_)}
 
 _erf = np.vectorize(math.erf, otypes=[np.float32])
 
@@ -142,10 +145,9 @@ def fused_steps(node: onnx.NodeProto) -> tuple[list, list[int]]:
 
 
 def fused_types(node: onnx.NodeProto) -> tuple[list[int], list[int]]:
-    """Each input's and output's ONNX dtype (FLOAT where the node predates bfloat16 edges)."""
+    """Each input's and output's ONNX dtype (``make_fused``)."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return (list(attrs.get("input_types", [FLOAT] * len(node.input))),
-            list(attrs.get("output_types", [FLOAT] * len(node.output))))
+    return list(attrs["input_types"]), list(attrs["output_types"])
 
 
 def function(node: onnx.NodeProto, opset: int) -> onnx.FunctionProto:

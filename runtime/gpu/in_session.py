@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import onnx
 from onnx import helper
 
 from runtime.errors import RunError
+from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.ort_custom_ops import KernelContext, PythonOp
 from runtime.segments import build_native
@@ -38,9 +38,8 @@ from runtime.specialize import static_values
 
 DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
 # The element types each runner computes on (every other runner: float32 only, as the transpiler
-# writes its nodes only for float32). CuPy has no bfloat16: such a value is viewed as uint16.
-TAKES = {ELEMENTWISE_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.BOOL)}
-_VIEW = {onnx.TensorProto.BFLOAT16: np.uint16}
+# writes its nodes only for float32); each is viewed in CuPy as CUPY_DTYPES says.
+TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES)}
 
 
 class _NodeKernel:
@@ -98,7 +97,7 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
         original = onnx.NodeProto()
         original.CopyFrom(node)
         node_runner = runner(build_native([original], here), where)
-        spec = lambda name: (name, known[name][0], _VIEW.get(known[name][1]) or helper.tensor_dtype_to_np_dtype(known[name][1]))  # noqa: E731
+        spec = lambda name: (name, known[name][0], CUPY_DTYPES[known[name][1]])  # noqa: E731
         ins, outs = [spec(n) for n in node.input], [spec(n) for n in node.output]
         op_type = f"{node.op_type}_{len(ops)}"
         kernel = _NodeKernel(node_runner, original, ins, outs, device, where)

@@ -117,9 +117,8 @@ class NcclCommunicator(Communicator):
         self._relaxed_known = threading.Event()
         self._aborted = False
         self._sync_calls = 0
-        # What goes before ncclCommDestroy (close): the sessions whose CUDA graphs captured our calls.
-        # NCCL's destroy polls until no such graph lives: left to the garbage collector, before the
-        # sessions, it spun for ever (4 H200s, the perceptron, 2 jobs of 4). Weak: programs may go.
+        # Released before ncclCommDestroy (close), which polls until no CUDA graph that captured our
+        # calls lives (left to the GC, it spun for ever: 4 H200s, 2 jobs of 4). Weak: programs may go.
         self._before_destroy: list[weakref.WeakMethod] = []
         self._watchdog: threading.Thread | None = None
 
@@ -191,8 +190,9 @@ class NcclCommunicator(Communicator):
             now = time.monotonic()
             pending = []
             for key, entry in list(self._inflight.items()):
-                if not entry[1].done:
-                    pending.append((entry[0], entry[2]))
+                started, event, label = entry
+                if not event.done:
+                    pending.append((started, label))
                     continue
                 with self._inflight_lock:  # not the entry track() put there since (the next step's)
                     if self._inflight.get(key) is entry:
