@@ -64,14 +64,20 @@ def test_a_cut_step_makes_no_step_entry():
     assert comm.tracked == {} and program.step_done.recorded == 0
 
 
+def _watchdog_only(monkeypatch, timeout: float, stop) -> NcclCommunicator:
+    """A communicator with no device: only what its watchdog (``_watch``) uses."""
+    monkeypatch.setattr(nccl_module, "relax_capture_mode", lambda: True)
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.timeout, comm.comm = 0, timeout, None
+    comm._inflight, comm._inflight_lock = {}, threading.Lock()
+    comm._stop, comm._relaxed_known = stop, threading.Event()
+    return comm
+
+
 def test_a_done_entry_replaced_meanwhile_is_kept(monkeypatch):
     """The watchdog drops an entry it found done only if it is still the one in place: track() may
     have put the next step's there since (that entry is what watches a host blocked in that step)."""
-    monkeypatch.setattr(nccl_module, "relax_capture_mode", lambda: True)
-    comm = object.__new__(NcclCommunicator)
-    comm.rank, comm.timeout, comm.comm = 0, 1e9, None
-    comm._inflight, comm._inflight_lock = {}, threading.Lock()
-    comm._stop, comm._relaxed_known = _StopAfter(1), threading.Event()
+    comm = _watchdog_only(monkeypatch, 1e9, _StopAfter(1))
     following = _Event()
     following.done = False
 
@@ -103,12 +109,8 @@ class _StopAfter:
 
 def test_a_step_that_blocks_the_host_times_out(monkeypatch):
     """The watchdog fails a step whose enqueueing never returns, within its timeout."""
-    monkeypatch.setattr(nccl_module, "relax_capture_mode", lambda: True)
     failed: list[str] = []
-    comm = object.__new__(NcclCommunicator)  # no device: only what the watchdog uses
-    comm.rank, comm.timeout, comm.comm = 0, 0.2, None
-    comm._inflight, comm._stop, comm._relaxed_known = {}, threading.Event(), threading.Event()
-    comm._inflight_lock = threading.Lock()
+    comm = _watchdog_only(monkeypatch, 0.2, threading.Event())
     comm._fail = failed.append
     watchdog = threading.Thread(target=comm._watch, daemon=True)
     watchdog.start()
