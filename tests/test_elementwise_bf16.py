@@ -52,10 +52,16 @@ def _feeds(rows: int = 37) -> dict[str, np.ndarray]:
     return {"x": x, "b": rng.normal(size=rows).astype(np.float32)}
 
 
-def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    """onnxruntime's CPU session of ``model`` as written (no graph optimizations)."""
     options = ort.SessionOptions()
+    options.log_severity_level = 3
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    return _session(model).run(None, feeds)[0]
 
 
 def test_the_casts_join_the_chain_which_reads_and_writes_bfloat16():
@@ -172,13 +178,6 @@ def gpt_bf16_train(tmp_path_factory):
     data = load_data(tmp / "model" / "data.npz")
     feeds = {**{k: v[:4] for k, v in data.items()}, **dict(zip(names, state)), "lr": np.array(1e-3, np.float32)}
     return model, {i.name: feeds[i.name] for i in model.graph.input}
-
-
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def test_the_bf16_gpt_s_fused_step_computes_what_its_graph_computes(gpt_bf16_train):
