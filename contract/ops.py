@@ -32,3 +32,16 @@ BATCHNORM_TRAINING_GRAD = "BatchNormTrainingGrad"
 LAYERNORM_DOMAIN = "graph_transpiler.layernorm"
 LAYERNORM_VERSION = 1
 LAYERNORM_GRAD = "LayerNormGrad"
+
+# Scaled dot-product attention, forward and gradient, on the heads as the projections lay them out
+# (docs/contracts.md):
+#   Attention(Q, K, V) -> (Y, LSE)                           attributes scale (float), causal (int)
+#   AttentionGrad(dY, Q, K, V, Y, LSE) -> (dQ, dK, dV)       the same attributes
+# Q, Y, dY, dQ (batch, queries, heads, head size); K, V, dK, dV (batch, keys, heads, head size); all of
+# one float dtype. LSE (batch, heads, queries, 1) float32: each row's log-sum-exp of the scaled, masked
+# scores. causal = 1: query i sees key j only where j <= i (top-left aligned, torch.tril's mask).
+ATTENTION_DOMAIN = "graph_transpiler.attention"
+ATTENTION_VERSION = 1
+ATTENTION = "Attention"
+ATTENTION_GRAD = "AttentionGrad"
+ATTENTION_ATTRIBUTES = ("scale", "causal")

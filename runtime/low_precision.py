@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime.graph_names import FreshNames
@@ -100,10 +101,10 @@ def lower(model: onnx.ModelProto) -> onnx.ModelProto:
     low precision."""
     if not has_low_precision(model):
         return model
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # too large for inference: the written value_info must carry the types
-        inferred = model
+    inferred = _inferred(model)
+    inlined = _inline_low_functions(inferred, _types(inferred.graph))
+    if inlined is not inferred:
+        inferred = _inferred(inlined)
     graph = inferred.graph
     types = _types(graph)
     _fill_missing(graph, types)
@@ -123,6 +124,25 @@ def lower(model: onnx.ModelProto) -> onnx.ModelProto:
         if tensor.data_type in LOW_DTYPES:
             out.graph.initializer[i].CopyFrom(_widened(tensor))
     return out
+
+
+def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # too large for inference: the written value_info must carry the types
+        return model
+
+
+def _inline_low_functions(model: onnx.ModelProto, types: dict) -> onnx.ModelProto:
+    """``model`` with the model-local functions that low-precision nodes call inlined: their bodies
+    may round inside (the fused Attention's probabilities, transpiler/attention_ops.py), which
+    computing the node in float32 and rounding its outputs once would lose."""
+    local = {(f.domain, f.name) for f in model.functions}
+    called = {(n.domain, n.op_type) for n in model.graph.node
+              if (n.domain, n.op_type) in local and any(_elem(types, i) in LOW_DTYPES for i in n.input if i)}
+    if not called:
+        return model
+    return onnx.inliner.inline_selected_functions(model, sorted(called))
 
 
 def _types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:

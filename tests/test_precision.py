@@ -71,19 +71,22 @@ def test_bf16_gpt_follows_the_autocast_op_lists(model_dir):
     for node in forward:
         if node.op_type != "Cast" and node.outputs and node.outputs[0].dtype in (FLOAT, BF16):
             by_op.setdefault(node.op_type, Counter())[node.outputs[0].dtype] += 1
-    # Matrix products (the Q/K/V/MLP/head projections and both attention matmuls) in bf16.
-    assert by_op["MatMul"] == Counter({BF16: 33})
-    # Softmax, LayerNorm, the loss: float32.
-    for op in ("Softmax", "LayerNormalization", "SoftmaxCrossEntropyLoss"):
+    # Matrix products (the Q/K/V/MLP/head projections) in bf16; each attention (its two products,
+    # the scale, the causal mask and the float32 softmax between) is one fused node on bf16 heads,
+    # its rows' log-sum-exp float32 (transpiler/attention.py).
+    assert by_op["MatMul"] == Counter({BF16: 25}) and by_op["Attention"] == Counter({BF16: 4})
+    assert all(n.outputs[1].dtype == FLOAT for n in forward if n.op_type == "Attention")
+    assert not {"Softmax", "Where"} & set(by_op)
+    # LayerNorm and the loss: float32.
+    for op in ("LayerNormalization", "SoftmaxCrossEntropyLoss"):
         assert set(by_op[op]) == {FLOAT}, op
-    # The attention scores' scale and causal mask follow the bf16 matmul; a bias added to a bf16
-    # output is float32 (a float32 parameter meets it: torch's type promotion).
-    assert by_op["Where"] == Counter({BF16: 4}) and BF16 in by_op["Mul"]
+    # A bias added to a bf16 output is float32 (a float32 parameter meets it: torch's type promotion).
     assert set(by_op["Add"]) == {FLOAT}
     loss = job.problem.loss
     assert _dtypes(job.single.step)[loss] == FLOAT
     report = job.precision_report["single"]
     assert report["low_precision_ops"]["MatMul"] == 33 and report["opset"] == 18
+    assert report["fused_attention"] == 4
 
 
 def test_casts_are_made_once_per_value(model_dir):

@@ -13,6 +13,10 @@ from collections.abc import Callable
 import onnx_ir as ir
 
 from contract.ops import (
+    ATTENTION,
+    ATTENTION_DOMAIN,
+    ATTENTION_GRAD,
+    ATTENTION_VERSION,
     BATCHNORM_DOMAIN,
     BATCHNORM_TRAINING,
     BATCHNORM_TRAINING_GRAD,
@@ -24,6 +28,8 @@ from contract.ops import (
     LAYERNORM_GRAD,
     LAYERNORM_VERSION,
 )
+from transpiler.attention_ops import forward_function as attention_function
+from transpiler.attention_ops import grad_function as attention_grad_function
 from transpiler.batchnorm_ops import training_function, training_grad_function
 from transpiler.conv_grad import weight_grad_function
 from transpiler.layernorm_ops import grad_function as layernorm_grad_function
@@ -34,6 +40,8 @@ FUNCTIONS: dict[tuple[str, str], tuple[int, Callable[[int], ir.Function]]] = {
     (BATCHNORM_DOMAIN, BATCHNORM_TRAINING): (BATCHNORM_VERSION, training_function),
     (BATCHNORM_DOMAIN, BATCHNORM_TRAINING_GRAD): (BATCHNORM_VERSION, training_grad_function),
     (LAYERNORM_DOMAIN, LAYERNORM_GRAD): (LAYERNORM_VERSION, layernorm_grad_function),
+    (ATTENTION_DOMAIN, ATTENTION): (ATTENTION_VERSION, attention_function),
+    (ATTENTION_DOMAIN, ATTENTION_GRAD): (ATTENTION_VERSION, attention_grad_function),
 }
 
 

@@ -3,6 +3,7 @@
     BatchNormPass    BatchNormalization decomposed (--sync-bn: a second variant for the ranks)
     PrecisionPass    --precision bf16|fp16: the forward in mixed precision, casts once per value
                      (fp16: the loss times the loss scale); nothing for fp32
+    AttentionPass    --precision bf16|fp16: each attention pattern as one fused node; nothing for fp32
     AutodiffPass     forward -> forward + backward (gradients as outputs)
     PlacementPass    root rank of every parameter (hash or balanced)
     BucketingPass    gradients grouped in backward order, as the strategy needs
@@ -31,6 +32,7 @@ from transpiler.job import (
     StateEntry,
     reduced_gradient_name,
 )
+from transpiler.passes.attention import AttentionPass
 from transpiler.passes.autodiff import AutodiffPass
 from transpiler.passes.batchnorm import BatchNormPass
 from transpiler.passes.bucketing import BucketingPass
@@ -41,12 +43,12 @@ from transpiler.progress import Progress, Quiet
 from transpiler.strategies import STRATEGIES
 
 __all__ = [
-    "LR_INPUT", "NEXT", "PIPELINE", "STEP_STATE", "STRATEGIES", "AutodiffPass", "BatchNormPass", "BucketingPass",
+    "LR_INPUT", "NEXT", "PIPELINE", "STEP_STATE", "STRATEGIES", "AttentionPass", "AutodiffPass", "BatchNormPass", "BucketingPass",
     "Job", "Options", "PlacementPass", "PrecisionPass", "RankGraphs", "SplitRanksPass", "StateEntry", "reduced_gradient_name",
     "run_passes",
 ]
 
-PIPELINE = [BatchNormPass, PrecisionPass, AutodiffPass, PlacementPass, BucketingPass, SplitRanksPass]
+PIPELINE = [BatchNormPass, PrecisionPass, AttentionPass, AutodiffPass, PlacementPass, BucketingPass, SplitRanksPass]
 
 
 def run_passes(job: Job, progress: Progress | None = None) -> None:

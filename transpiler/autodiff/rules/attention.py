@@ -1,6 +1,8 @@
-"""Opset 23's Attention (what dynamo writes for torch's scaled_dot_product_attention at opset 23).
+"""Opset 23's Attention (what dynamo writes for torch's scaled_dot_product_attention at opset 23),
+and the transpiler's own fused Attention node (transpiler/attention.py), whose gradient is ONE
+AttentionGrad node (transpiler/attention_ops.py) fed the forward's output and row log-sum-exps.
 
-The backward recomputes the attention probabilities P from Q and K with standard ops (the forward
+For opset 23's, the backward recomputes the attention probabilities P from Q and K with standard ops (the forward
 node does not expose them in the form needed) and applies the textbook gradient:
 ``dV = P^T dY``, ``dS = P * (dP - rowsum(dP * P))`` with ``dP = dY V^T``, ``dQ = scale dS K``,
 ``dK = scale dS^T Q``; a float mask gets ``dS`` summed to its shape. Grouped-query attention (fewer
@@ -15,8 +17,20 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from contract.ops import ATTENTION, ATTENTION_DOMAIN, ATTENTION_GRAD
 from transpiler.autodiff._context import RuleContext, unbroadcast
 from transpiler.autodiff._registry import register
+from transpiler.autodiff.rules._native_node import grad_node
+
+
+@register(f"{ATTENTION_DOMAIN}::{ATTENTION}")
+def _fused_attention(ctx: RuleContext) -> list[ir.Value | None]:
+    if ctx.dys[1] is not None:
+        raise ctx.error("no gradient flows through the rows' log-sum-exp (output 1)")
+    q, k, v = ctx.inputs[:3]
+    y, lse = ctx.node.outputs
+    attributes = {"scale": ctx.node.attributes.get_float("scale"), "causal": ctx.node.attributes.get_int("causal")}
+    return grad_node(ctx, ATTENTION_DOMAIN, ATTENTION_GRAD, [ctx.dy, q, k, v, y, lse], attributes, (q, k, v))
 
 
 @register("Attention", inputs=(0, 1, 2, 3))
