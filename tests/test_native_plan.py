@@ -12,6 +12,7 @@ fused optimizer updates (``ReferenceUpdateRunner``).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import shutil
 from types import SimpleNamespace
 
@@ -38,7 +39,9 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler 
 
 @pytest.fixture(autouse=True)
 def fresh_decision(monkeypatch, tmp_path):
-    """Every test decides anew, with its own cache and temporary folders."""
+    """Every test decides anew, with its own cache and temporary folders, and as if the optional
+    package of the attention kernel (nvidia-cudnn-frontend) were installed."""
+    monkeypatch.setattr(native, "KERNELS", tuple(dataclasses.replace(k, unavailable=lambda: None) for k in native.KERNELS))
     monkeypatch.setenv(CACHE, str(tmp_path / "cache"))
     monkeypatch.setattr(ort_custom_ops_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     ort_custom_ops.reset()
@@ -54,8 +57,18 @@ def test_without_custom_ops_the_kernels_worth_it_run_between_sessions_and_the_li
                             ELEMENTWISE_DOMAIN}
     assert plan.on == ("update", "conv_grad", "batchnorm", "relu_mask") and not plan.fuse_elementwise
     assert plan.line == ("update, conv_grad, batchnorm, relu_mask between the onnxruntime sessions; layernorm, "
-                         "elementwise off (they pay only inside a session): no custom ops, no C compiler (cc not found; "
-                         "set CC)")
+                         "elementwise, attention off (they pay only inside a session): no custom ops, no C compiler "
+                         "(cc not found; set CC)")
+
+
+def test_a_kernel_whose_package_is_missing_is_off_and_the_line_says_which(monkeypatch):
+    monkeypatch.setattr(ort_custom_ops, "readiness", lambda ort: None)
+    monkeypatch.setattr(native, "KERNELS", tuple(
+        dataclasses.replace(k, unavailable=lambda: "nvidia-cudnn-frontend is not installed") if k.name == "attention"
+        else k for k in native.KERNELS))
+    plan = native.decide(ort)
+    assert "attention" not in plan.on and not {k.domain for k in native.KERNELS if k.name == "attention"} & plan.inside
+    assert plan.line.endswith("update between them; attention off: nvidia-cudnn-frontend is not installed")
 
 
 @needs_cc
@@ -63,8 +76,8 @@ def test_with_custom_ops_every_kernel_runs_inside_but_the_update():
     plan = native.decide(ort)
     assert plan.on == tuple(k.name for k in native.KERNELS)
     assert plan.between == {FUSED_UPDATE_DOMAIN} and LAYERNORM_DOMAIN in plan.inside and ELEMENTWISE_DOMAIN in plan.inside
-    assert plan.line == ("conv_grad, batchnorm, layernorm, elementwise, relu_mask inside the onnxruntime sessions, "
-                         "update between them")
+    assert plan.line == ("conv_grad, batchnorm, layernorm, elementwise, relu_mask, attention inside the onnxruntime "
+                         "sessions, update between them")
 
 
 def test_the_bisect_switch_names_kernels_and_refuses_unknown_names(monkeypatch):

@@ -1,5 +1,5 @@
 """Native nodes inside onnxruntime sessions: a segment's cuDNN BatchNorms, Conv weight gradients,
-LayerNorm gradients and fused elementwise nodes run as custom ops of its CUDA EP session
+LayerNorm gradients, fused elementwise nodes and fused attention run as custom ops of its CUDA EP session
 (runtime/ort_custom_ops.py), by the same runners that otherwise run them between sessions.
 
 Why: as native stages, each such node cut the step into one more session (ResNet-18: 34 sessions,
@@ -8,7 +8,8 @@ and gaps that ate their gain, docs/gpu.md). Inside the session they run on its s
 own kernels, and its CUDA graph captures them: a replay launches them with no Python at all.
 
 A node is taken in only where every input and output is float32 (or, for a fused elementwise node,
-bfloat16, passed as its raw bits, and a Where's bool condition: ``TAKES``) with a static shape in the
+bfloat16, passed as its raw bits, and a Where's bool condition; an attention node, bfloat16 or
+float16 heads: ``TAKES``) with a static shape in the
 specialized segment (the runners' first call checks the rest, as between sessions; an error it
 raises fails the run naming the segment and the node). Each taken node becomes a node of
 ``DOMAIN`` with an op_type of its own in the session (the op is that one node: its runner, its
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import onnx
 from onnx import helper
 
+from contract.ops import ATTENTION_DOMAIN
 from runtime.errors import RunError
 from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
@@ -38,8 +41,10 @@ from runtime.specialize import static_values
 
 DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
 # The element types each runner computes on (every other runner: float32 only, as the transpiler
-# writes its nodes only for float32); each is viewed in CuPy as CUPY_DTYPES says.
-TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES)}
+# writes its nodes only for float32); each is viewed in CuPy as VIEWS says.
+VIEWS = {**CUPY_DTYPES, onnx.TensorProto.FLOAT16: np.dtype(np.float16)}
+TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
+         ATTENTION_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
 
 
 class _NodeKernel:
@@ -97,7 +102,7 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
         original = onnx.NodeProto()
         original.CopyFrom(node)
         node_runner = runner(build_native([original], here), where)
-        spec = lambda name: (name, known[name][0], CUPY_DTYPES[known[name][1]])  # noqa: E731
+        spec = lambda name: (name, known[name][0], VIEWS[known[name][1]])  # noqa: E731
         ins, outs = [spec(n) for n in node.input], [spec(n) for n in node.output]
         op_type = f"{node.op_type}_{len(ops)}"
         kernel = _NodeKernel(node_runner, original, ins, outs, device, where)

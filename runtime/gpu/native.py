@@ -24,12 +24,21 @@ h200-s8-g1).
 from __future__ import annotations
 
 from collections import ChainMap
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from contract.ops import BATCHNORM_DOMAIN, CONV_GRAD_DOMAIN, FUSED_UPDATE_DOMAIN, LAYERNORM_DOMAIN
+from contract.ops import (
+    ATTENTION_DOMAIN,
+    BATCHNORM_DOMAIN,
+    CONV_GRAD_DOMAIN,
+    FUSED_UPDATE_DOMAIN,
+    LAYERNORM_DOMAIN,
+)
 from runtime import ort_custom_ops
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner
+from runtime.gpu import attention
+from runtime.gpu.attention import AttentionRunner
 from runtime.gpu.batchnorm import BatchNormRunner
 from runtime.gpu.conv_grad import ConvGradRunner
 from runtime.gpu.elementwise import ElementwiseRunner
@@ -47,6 +56,7 @@ class Kernel:
     runner: type  # runner(group, where, device): the SegmentRunner of a NativeGroup of its nodes
     in_session: bool  # may run inside its segment's session (the fused update writes state in place: no)
     between: bool  # worth running between sessions where it cannot run inside (the module docstring)
+    unavailable: Callable[[], str | None] = lambda: None  # why this process cannot run it (a missing package)
 
 
 KERNELS = (
@@ -58,6 +68,9 @@ KERNELS = (
     # elementwise nodes, and ReLU's backward where a native node reads it.
     Kernel("elementwise", ELEMENTWISE_DOMAIN, ElementwiseRunner, in_session=True, between=False),
     Kernel("relu_mask", ELEMENTWISE_DOMAIN, ElementwiseRunner, in_session=True, between=True),
+    # cuDNN's fused attention (bf16/fp16 nodes only): between sessions each node would cut the step.
+    Kernel("attention", ATTENTION_DOMAIN, AttentionRunner, in_session=True, between=False,
+           unavailable=attention.unavailable),
 )
 RUNNERS = {kernel.domain: kernel.runner for kernel in KERNELS}
 IN_SESSION = "in_session"  # NATIVE_OFF's name for "run the kernels between sessions"
@@ -99,9 +112,12 @@ def decide(ort, off: frozenset[str] = frozenset()) -> NativePlan:
     else:
         why_not = ort_custom_ops.readiness(ort)
     inside = why_not is None
-    on, dropped = [], []
+    on, dropped, missing = [], [], []
     for kernel in KERNELS:
         if kernel.name in off:
+            continue
+        if (why := kernel.unavailable()) is not None:
+            missing.append(f"{kernel.name} off: {why}")
             continue
         (on if inside or kernel.between else dropped).append(kernel)
     in_domains = frozenset(k.domain for k in on if inside and k.in_session)
@@ -115,6 +131,8 @@ def decide(ort, off: frozenset[str] = frozenset()) -> NativePlan:
         if dropped:
             line += f"; {names(dropped)} off (they pay only inside a session)"
         line += f": no custom ops, {why_not}"
+    if missing:
+        line += "; " + "; ".join(missing)
     if off:
         line += f" ({NATIVE_OFF}={','.join(sorted(off))})"
     return NativePlan(tuple(k.name for k in on), in_domains, between, line, custom_ops=inside)
