@@ -14,6 +14,7 @@ import pytest
 from conftest import one_graph_model
 from onnx import TensorProto, helper
 
+from runtime.gpu.elementwise import input_kinds, vector_source
 from runtime.gpu.elementwise_fusion import fuse_elementwise
 from runtime.gpu.elementwise_steps import DOMAIN, evaluate_numpy
 
@@ -123,6 +124,53 @@ def test_the_cupy_kernels_equal_the_numpy_form(gpt_train, cupy_kernels):
         got = cupy_kernels.runner(node).run({name: cp.asarray(v) for name, v in zip(node.input, inputs)})
         for g, e in zip(got, evaluate_numpy(node, inputs)):
             np.testing.assert_allclose(cp.asnumpy(g), e, rtol=1e-6, atol=1e-6, err_msg=node.name)
+
+
+@pytest.mark.parametrize("shapes, shape, kinds", [
+    ([(4, 3, 16), (1, 4, 3, 16)], (4, 3, 16), ("full", "full")),
+    ([(4, 3, 16), (16,), ()], (4, 3, 16), ("full", "row", "scalar")),
+    ([(4, 3, 16), (1, 3, 16), (1,)], (4, 3, 16), ("full", "row", "scalar")),
+    ([(4, 3, 16), (4, 1, 16)], (4, 3, 16), None),  # repeated in the middle: CuPy's broadcast
+    ([(4, 3, 16), (6,)], (4, 3, 6), None),  # a row of 6 elements: no whole 4-element loads
+    ([(3, 5)], (3, 5), None),  # 15 elements
+])
+def test_the_vectorized_kernel_takes_full_scalar_and_row_inputs_only(shapes, shape, kinds):
+    assert input_kinds(shapes, shape) == kinds
+
+
+def test_each_lane_of_the_vectorized_kernel_runs_the_node_s_own_statements(gpt_train):
+    model, _ = gpt_train
+    node = next(n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN and len(n.input) >= 2)
+    code = next(a.s.decode() for a in node.attribute if a.name == "code")
+    source = vector_source(node, ("full",) + ("row",) * (len(node.input) - 1), "k")
+    first = code.split(";")[0]  # "float t0 = OP(x.., ..)" in the ElementwiseKernel body
+    for lane in "xyzw":
+        assert first.replace("t0", f"t0{lane}").replace("x0", f"a0.{lane}").replace("x1", f"a1.{lane}") in source
+    assert "i % m1" in source and source.count("reinterpret_cast<float4*>(y0 + i)") == 1
+
+
+@pytest.mark.gpu
+def test_the_vectorized_kernels_equal_cupy_s_elementwise_kernels_bit_for_bit(gpt_train, cupy_kernels):
+    cp = cupy_kernels.cp
+    model, _ = gpt_train
+    nodes = [n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN]
+    rng = np.random.default_rng(2)
+    vectorized = 0
+    for node in nodes:
+        # Every input the output's shape; the later ones a row (a bias); and 15 elements (no 4-wide loads).
+        for shapes in ([(4, 3, 16)] * len(node.input), [(4, 3, 16)] + [(16,)] * (len(node.input) - 1),
+                       [(3, 5)] * len(node.input)):
+            inputs = {name: cp.asarray(rng.uniform(-2, 2, size=dims).astype(np.float32))
+                      for name, dims in zip(node.input, shapes)}
+            runner = cupy_kernels.runner(node)
+            got = runner.run(inputs)
+            _, kernel, vector = runner.kernels[0]
+            expected = kernel(*inputs.values())
+            expected = expected if isinstance(expected, tuple) else (expected,)
+            for g, e in zip(got, expected):
+                assert cp.array_equal(g, e), (node.name, shapes)
+            vectorized += any(kinds is not None for kinds in vector.layouts.values())
+    assert vectorized >= len(nodes)  # each node took the 4-wide kernel for at least one layout
 
 
 def _relu_grad_model(reader_domain: str, else_value: float = 0.0, mask_read_twice: bool = False,

@@ -115,6 +115,23 @@ def _literal(value: float) -> str:
     return f"__int_as_float(0x{bits:08x})"
 
 
+def cuda_statements(steps: list, results: list[int], input_types: list[int], output_types: list[int],
+                    x: Callable[[int], str] = "x{}".format, t: Callable[[int], str] = "t{}".format,
+                    y: Callable[[int], str] = "y{}".format) -> list[str]:
+    """The CUDA statements of ``steps`` for one element: step k as the float ``t(k)``, input i read
+    as ``x(i)`` (its raw bits where it is bfloat16), output j written to ``y(j)`` (raw bits likewise).
+    The ElementwiseKernel body (``make_fused``'s ``code``) and each lane of the vectorized kernels
+    (elementwise.py) are these statements, so the two compute the same."""
+    lines = []
+    for k, (op_type, refs) in enumerate(steps):
+        args = [t(i) if kind == "t" else _literal(i) if kind == "c" else
+                f"gt_widen_bf16({x(i)})" if input_types[i] == BF16 else x(i) for kind, i in refs]
+        lines.append(f"float {t(k)} = {OPS[op_type].cuda(args)};")
+    lines += [f"{y(j)} = gt_bf16_bits({t(k)});" if output_types[j] == BF16 else f"{y(j)} = {t(k)};"
+              for j, k in enumerate(results)]
+    return lines
+
+
 def make_fused(inputs: list[str], outputs: list[str], name: str, ops: list[str], steps: list,
                results: list[int], input_types: list[int] | None = None,
                output_types: list[int] | None = None) -> onnx.NodeProto:
@@ -126,13 +143,7 @@ def make_fused(inputs: list[str], outputs: list[str], name: str, ops: list[str],
     ``y0..``, and ``ops`` the op types it stands for."""
     input_types = list(input_types or [FLOAT] * len(inputs))
     output_types = list(output_types or [FLOAT] * len(outputs))
-    lines = []
-    for k, (op_type, refs) in enumerate(steps):
-        args = [f"t{i}" if kind == "t" else _literal(i) if kind == "c" else
-                f"gt_widen_bf16(x{i})" if input_types[i] == BF16 else f"x{i}" for kind, i in refs]
-        lines.append(f"float t{k} = {OPS[op_type].cuda(args)};")
-    lines += [f"y{j} = gt_bf16_bits(t{k});" if output_types[j] == BF16 else f"y{j} = t{k};"
-              for j, k in enumerate(results)]
+    lines = cuda_statements(steps, results, input_types, output_types)
     return helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN, code=" ".join(lines), ops=ops,
                             steps=json.dumps(steps), results=results, input_types=input_types,
                             output_types=output_types)
