@@ -57,8 +57,10 @@ TORCH_VARIANTS = {
     "sdpa-compile": "GPT only: sdpa + torch.compile (not in the defaults)",
     "fused-bf16": "fused under torch.autocast(bfloat16): the match of ours with --precision bf16",
     "sdpa-bf16": "GPT only: sdpa under torch.autocast(bfloat16)",
+    "cl-bf16": "CNN only: fused, channels-last module and images under torch.autocast(bfloat16): NVIDIA's AMP recipe",
 }
 GPT_ONLY = ("sdpa", "sdpa-compile", "sdpa-bf16")
+CNN_ONLY = ("cl-bf16",)
 OURS_PRESETS = {
     "default": [],
     "allreduce": ["--strategy", "allreduce"],
@@ -379,7 +381,8 @@ class Session:
             have = self.gpu_count()
             if gpus > have:
                 error = f"needs {gpus} GPUs, this machine has {have}"
-        if error is None and system == "pytorch" and variant in GPT_ONLY and m["kind"] != "gpt":
+        if error is None and system == "pytorch" and (variant in GPT_ONLY and m["kind"] != "gpt"
+                                                       or variant in CNN_ONLY and m["kind"] != "cnn"):
             return {}
         if error is not None:
             record = bench_lib.make_record(base, None, error)
