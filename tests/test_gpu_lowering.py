@@ -281,3 +281,32 @@ def test_a_concat_wider_than_capture_allows_becomes_a_tree_with_the_same_values(
     feeds = {f"x{i}": rng.normal(size=(i % 3 + 1, 2)).astype(np.float32) for i in range(count)}
     for result in _run(lowered, feeds):
         np.testing.assert_array_equal(result, np.concatenate(list(feeds.values())))
+
+
+def test_a_bfloat16_node_without_a_kernel_computes_in_float32_between_casts():
+    """GlobalAveragePool in bfloat16 (opset 22: a bf16 CNN's pool): onnxruntime has no such kernel
+    (on CPU, and on CUDA, where a session would not load); widened, it runs and computes what a
+    bfloat16 kernel does: the mean of the bfloat16 values in float, rounded once. The Flatten after
+    it (a kernel exists) stays bfloat16."""
+    from runtime.gpu.elementwise_steps import round_bf16_numpy, widen_bf16_numpy
+    from runtime.gpu.lowering import NO_BF16_KERNEL, widen_bfloat16
+
+    bf16, f32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=bf16, name="down"),
+             helper.make_node("GlobalAveragePool", ["xb"], ["pooled"], name="pool"),
+             helper.make_node("Flatten", ["pooled"], ["r"], name="flatten"),
+             helper.make_node("Cast", ["r"], ["y"], to=f32, name="up")]
+    model = one_graph_model(nodes, [helper.make_tensor_value_info("x", f32, [2, 3, 4, 4])],
+                            [helper.make_tensor_value_info("y", f32, [2, 3])], opset=22)
+    model = specialize(model, {"x": (2, 3, 4, 4)})
+    with pytest.raises(Exception, match="GlobalAveragePool"):
+        _run(model, {})
+    assert "GlobalAveragePool" in NO_BF16_KERNEL and "Flatten" not in NO_BF16_KERNEL
+    widened = widen_bfloat16(model)
+    ops = [n.op_type for n in widened.graph.node]
+    assert ops == ["Cast", "Cast", "GlobalAveragePool", "Cast", "Flatten", "Cast"], ops
+    x = np.random.default_rng(0).normal(size=(2, 3, 4, 4)).astype(np.float32)
+    (y,) = _run(widened, {"x": x})
+    mean = widen_bf16_numpy(round_bf16_numpy(x)).mean(axis=(2, 3), keepdims=True, dtype=np.float32)
+    expected = widen_bf16_numpy(round_bf16_numpy(mean)).reshape(2, 3)
+    np.testing.assert_array_equal(y, expected)

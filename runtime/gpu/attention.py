@@ -95,7 +95,7 @@ class _Frontend:
     """The cuDNN frontend module, its handle on the compute stream, and the plans built, per device."""
 
     def __init__(self, device):
-        import cudnn  # noqa: PLC0415: optional (the gpu extra); ``unavailable`` said why where missing
+        import cudnn  # noqa: PLC0415  (optional, the gpu extra: ``unavailable`` said why where missing)
 
         self.cudnn = cudnn
         self.handle = cudnn.create_handle()

@@ -31,7 +31,7 @@ from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
 from runtime.gpu import session_collectives
 from runtime.gpu.in_session import take_native_nodes
-from runtime.gpu.lowering import CONCAT_MAX_INPUTS, lower_for_cuda
+from runtime.gpu.lowering import CONCAT_MAX_INPUTS, lower_for_cuda, widen_bfloat16
 from runtime.segments import Segment
 from runtime.specialize import NEVER_FOLDED, specialize
 
@@ -97,7 +97,7 @@ class Specialize(SegmentPass):
 
 class LowerForCuda(SegmentPass):
     def call(self, state):
-        state.model = lower_for_cuda(state.model)
+        state.model = widen_bfloat16(lower_for_cuda(state.model))
 
     def ensures(self, state):
         wide = [n.name for n in state.model.graph.node if n.op_type == "Concat" and len(n.input) > CONCAT_MAX_INPUTS]

@@ -25,6 +25,17 @@ of float32 sums.
   bucket's slices wrote 49-69 (2 H100s, run `h100x2-s4`). A Concat of more inputs becomes Concats of
   at most CONCAT_MAX_INPUTS consecutive inputs each, then one of their results (concatenation along
   one axis is associative: the same values; one extra copy of the data).
+- **bfloat16 nodes onnxruntime has no CUDA kernel for** (``widen_bfloat16``): --precision bf16
+  makes a CNN's pools bfloat16 at opset 22, where the standard allows it, and its backward has
+  bfloat16 ConvTranspose and Pad nodes; onnxruntime-gpu 1.31's CUDA EP has no bfloat16 kernel for
+  them, and the session would not load ("Provider type for GlobalAveragePool ... is not set"). Such
+  a node reads its bfloat16 inputs cast to float32 and its float32 outputs are cast back: what a
+  bfloat16 kernel computes (float arithmetic, one rounding). ``NO_BF16_KERNEL`` lists the ops, as
+  found by loading a one-node bf16 model of each on the CUDA EP alone (one H200, 2026-11-28: Conv,
+  AveragePool, Gemm, Relu, Sum, Flatten load; these do not; Greater, the ReLU gradient's mask,
+  failed in a ResNet-18 step). onnxruntime's own kernel listing (``get_all_opkernel_def``) cannot
+  say it: on the GPU build it loads every provider library, TensorRT's included, and crashed the
+  process. An op missing from the list is widened when a session refuses it (session.py) and said.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from onnx import helper, numpy_helper
 
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise_steps import final_factors
+from runtime.specialize import static_values
 
 _SPLIT_REDUCTIONS = ("ReduceSum", "ReduceMean")
 CONCAT_MAX_INPUTS = 32  # onnxruntime's CUDA Concat under CUDA-graph capture (concat.cc)
@@ -243,3 +255,37 @@ def _shapes(graph: onnx.GraphProto) -> dict[str, list[int]]:
     for tensor in graph.initializer:
         shapes[tensor.name] = list(tensor.dims)
     return shapes
+
+
+# Ops onnxruntime-gpu 1.31's CUDA EP has no bfloat16 kernel for (the module docstring).
+NO_BF16_KERNEL = frozenset({"MaxPool", "GlobalAveragePool", "GlobalMaxPool", "LpPool", "GlobalLpPool", "MaxUnpool",
+                            "ConvTranspose", "Pad", "Greater"})
+
+
+def widen_bfloat16(model: onnx.ModelProto, no_kernel: frozenset[str] = NO_BF16_KERNEL) -> onnx.ModelProto:
+    """``model`` (specialized) with every default-domain node of an op in ``no_kernel`` that reads or
+    writes bfloat16 computed in float32 between casts (the module docstring)."""
+    graph = model.graph
+    types = {name: elem for name, (_, elem) in static_values(graph).items()}
+    low, wide = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        default = node.domain in ("", "ai.onnx")
+        if (not default or node.op_type not in no_kernel
+                or not any(types.get(n) == low for n in (*node.input, *node.output) if n)):
+            nodes.append(node)
+            continue
+        for i, name in enumerate(node.input):
+            if name and types.get(name) == low:
+                nodes.append(helper.make_node("Cast", [name], [f"{name}/{node.name}.float32"], to=wide,
+                                              name=f"{node.name}/widen_{i}"))
+                node.input[i] = f"{name}/{node.name}.float32"
+        narrow = []
+        for j, name in enumerate(node.output):
+            if name and types.get(name) == low:
+                node.output[j] = f"{name}.float32"
+                narrow.append(helper.make_node("Cast", [f"{name}.float32"], [name], to=low, name=f"{node.name}/narrow_{j}"))
+        nodes += [node, *narrow]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model

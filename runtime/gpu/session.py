@@ -18,8 +18,12 @@ from runtime.gpu.compile import SegmentPass, compile_segment
 from runtime.gpu.cuda import ORT_DTYPES
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.in_session import DOMAIN as IN_SESSION_DOMAIN
+from runtime.gpu.lowering import widen_bfloat16
 from runtime.gpu.session_collectives import FINISH, START
 from runtime.segments import Segment, place
+
+# onnxruntime's refusal of a node no provider registered a kernel for (its op type in group 1).
+_UNPLACED = re.compile(r"Provider type for (\w+) node")
 
 # Buffers onnxruntime allocates itself start at a multiple of 256 bytes (cudaMalloc, its arena),
 # and some kernels it picks need at least 16: cuDNN's Conv refuses a weight that is not
@@ -185,7 +189,28 @@ class OrtCudaSegment(SegmentRunner):
         self.custom_ops = compiled.custom_ops
         if not compiled.model.graph.output:
             return  # every output is a constant or a copy of an input: no session
-        serialized = compiled.model.SerializeToString()
+        model = compiled.model
+        while not self._load(model.SerializeToString()):
+            # A bfloat16 node no provider has a kernel for (lowering.NO_BF16_KERNEL lists those
+            # known): computed in float32 between casts, said once, and the session made again.
+            op = _UNPLACED.search(self.load_error).group(1)
+            before = len(model.graph.node)
+            if len(widen_bfloat16(model, frozenset({op})).graph.node) == before:
+                raise RunError(f"{self.where}: onnxruntime cannot load it: {self.load_error}")
+            print(f"transpile: note: {self.where}: onnxruntime has no bfloat16 CUDA kernel for {op}: it computes in "
+                  "float32", file=sys.stderr, flush=True)
+        self.session_inputs = [i.name for i in self.session.get_inputs()]
+        # (shape, dtype) of each output the session states statically (specialized: all of them).
+        self.output_specs = {o.name: (tuple(o.shape), ORT_DTYPES[o.type]) for o in self.session.get_outputs()
+                             if o.type in ORT_DTYPES and all(isinstance(d, int) for d in o.shape)}
+        if self.session.get_providers()[0] != "CUDAExecutionProvider":
+            raise RunError(f"{self.where}: onnxruntime did not enable the CUDA execution provider (CUDA or cuDNN "
+                           "libraries not found? onnxruntime-gpu must match the installed CUDA major version)")
+
+    def _load(self, serialized: bytes) -> bool:
+        """Make the session (captured where allowed); False where onnxruntime placed a node on no
+        provider (``self.load_error`` says which), a RunError for any other refusal."""
+        policy = self.policy
 
         def session(graph: bool):
             return policy.session(serialized, self.where, graph=graph, shared_arena=self.shared_arena,
@@ -194,23 +219,23 @@ class OrtCudaSegment(SegmentRunner):
         if self.capture_allowed:
             try:
                 self.session, self.graphs = session(True), True
+                return True
             except Exception as exc:  # onnxruntime refuses graphs when a node is not on the CUDA EP
+                if _UNPLACED.search(_first_line(exc)):  # not about graphs: no session loads it
+                    self.load_error = _first_line(exc)
+                    return False
                 self.graph_refused = _first_line(exc)
                 # Said once per session: an uncaptured session costs its step host time (and, on
                 # several ranks, the synchronization at its end).
                 print(f"transpile: warning: {self.where}: no CUDA graph ({self.graph_refused})", file=sys.stderr, flush=True)
-        if self.session is None:
-            try:
-                self.session = session(False)
-            except Exception as exc:
-                raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
-        self.session_inputs = [i.name for i in self.session.get_inputs()]
-        # (shape, dtype) of each output the session states statically (specialized: all of them).
-        self.output_specs = {o.name: (tuple(o.shape), ORT_DTYPES[o.type]) for o in self.session.get_outputs()
-                             if o.type in ORT_DTYPES and all(isinstance(d, int) for d in o.shape)}
-        if self.session.get_providers()[0] != "CUDAExecutionProvider":
-            raise RunError(f"{self.where}: onnxruntime did not enable the CUDA execution provider (CUDA or cuDNN "
-                           "libraries not found? onnxruntime-gpu must match the installed CUDA major version)")
+        try:
+            self.session = session(False)
+            return True
+        except Exception as exc:
+            self.load_error = _first_line(exc)
+            if _UNPLACED.search(self.load_error):
+                return False
+            raise RunError(f"{self.where}: onnxruntime cannot load it: {self.load_error}") from None
 
     def _fixed_values(self, feeds) -> dict:
         values = dict(self.constants)
