@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,6 +172,16 @@ class Job:
     precision_report: dict = field(default_factory=dict)
     # How far the running pass is, for the progress display (transpiler/progress.py); no output by default.
     note: Callable[[str], None] = field(default=lambda detail: None, repr=False, compare=False)
+
+    def distinct_variants(self) -> Iterator[tuple[str, ir.Model, list]]:
+        """(key, model, buffers) of each variant model once: "single", then "ranks" where it is
+        another model (--sync-bn on several ranks); the passes that rewrite the forwards walk these."""
+        seen: set[int] = set()
+        for key in ("single", "ranks"):
+            model, buffers = self.variants[key]
+            if id(model) not in seen:
+                seen.add(id(model))
+                yield key, model, buffers
 
     @property
     def fwd_bwd(self) -> dict[str, onnx.ModelProto]:

@@ -21,12 +21,7 @@ class AttentionPass(InPlacePass):
     def call(self, model):
         if self.job.options.precision == "fp32":
             return PassResult(model, modified=False)
-        done = set()
-        for key in ("single", "ranks"):
-            variant, _ = self.job.variants[key]
-            if id(variant) in done:
-                continue
-            done.add(id(variant))
+        for key, variant, _ in self.job.distinct_variants():
             written = fuse_attention(variant.graph)
             add_op_functions(variant)
             self.job.precision_report.setdefault(key, {})["fused_attention"] = len(written)

@@ -30,12 +30,8 @@ class AutodiffPass(InPlacePass):
             raise PreconditionError("AutodiffPass differentiates the variants BatchNormPass made; run it first")
 
     def call(self, model: ir.Model) -> PassResult:
-        done = set()
-        for key in ("single", "ranks"):
-            variant, buffers = self.job.variants[key]
-            if id(variant) not in done:
-                done.add(id(variant))
-                self._differentiate(variant, buffers)
+        for _, variant, buffers in self.job.distinct_variants():
+            self._differentiate(variant, buffers)
         return PassResult(model, modified=True)
 
     def _differentiate(self, model: ir.Model, buffers: list) -> None:

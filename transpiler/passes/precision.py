@@ -96,12 +96,7 @@ class PrecisionPass(InPlacePass):
         if options.precision == "fp32":
             return PassResult(model, modified=False)
         low = DTYPES[options.precision]
-        done = set()
-        for key in ("single", "ranks"):
-            variant, _ = self.job.variants[key]
-            if id(variant) in done:
-                continue
-            done.add(id(variant))
+        for key, variant, _ in self.job.distinct_variants():
             _check_free(variant.graph)
             report = autocast(variant, low, set(self.job.problem.params))
             if options.loss_scaling is not None:
