@@ -28,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from contract.ops import ATTENTION, ATTENTION_DOMAIN
-from transpiler.autodiff._context import fresh_name
+from transpiler.autodiff._context import all_names, fresh_name
 
 _LOW = frozenset({int(ir.DataType.BFLOAT16), int(ir.DataType.FLOAT16)})
 _HEADS = [0, 2, 1, 3]  # (B, S, H, D) <-> (B, H, S, D)
@@ -169,18 +169,19 @@ class _Match:
         return True
 
 
-def _bshd(value: ir.Value, to_bshd: list[int], graph: ir.Graph, before: ir.Node, dtype: ir.DataType) -> ir.Value:
+def _bshd(value: ir.Value, to_bshd: list[int], graph: ir.Graph, before: ir.Node, dtype: ir.DataType,
+          taken: set[str]) -> ir.Value:
     """``value`` permuted by ``to_bshd`` into (B, S, H, D): the source of its own Transpose where the
-    two permutations cancel, else one Transpose (of that source where there is one)."""
+    two permutations cancel, else one Transpose (of that source where there is one), its names not
+    in ``taken``."""
     source, perm = value, to_bshd
     node = _producer(value, "Transpose")
     if node is not None and (first := _perm(node)) is not None and len(first) == 4:
         source, perm = node.inputs[0], [first[i] for i in to_bshd]
     if perm == [0, 1, 2, 3]:
         return source
-    names = {v.name for n in graph for v in n.outputs} | {v.name for v in graph.inputs}
-    moved = ir.node("Transpose", [source], {"perm": perm}, name=fresh_name(names, f"{value.name}/bshd"))
-    moved.outputs[0].name = fresh_name(names, f"{value.name}.bshd")
+    moved = ir.node("Transpose", [source], {"perm": perm}, name=fresh_name(taken, f"{value.name}/bshd"))
+    moved.outputs[0].name = fresh_name(taken, f"{value.name}.bshd")
     moved.outputs[0].dtype = dtype
     graph.insert_before(before, moved)
     return moved.outputs[0]
@@ -203,21 +204,20 @@ def fuse_attention(graph: ir.Graph) -> list[str]:
     """Replace every attention pattern of ``graph`` (the module docstring) by one Attention node;
     the names of the nodes written."""
     written = []
-    names = {n.name for n in graph}
+    taken = all_names(graph)
     for softmax in [n for n in graph if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
         match = _Match(softmax)
         if not match.ok:
             continue
         at = match.output
-        inputs = [_bshd(match.q, _HEADS, graph, at, match.dtype), _bshd(match.kt, _KEYS_T, graph, at, match.dtype),
-                  _bshd(match.v, _HEADS, graph, at, match.dtype)]
-        name = fresh_name(names, softmax.name.rsplit("/", 1)[0] + "/FusedAttention")
-        names.add(name)
+        inputs = [_bshd(value, perm, graph, at, match.dtype, taken)
+                  for value, perm in ((match.q, _HEADS), (match.kt, _KEYS_T), (match.v, _HEADS))]
+        name = fresh_name(taken, softmax.name.rsplit("/", 1)[0] + "/FusedAttention")
         node = ir.node(ATTENTION, inputs, {"scale": match.scale, "causal": match.causal}, domain=ATTENTION_DOMAIN,
                        num_outputs=2, name=name)
         y, lse = node.outputs
         y.dtype, lse.dtype = match.dtype, ir.DataType.FLOAT
-        y.name, lse.name = f"{name}/Y", f"{name}/LSE"
+        y.name, lse.name = fresh_name(taken, f"{name}/Y"), fresh_name(taken, f"{name}/LSE")
         graph.insert_before(at, node)
         out = at.outputs[0]
         follow = _only_use(out)
@@ -226,7 +226,8 @@ def fuse_attention(graph: ir.Graph) -> list[str]:
             follow.outputs[0].replace_all_uses_with(y)  # the layout the node already writes
             match.nodes.append(follow)
         else:
-            back = ir.node("Transpose", [y], {"perm": _HEADS}, name=f"{name}/heads")
+            back = ir.node("Transpose", [y], {"perm": _HEADS}, name=fresh_name(taken, f"{name}/heads"))
+            back.outputs[0].name = fresh_name(taken, f"{name}/heads_output")
             back.outputs[0].dtype = match.dtype
             graph.insert_before(at, back)
             out.replace_all_uses_with(back.outputs[0], replace_graph_outputs=True)

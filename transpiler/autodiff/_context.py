@@ -36,7 +36,8 @@ def fresh_name(taken: set[str], base: str) -> str:
     return name
 
 
-def _all_names(graph: ir.Graph) -> set[str]:
+def all_names(graph: ir.Graph) -> set[str]:
+    """Every name a new value or node of ``graph`` must avoid (subgraphs' too)."""
     names: set[str] = {v.name for v in (*graph.inputs, *graph.initializers.values()) if v.name}
     for node in RecursiveGraphIterator(graph):
         if node.name:
@@ -67,7 +68,7 @@ class Emitter:
     def __init__(self, graph: ir.Graph):
         self.graph = graph
         self.created: set[ir.Node] = set()
-        self._names = _all_names(graph)
+        self._names = all_names(graph)
         self._constants: dict[tuple[str, tuple[int, ...], bytes], ir.Value] = {}
 
     def unique(self, base: str) -> str:
