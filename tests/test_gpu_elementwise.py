@@ -113,13 +113,17 @@ def test_scalar_constants_are_inlined_exactly_and_small_or_additive_chains_are_l
     assert fuse_elementwise(one_graph_model(nodes, [small, b], [y], [third])).graph.node[0].op_type == "Mul"
 
 
+def _fused_gpt_nodes(gpt_train) -> list[onnx.NodeProto]:
+    """The fused elementwise nodes of the small GPT's training step."""
+    model, _ = gpt_train
+    return [n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN]
+
+
 @pytest.mark.gpu
 def test_the_cupy_kernels_equal_the_numpy_form(gpt_train, cupy_kernels):
     cp = cupy_kernels.cp
-    model, _ = gpt_train
-    nodes = [n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN]
     rng = np.random.default_rng(0)
-    for node in nodes:
+    for node in _fused_gpt_nodes(gpt_train):
         inputs = [rng.uniform(-2, 2, size=(4, 3, 16)).astype(np.float32) for _ in node.input]
         got = cupy_kernels.runner(node).run({name: cp.asarray(v) for name, v in zip(node.input, inputs)})
         for g, e in zip(got, evaluate_numpy(node, inputs)):
@@ -139,8 +143,7 @@ def test_the_vectorized_kernel_takes_full_scalar_and_row_inputs_only(shapes, sha
 
 
 def test_each_lane_of_the_vectorized_kernel_runs_the_node_s_own_statements(gpt_train):
-    model, _ = gpt_train
-    node = next(n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN and len(n.input) >= 2)
+    node = next(n for n in _fused_gpt_nodes(gpt_train) if len(n.input) >= 2)
     code = next(a.s.decode() for a in node.attribute if a.name == "code")
     source = vector_source(node, ("full",) + ("row",) * (len(node.input) - 1), "k")
     first = code.split(";")[0]  # "float t0 = OP(x.., ..)" in the ElementwiseKernel body
@@ -152,8 +155,7 @@ def test_each_lane_of_the_vectorized_kernel_runs_the_node_s_own_statements(gpt_t
 @pytest.mark.gpu
 def test_the_vectorized_kernels_equal_cupy_s_elementwise_kernels_bit_for_bit(gpt_train, cupy_kernels):
     cp = cupy_kernels.cp
-    model, _ = gpt_train
-    nodes = [n for n in fuse_elementwise(model).graph.node if n.domain == DOMAIN]
+    nodes = _fused_gpt_nodes(gpt_train)
     rng = np.random.default_rng(2)
     vectorized = 0
     for node in nodes:
