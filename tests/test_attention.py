@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -156,3 +158,62 @@ def test_only_low_precision_steps_get_the_node(model_dir, tmp_path):
         counts[precision] = {op: sum(n.op_type == op for n in graph.node) for op in (ATTENTION, ATTENTION_GRAD, "Softmax")}
     assert counts["fp32"] == {ATTENTION: 0, ATTENTION_GRAD: 0, "Softmax": 4}
     assert counts["bf16"] == {ATTENTION: 4, ATTENTION_GRAD: 4, "Softmax": 0}
+
+
+def test_the_gpu_runner_builds_one_plan_per_shape_and_runs_each_node_on_its_buffers(monkeypatch):
+    """runtime/gpu/attention.py without a GPU: cuDNN's frontend stood in for. The first call builds
+    a plan per (kind, shape, attributes), shared by equal nodes, reserves its workspace and gives
+    each node's outputs; every call executes each node's plan on its own buffers' addresses."""
+    from types import SimpleNamespace
+
+    from runtime.gpu import attention
+    from runtime.segments import NativeGroup
+
+    class Array:  # what the runner reads of a CuPy array
+        count = 0
+
+        def __init__(self, shape, dtype):
+            Array.count += 1
+            self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+            self.flags = SimpleNamespace(c_contiguous=True)
+            self.data = SimpleNamespace(ptr=256 * Array.count)
+
+    built, executed, reserved = [], [], []
+
+    class Plan:  # attention._Plan's interface, built from the key alone
+        def __init__(self, frontend_module, handle, key):
+            built.append(key)
+            self.tensors = [f"{'grad' if key.grad else 'fwd'}{i}" for i in range(9 if key.grad else 5)]
+            self.graph = SimpleNamespace(execute=lambda pointers, workspace, handle: executed.append((pointers, workspace)))
+            self.workspace = 1000 if key.grad else 10
+
+    streams = []
+    monkeypatch.setitem(sys.modules, attention.MODULE, SimpleNamespace(
+        create_handle=lambda: "handle", set_stream=lambda handle, stream: streams.append(stream)))
+    monkeypatch.setattr(attention, "_Plan", Plan)
+    monkeypatch.setattr(attention, "_FRONTENDS", {})
+    cudnn = SimpleNamespace(reserve=reserved.append, pointer=lambda: 4096)
+    device = SimpleNamespace(device_id=0, compute=SimpleNamespace(ptr=7), cudnn=lambda: cudnn,
+                             cp=SimpleNamespace(empty=lambda shape, dtype: Array(shape, dtype)))
+    attrs = {"scale": 0.125, "causal": 1}
+    nodes = tuple(helper.make_node(ATTENTION, [f"q{i}", f"k{i}", f"v{i}"], [f"y{i}", f"lse{i}"], name=f"attn{i}",
+                                   domain=ATTENTION_DOMAIN, **attrs) for i in range(2))
+    nodes += (helper.make_node(ATTENTION_GRAD, ["dy", "q0", "k0", "v0", "y0", "lse0"], ["dq", "dk", "dv"],
+                               name="attn0_grad", domain=ATTENTION_DOMAIN, **attrs),)
+    runner = attention.AttentionRunner(NativeGroup(0, 0, 1, nodes, (), ()), "rank0.onnx", device)
+    values = {f"{n}{i}": Array((2, 16, 4, 64), np.uint16) for n in "qkv" for i in range(2)}
+    values["dy"] = Array((2, 16, 4, 64), np.uint16)
+    runner.launch(values, allocate=True)
+    assert [k.grad for k in built] == [False, True]  # the two forward nodes share one plan
+    assert streams == [7]  # one handle, on the compute stream
+    assert reserved == [10, 10, 1000]
+    assert values["lse1"].shape == (2, 4, 16, 1) and values["lse1"].dtype == np.float32
+    assert values["dq"].shape == (2, 16, 4, 64) and values["dq"].dtype == np.uint16
+    (first, _), (second, _), (grad, workspace) = executed
+    assert first == {f"fwd{i}": values[n].data.ptr for i, n in enumerate(["q0", "k0", "v0", "y0", "lse0"])}
+    assert second["fwd0"] == values["q1"].data.ptr and workspace == 4096
+    assert grad == {f"grad{i}": values[n].data.ptr
+                    for i, n in enumerate(["dy", "q0", "k0", "v0", "y0", "lse0", "dq", "dk", "dv"])}
+    values["q1"] = Array((2, 16, 4, 64), np.uint16)  # a bound run: the other parity's buffer
+    runner.launch(values, allocate=False)
+    assert len(built) == 2 and executed[4][0]["fwd0"] == values["q1"].data.ptr

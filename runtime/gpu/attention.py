@@ -141,6 +141,7 @@ class AttentionRunner(LaunchRunner):
         self.where = f"{where}: fused attention in {place(group)}"
         self.ops = [_Node.from_node(node, self.where) for node in group.nodes]
         self.plans: dict[str, _Plan] = {}
+        self.frontend: _Frontend | None = None  # the device's, taken on the first call
 
     def _key(self, op: _Node, values) -> _Key:
         q, k = values[op.inputs[1 if op.grad else 0]], values[op.inputs[2 if op.grad else 1]]
@@ -162,11 +163,13 @@ class AttentionRunner(LaunchRunner):
         cp = self.device.cp
         if allocate:  # a first call: build (or reuse) each node's plan, give outputs it lacks
             where = (self.device.device_id, self.device.compute.ptr)
-            frontend = _FRONTENDS.get(where) or _FRONTENDS.setdefault(where, _Frontend(self.device))
+            if where not in _FRONTENDS:
+                _FRONTENDS[where] = _Frontend(self.device)
+            self.frontend = _FRONTENDS[where]
             for op in self.ops:
                 key = self._key(op, values)
                 try:
-                    self.plans[op.name] = plan = frontend.plan(key)
+                    self.plans[op.name] = plan = self.frontend.plan(key)
                 except Exception as exc:  # the frontend's errors name no node
                     raise RunError(f"{self.where}: '{op.name}': cuDNN could not build its fused attention for "
                                    f"{key}: {str(exc).splitlines()[0]}") from None
@@ -179,12 +182,11 @@ class AttentionRunner(LaunchRunner):
                 for name, shape, dtype in zip(op.outputs, shapes, dtypes):
                     if name not in values:  # given where the node runs inside a session (in_session.py)
                         values[name] = cp.empty(shape, dtype=dtype)
-        frontend = _FRONTENDS[(self.device.device_id, self.device.compute.ptr)]
-        context = self.device.cudnn()
+        workspace = self.device.cudnn().pointer()
         for op in self.ops:
             plan = self.plans[op.name]
             pointers = {tensor: values[name].data.ptr for tensor, name in zip(plan.tensors, op.inputs + op.outputs)}
             try:
-                plan.graph.execute(pointers, context.pointer(), handle=frontend.handle)
+                plan.graph.execute(pointers, workspace, handle=self.frontend.handle)
             except Exception as exc:
                 raise RunError(f"{self.where}: '{op.name}': {str(exc).splitlines()[0]}") from None
