@@ -299,7 +299,9 @@ class Session:
     def out_dir(self, m: dict, ours: dict, gpus: int) -> Path:
         tree, (_, source) = self.tree(ours)
         key = digest([m["optimizer"], ours["flags"], str(tree), source])
-        return self.model_dir(m) / f"out-{ours['label']}-g{gpus}-{key}"
+        # No label in the name: variants that differ only in their label (rows run under another
+        # environment, say NCCL_* variables) share one transpiled OUT.
+        return self.model_dir(m) / f"out-g{gpus}-{key}"
 
     def tree(self, ours: dict) -> tuple[Path, tuple[str | None, str]]:
         """The source tree an ours variant runs, and its (commit, source digest), read once per run:
@@ -336,13 +338,14 @@ class Session:
                 log(f"export {name}: {'ok' if code == 0 else 'FAILED'} in {secs:.0f} s")
                 if code != 0:
                     raise SystemExit(f"benchmarks: export of {name} failed: {tail(self.logs / f'export-{name}.log')}")
-        jobs = []
+        jobs, planned = [], set()
         for m in self.models:
             for g in self.gpus:
                 for o in self.ours:
                     out = self.out_dir(m, o, g)
-                    if (out / "plan.json").exists() and not self.args.fresh:
+                    if out in planned or ((out / "plan.json").exists() and not self.args.fresh):
                         continue
+                    planned.add(out)
                     if out.exists():
                         shutil.rmtree(out)
                     cmd = [sys.executable, "-m", "transpiler.cli", str(self.model_dir(m) / "model.onnx"), "-o", str(out),

@@ -257,7 +257,8 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     losses = [r["first_loss"] for r in records]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
     assert "graph-transpiler | allreduce" in doc.read_text() and image.exists()
-    # a rerun with the same --run-id reuses the exported model and the OUTs; its row replaces the earlier one
+    # a rerun with the same --run-id reuses the exported model and the OUTs (also under another label
+    # with the same flags: `again=`); its row replaces the earlier one
     again = subprocess.run(cmd + ["--variants", "", "--ours-variants", "default", "--run-id", records[0]["run"]],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -266,6 +267,10 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     assert len(every) == 4 and every[3]["variant"] == "default" and every[3]["run"] == records[0]["run"]
     table = [line for line in doc.read_text().splitlines() if line.startswith("| perceptron")]
     assert len(table) == 3 and f"| {every[3]['step_ms']:.3f} |" in [line for line in table if "| default |" in line][0]
+    relabelled = subprocess.run(cmd + ["--variants", "", "--ours-variants", "again=", "--run-id", records[0]["run"]],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert relabelled.returncode == 0 and "transpiling" not in relabelled.stdout, relabelled.stdout + relabelled.stderr
+    assert bench_lib.load_jsonl([results])[-1]["variant"] == "again"
 
 
 def test_ratio_uses_the_baseline_of_the_same_world_size():
