@@ -166,9 +166,13 @@ def select(records: list[dict], runs: list[str], models=MODELS, pytorch_variants
             chosen[(*p.key, p.gpus)] = p
     points = sorted(chosen.values(), key=_order_key(models, pytorch_variants))
     base = {p.key: p.step_ms for p in points if p.gpus == 1}
+    # On one GPU every strategy transpiles to the same plan (no collective): a strategy measured
+    # only on N > 1 takes our one-GPU point of its model (the default's) as its baseline.
+    ours_one = {p.model: p.step_ms for p in points if p.gpus == 1 and p.system == OURS and p.series in (*STRATEGIES, "default")}
     for p in points:
-        if p.key in base:
-            p.efficiency = base[p.key] / p.step_ms
+        one = base.get(p.key, ours_one.get(p.model) if p.system == OURS and p.series in STRATEGIES else None)
+        if one is not None:
+            p.efficiency = one / p.step_ms
     return points
 
 

@@ -68,14 +68,16 @@ def test_efficiency_is_the_same_series_1_gpu_step_over_its_n_gpu_step():
     one_ours, four_ours, one_ddp, four_ddp = 10.0, 12.5, 20.0, 32.0
     rows = [ours("a", "allreduce", "gpt2_small", 1, one_ours), ddp("a", "fused", "gpt2_small", 1, one_ddp),
             ddp("b", "fused", "gpt2_small", 4, four_ddp), ours("b", "allreduce", "gpt2_small", 4, four_ours),
-            ours("b", "zero", "gpt2_small", 4, 11.0),  # no 1-GPU zero row: another series' must not stand in
-            ddp("b", "fused", "resnet18", 1, 99.0)]  # another model's 1-GPU row neither
+            ours("b", "zero", "gpt2_small", 4, 11.0),  # no 1-GPU zero row: ours at one GPU is one plan
+            ddp("b", "sdpa", "gpt2_small", 4, 30.0),  # no 1-GPU sdpa row: another PyTorch series must not stand in
+            ddp("b", "fused", "resnet18", 1, 99.0), ours("b", "zero", "resnet18", 4, 9.0)]  # nor another model's
     pts = by_key(chart.select(rows, ["a", "b"]))
     assert pts[("gpt2_small", "graph-transpiler", "allreduce", 4)].efficiency == pytest.approx(one_ours / four_ours)
     assert pts[("gpt2_small", "pytorch", "fused", 4)].efficiency == pytest.approx(one_ddp / four_ddp)
     assert pts[("gpt2_small", "graph-transpiler", "allreduce", 1)].efficiency == pytest.approx(1.0)
-    assert pts[("gpt2_small", "graph-transpiler", "zero", 4)].efficiency is None
-    assert [(p.model, p.series, p.gpus) for p in chart.no_baseline(list(pts.values()))] == [("gpt2_small", "zero", 4)]
+    assert pts[("gpt2_small", "graph-transpiler", "zero", 4)].efficiency == pytest.approx(one_ours / 11.0)
+    assert [(p.model, p.series, p.gpus) for p in chart.no_baseline(list(pts.values()))] == [
+        ("gpt2_small", "sdpa", 4), ("resnet18", "zero", 4)]
 
 
 def test_the_1_gpu_baseline_is_the_winning_1_gpu_row():
