@@ -155,6 +155,10 @@ def select(records: list[dict], runs: list[str], models=MODELS, pytorch_variants
         raise ValueError(f"no rows of run(s) {', '.join(missing)} (runs: {known})")
     rows = [r for r in records if r["run"] in runs and r.get("step_ms") and r["model"] in models]
     defaults = run_defaults(rows)
+    # A run with no multi-GPU default row (one GPU only) takes the strategy the other runs agree on.
+    agreed = set(defaults.values())
+    if len(agreed) == 1:
+        defaults = {r["run"]: defaults.get(r["run"], next(iter(agreed))) for r in rows}
     chosen: dict[tuple, Point] = {}
     for run in runs:  # later runs overwrite earlier ones; within a run, later rows earlier ones
         for r in (r for r in rows if r["run"] == run):
@@ -168,7 +172,7 @@ def select(records: list[dict], runs: list[str], models=MODELS, pytorch_variants
     base = {p.key: p.step_ms for p in points if p.gpus == 1}
     # On one GPU every strategy transpiles to the same plan (no collective): a strategy measured
     # only on N > 1 takes our one-GPU point of its model (the default's) as its baseline.
-    ours_one = {p.model: p.step_ms for p in points if p.gpus == 1 and p.system == OURS and p.series in (*STRATEGIES, "default")}
+    ours_one = {p.model: p.step_ms for p in points if p.gpus == 1 and p.system == OURS and p.series in STRATEGIES}
     for p in points:
         one = base.get(p.key, ours_one.get(p.model) if p.system == OURS and p.series in STRATEGIES else None)
         if one is not None:

@@ -127,6 +127,16 @@ def test_default_rows_are_drawn_as_the_strategy_they_ran():
     assert pts[("gpt2_small", "graph-transpiler", "sharded", 4)].step_ms == 38.8
 
 
+def test_a_one_gpu_run_takes_the_default_the_other_runs_agree_on():
+    rows = [ours("one", "default", "resnet18", 1, 12.0),  # its run has no multi-GPU row
+            ours("four", "default", "resnet18", 4, 13.0, kernels="allreduce"),
+            ours("four", "sharded", "resnet18", 4, 15.0)]  # no 1-GPU sharded row: ours at one GPU is one plan
+    pts = by_key(chart.select(rows, ["one", "four"]))
+    assert pts[("resnet18", "graph-transpiler", "allreduce", 1)].how == "run"
+    assert pts[("resnet18", "graph-transpiler", "allreduce", 4)].efficiency == pytest.approx(12.0 / 13.0)
+    assert pts[("resnet18", "graph-transpiler", "sharded", 4)].efficiency == pytest.approx(12.0 / 15.0)
+
+
 def test_strategy_from_flags_beats_the_label_and_the_kernels():
     r = ours("r", "mine", "gpt2_small", 4, 1.0, flags=["--strategy", "zero"], kernels="allreduce")
     assert chart.series_of(r, {}, chart.PYTORCH_VARIANTS) == ("zero", "flags")
@@ -223,6 +233,8 @@ def test_the_committed_chart_shows_the_committed_rows(tmp_path):
         assert mine and float(step) == pytest.approx(mine[-1]["step_ms"], abs=5e-5)
         if eff != "-" and int(gpus) > 1:
             one = [x for x in lines if x[:2] == [model, series] and x[2] == "1"]
+            if not one and series.startswith("ours "):  # a strategy with no 1-GPU row: our one-GPU plan's
+                one = [x for x in lines if x[0] == model and x[1].startswith("ours ") and x[2] == "1"]
             assert float(eff) == pytest.approx(float(one[0][3]) / float(step), abs=1e-4)
 
 
