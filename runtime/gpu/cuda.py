@@ -89,6 +89,32 @@ def relax_capture_mode() -> bool:
     return False
 
 
+# CU_EVENT_RECORD_EXTERNAL: an event recorded in a stream capture becomes an event-record node of
+# the graph, which streams outside the graph may wait for (torch.cuda.Event(external=True)); a plain
+# record inside a capture may not be waited for out there (cudaErrorInvalidValue).
+_EVENT_RECORD_EXTERNAL = 1
+
+
+def external_record():
+    """``record(event, stream)`` recording a CuPy event on a CuPy stream so that work outside a CUDA
+    graph captured from ``stream`` may wait for it (cuEventRecordWithFlags with
+    CU_EVENT_RECORD_EXTERNAL; outside a capture, a plain record); None where the driver lacks the call."""
+    import ctypes
+
+    try:
+        call = ctypes.CDLL("libcuda.so.1").cuEventRecordWithFlags
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+    call.restype = ctypes.c_int
+
+    def record(event, stream) -> None:
+        status = call(event.ptr, stream.ptr, _EVENT_RECORD_EXTERNAL)
+        if status != 0:
+            raise RuntimeError(f"cuEventRecordWithFlags(CU_EVENT_RECORD_EXTERNAL) failed: CUresult {status}")
+    return record
+
+
 _MODULES: dict[tuple[int, str], Any] = {}  # (device id, CUDA source) -> compiled RawModule
 
 

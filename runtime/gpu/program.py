@@ -115,11 +115,29 @@ class GpuProgram(ProgramBase):
             # rank 0 of 4; benchmarks/gpu_memory_steps.py).
             self._release_pool()
             feeds = self._allocate(feeds)
+            self._split_update()
         elif self.calls == 3:
             # The first call's outputs (the state, 1.8 GiB for GPT-2-small) were last read by call
             # 2; no later call allocates, so give them back once, after call 2 is done.
             self._release_pool()
         return self._run_bound(feeds, self.calls % 2)
+
+    def _split_update(self) -> None:
+        """variables.EARLY_UPDATE: the fused update right after the segment whose early finish
+        (session_collectives.EarlyUpdate) was compiled starts the buckets of every collective but
+        the last on a side stream once that finish passed, beside the last collective; the compute
+        stream joins it before the step ends (FusedUpdateRunner.split). Decided at the first bound
+        call: the sessions were compiled at the first."""
+        early = self.session_collectives.early if self.session_collectives is not None else None
+        if early is None:
+            return
+        late = set(self.session_collectives.nodes[early.late].output)
+        for pos in range(1, len(self.steps)):
+            before, runner = self.steps[pos - 1][1], self.steps[pos][1]
+            if isinstance(before, OrtCudaSegment) and hasattr(runner, "split"):
+                side = self.cp.cuda.Stream(non_blocking=True)
+                if runner.split(late, early.event, side, self.cp.cuda.Event(disable_timing=True)):
+                    return
 
     def release(self) -> None:
         """Drop every session and its CUDA graphs (the communicator's close calls it); not run again."""

@@ -64,7 +64,9 @@ from onnx import helper
 
 from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
 from runtime.errors import RunError
+from runtime.gpu.cuda import external_record
 from runtime.specialize import static_values
+from runtime.variables import EARLY_UPDATE, flag
 
 DOMAIN = "graph_transpiler.session_collectives"
 START, FINISH = "Start", "Finish"
@@ -126,6 +128,7 @@ def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[i
     ordered = _order_nodes([n for n in nodes if n.domain != COLLECTIVE_DOMAIN], [starts[k] for k in orders],
                            [finishes[k] for k in orders], {i.name for i in graph.input} | {t.name for t in graph.initializer},
                            [o.name for o in graph.output], where)
+    _mark_early_finish(ordered, [finishes[k] for k in orders], orders)
     del graph.node[:]
     graph.node.extend(ordered)
     graph.value_info.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, list(TOKEN_SHAPE)) for t in tokens)
@@ -133,6 +136,20 @@ def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[i
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model, originals
+
+
+def _mark_early_finish(ordered: list[onnx.NodeProto], finishes: list[onnx.NodeProto], orders: list[int]) -> None:
+    """Marks the finish of the last-but-one collective ``early`` (with ``late``: the last one's
+    order) where only finishes follow it: past it every plain node has run and every collective but
+    the last is finished, so the updates of their buckets may start beside the last one
+    (variables.EARLY_UPDATE). onnxruntime's priority order keeps the proto's order where the
+    dependencies allow, and every plain node comes before that finish in the proto."""
+    if len(finishes) < 2:
+        return
+    early = finishes[-2]
+    at = next(i for i, n in enumerate(ordered) if n is early)
+    if all(n.domain == DOMAIN and n.op_type == FINISH for n in ordered[at + 1:]):
+        early.attribute.extend([helper.make_attribute("early", 1), helper.make_attribute("late", orders[-1])])
 
 
 def _order(node: onnx.NodeProto) -> int:
@@ -199,6 +216,16 @@ class Bucket:
     done: Any = None
 
 
+@dataclass
+class EarlyUpdate:
+    """What the early finish (``_mark_early_finish``) and the step's update share: ``event``, recorded
+    (external, so that a stream outside the captured graph may wait for it) once every collective
+    but the one of order ``late`` is finished."""
+
+    event: Any
+    late: int
+
+
 class Registry:
     """The buckets of one process's step sessions, by collective order, and how runners reach the
     communicator (set by GpuBackend.make_program before any session is compiled)."""
@@ -206,6 +233,10 @@ class Registry:
     def __init__(self):
         self.comm = None
         self.buckets: dict[int, Bucket] = {}
+        # variables.EARLY_UPDATE: the external event record, where the driver has it; ``early`` is
+        # made by the early finish's runner.
+        self.record_external = external_record() if flag(EARLY_UPDATE) else None
+        self.early: EarlyUpdate | None = None
         # From the compile pass (``record``): each collective node replaced, and its output specs.
         self.nodes: dict[int, onnx.NodeProto] = {}
         self.specs: dict[int, list[TensorSpec]] = {}
@@ -224,10 +255,12 @@ class Registry:
         return self.buckets[k]
 
 
-def _attr(node: onnx.NodeProto, name: str) -> int:
+def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
     for a in node.attribute:
         if a.name == name:
             return a.i
+    if default is not None:
+        return default
     raise RunError(f"node '{node.name}' ({node.op_type}) lacks attribute '{name}'")
 
 
@@ -286,6 +319,9 @@ class FinishRunner:
         # Direct: output j may take the buffer of staged input 1 + j, which nothing reads after this
         # node (a hint to onnxruntime's planner: where it declines, launch copies).
         self.may_inplace = tuple((1 + j, j) for j in range(outputs)) if self.direct else ()
+        self.early = None
+        if _attr(node, "early", 0) and registry.record_external is not None:
+            self.early = registry.early = EarlyUpdate(device.cp.cuda.Event(disable_timing=True), _attr(node, "late"))
 
     def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
         bucket = self.registry.buckets.get(self.k)
@@ -299,9 +335,11 @@ class FinishRunner:
                     staged = values[self.node.input[1 + j]]
                     if values[name].data.ptr != staged.data.ptr:
                         values[name][...] = staged
-                return
-            for name in self.node.output:
-                values[name][...] = bucket.outputs[name]
+            else:
+                for name in self.node.output:
+                    values[name][...] = bucket.outputs[name]
+        if self.early is not None:
+            self.registry.record_external(self.early.event, compute)
 
 
 def runner(group, where: str, device, registry: Registry):

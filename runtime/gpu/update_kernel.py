@@ -197,27 +197,36 @@ class FusedUpdateRunner(SegmentRunner):
     def __init__(self, group, where: str, device):
         self.cp = device.cp
         self.where = f"{where}: fused updates in {place(group)}"
-        ops = [UpdateOp.from_node(node, where) for node in group.nodes]
-        runs: list[list[UpdateOp]] = []
-        produced: set[str] = set()  # by the current run: a node reading one starts a new launch
-        for op in ops:
-            if runs and runs[-1][0].launch_key() == op.launch_key() and not produced & {*op.tensors_in, op.lr}:
-                runs[-1].append(op)
-            else:
-                runs.append([op])
-                produced = set()
-            produced |= set(op.outputs)
-        self.launches = [_Launch(run) for run in runs]
+        self.ops = [UpdateOp.from_node(node, where) for node in group.nodes]
+        self.launches = _launches(self.ops)
         self.inputs, self.outputs = list(group.inputs), list(group.outputs)
         self.prepared: list[dict[str, Any] | None] = [None, None]
         # The device's compute stream (the one onnxruntime runs on), whatever stream is current.
         self.stream = getattr(device, "compute", None)
+        # split(): the launches that start on ``side`` once ``ready`` happened, and their end.
+        self.early: list[_Launch] = []
+        self.side = self.ready = self.early_done = None
+
+    def split(self, late: set[str], ready, side, done) -> bool:
+        """From the next bound call on, the nodes reading none of ``late`` (the last collective's
+        outputs) run on stream ``side`` after event ``ready``, the rest on the compute stream after
+        the segment before, which then waits for ``done`` (recorded on ``side``): the step ends with
+        every update done, as before. The late part may be empty (under ``sharded``, a rank that is
+        not the last Reduce's root). False (nothing changed) where no node would start early or an
+        early node reads what a late one writes."""
+        early = [op for op in self.ops if not late & set(op.tensors_in)]
+        rest = [op for op in self.ops if late & set(op.tensors_in)]
+        written = {name for op in rest for name in op.outputs}
+        if not early or any(written & {*op.tensors_in, op.lr} for op in early):
+            return False
+        self.early, self.launches = _launches(early), _launches(rest)
+        self.side, self.ready, self.early_done = side, ready, done
+        return True
 
     def in_place_pairs(self) -> dict[str, str]:
         """Output -> the input it may overwrite: param' -> param, slot' -> slot. Each element is
         read once and written once, by the same thread, so the kernels are correct in place."""
-        return {out: src for launch in self.launches for op in launch.ops
-                for src, out in zip((op.param, *op.slots), op.outputs)}
+        return {out: src for op in self.ops for src, out in zip((op.param, *op.slots), op.outputs)}
 
     def _on_stream(self):
         return self.stream if self.stream is not None else contextlib.nullcontext()
@@ -227,7 +236,7 @@ class FusedUpdateRunner(SegmentRunner):
         cp = self.cp
         values = dict(feeds)
         with self._on_stream():
-            for launch in self.launches:
+            for launch in self.early + self.launches:
                 for op in launch.ops:
                     for source, name in zip((op.param, *op.slots), op.outputs):
                         values[name] = cp.empty_like(values[source])
@@ -241,6 +250,29 @@ class FusedUpdateRunner(SegmentRunner):
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:
         # A view, not a merged copy: run every step, and the program's env holds every value of it.
         values = ChainMap(self.prepared[parity], env)
+        if self.early:
+            self.side.wait_event(self.ready)
+            with self.side:
+                for launch in self.early:
+                    launch.launch(self.cp, parity, values, self.where)
+            self.early_done.record(self.side)
         with self._on_stream():
             for launch in self.launches:
                 launch.launch(self.cp, parity, values, self.where)
+        if self.early:
+            self.stream.wait_event(self.early_done)
+
+
+def _launches(ops: list[UpdateOp]) -> list[_Launch]:
+    """``ops`` in order as launches: consecutive nodes of one launch key, a new launch wherever a
+    node reads what the launch before it writes."""
+    runs: list[list[UpdateOp]] = []
+    produced: set[str] = set()  # by the current run: a node reading one starts a new launch
+    for op in ops:
+        if runs and runs[-1][0].launch_key() == op.launch_key() and not produced & {*op.tensors_in, op.lr}:
+            runs[-1].append(op)
+        else:
+            runs.append([op])
+            produced = set()
+        produced |= set(op.outputs)
+    return [_Launch(run) for run in runs]
