@@ -23,8 +23,8 @@ FLOAT32, SUM, AVG = 7, 0, 4
 class _Buffer:
     """What the calls read of a device array: its pointer, size and dtype."""
 
-    def __init__(self, ptr: int, size: int = 16):
-        self.data, self.size, self.dtype = SimpleNamespace(ptr=ptr), size, np.dtype(np.float32)
+    def __init__(self, ptr: int, size: int = 16, dtype=np.float32):
+        self.data, self.size, self.dtype = SimpleNamespace(ptr=ptr), size, np.dtype(dtype)
 
 
 class _Stream(nullcontext):
@@ -97,3 +97,21 @@ def test_alone_each_result_is_the_rank_own_input():
     comm.all_reduce_many(sends, recvs, True, "b")
     comm.broadcast_many([], [np.full(3, 7, np.float32)], 0, "b")  # a receiver alone keeps its buffer
     assert log == [] and all(np.array_equal(s, r) for s, r in zip(sends, recvs))
+
+
+def test_bfloat16_buckets_travel_as_ncclbfloat16():
+    """--grad-dtype bf16: a bfloat16 tensor is uint16 raw bits in CuPy; NCCL gets ncclBfloat16 (9,
+    where CuPy's module does not name it) and sums bfloat16, with ncclAvg for a mean."""
+    comm, log = _communicator(rank=0, size=2)
+    comm.all_reduce_many([_Buffer(10, 8, np.uint16)], [_Buffer(11, 8, np.uint16)], True, "b")
+    assert log == [("groupStart",), ("allReduce", 10, 11, 8, 9, AVG, 99), ("groupEnd",)]
+    comm._nccl.NCCL_BFLOAT16 = 42  # a module that names it is believed
+    comm.broadcast_many([_Buffer(40, 4, np.uint16)], [_Buffer(41, 4, np.uint16)], 0, "b")
+    assert log[-2] == ("broadcast", 40, 41, 4, 42, 0, 99)
+
+
+def test_a_bfloat16_mean_without_ncclavg_is_refused_in_one_line():
+    comm = object.__new__(NcclCommunicator)
+    comm.stream = _Stream()
+    with pytest.raises(RunError, match=r"^a bfloat16 mean needs ncclAvg.*--grad-dtype fp32"):
+        comm.finish_mean(np.zeros(4, np.uint16))

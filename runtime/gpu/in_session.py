@@ -35,6 +35,7 @@ from contract.ops import ATTENTION_DOMAIN
 from runtime.errors import RunError
 from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.session_collectives import DOMAIN as SESSION_COLLECTIVES_DOMAIN
 from runtime.ort_custom_ops import KernelContext, PythonOp
 from runtime.segments import build_native
 from runtime.specialize import static_values
@@ -44,7 +45,9 @@ DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken no
 # writes its nodes only for float32); each is viewed in CuPy as VIEWS says.
 VIEWS = {**CUPY_DTYPES, onnx.TensorProto.FLOAT16: np.dtype(np.float16)}
 TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
-         ATTENTION_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
+         ATTENTION_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
+         # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl.py's _nccl_dtype)
+         SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
 
 
 class _NodeKernel:

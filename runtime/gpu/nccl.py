@@ -45,11 +45,21 @@ ABORT_WAIT_S = 3.0  # how long a failing rank waits for ncclCommAbort before it 
 DESTROY_WAIT_S = 20.0  # how long close() waits for the device, the sessions' release and ncclCommDestroy
 
 
+# ncclBfloat16 (nccl.h, NCCL >= 2.10), where CuPy's module does not name it.
+NCCL_BFLOAT16 = 9
+
+
 def _nccl_dtype(nccl, dtype: np.dtype) -> int:
+    """NCCL's data type of a buffer of ``dtype``. A uint16 buffer is bfloat16's raw bits: CuPy has
+    no bfloat16, and the runtime views a bfloat16 tensor as uint16 (--grad-dtype bf16's buckets;
+    elementwise_steps.CUPY_DTYPES) and has no uint16 tensor that a collective moves."""
+    bf16 = getattr(nccl, "NCCL_BFLOAT16", NCCL_BFLOAT16)
     table = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
              np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.int64): nccl.NCCL_INT64,
              np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.int8): nccl.NCCL_INT8,
-             np.dtype(np.uint8): nccl.NCCL_UINT8}
+             np.dtype(np.uint8): nccl.NCCL_UINT8, np.dtype(np.uint16): bf16}
+    if np.dtype(dtype).name == "bfloat16":  # ml_dtypes' (onnx's numpy type for BFLOAT16)
+        return bf16
     if np.dtype(dtype) not in table:
         raise RunError(f"NCCL cannot move dtype {np.dtype(dtype)}")
     return table[np.dtype(dtype)]
@@ -335,6 +345,10 @@ class NcclCommunicator(Communicator):
     def finish_mean(self, view) -> None:
         """``mean = sum / size`` in the tensor's dtype, on the communication stream (the contract's
         definition, as the CPU communicators compute it)."""
+        if view.dtype == np.uint16:  # bfloat16's raw bits (_nccl_dtype): CuPy cannot divide them
+            raise RunError("a bfloat16 mean needs ncclAvg, which this CuPy's NCCL module lacks, or a bucket "
+                           "that is not divided after the sum (transpile with --grad-dtype fp32, or --strategy "
+                           "allreduce or sharded)")
         if view.dtype.kind != "f":
             raise RunError(f"reduction 'mean' needs a floating dtype, got {view.dtype}")
         with self.stream:
