@@ -110,8 +110,28 @@ def test_bfloat16_buckets_travel_as_ncclbfloat16():
     assert log[-2] == ("broadcast", 40, 41, 4, 42, 0, 99)
 
 
-def test_a_bfloat16_mean_without_ncclavg_is_refused_in_one_line():
+def test_a_bfloat16_mean_is_the_widened_quotient_rounded_once(monkeypatch):
+    """zero's ReduceScatter (and a mean without ncclAvg) divides after the sum: on bfloat16's raw bits
+    the kernel widens, divides in float32 and rounds to nearest even once, which is what the CPU
+    communicators' bfloat16 mean (ml_dtypes) computes; checked here on the NumPy form of the
+    kernel's steps, and that the call runs in place on the communication stream."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from runtime.gpu import nccl as nccl_module
+    from runtime.gpu.elementwise_steps import round_bf16_numpy, widen_bf16_numpy
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-30, 30, 4096),
+                             [0.0, -0.0, np.inf, -np.inf, 3.0, 1e-40]]).astype(np.float32)
+    bits = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    for size in (2, 3, 4, 6, 8):
+        want = (bits.view(ml_dtypes.bfloat16) / ml_dtypes.bfloat16(size)).view(np.uint16)
+        got = round_bf16_numpy(widen_bf16_numpy(bits) / np.float32(size))
+        np.testing.assert_array_equal(got, want, err_msg=f"size {size}")
+    calls = []
+    kernel = lambda *args: calls.append(args)  # noqa: E731
+    monkeypatch.setattr(nccl_module, "_bf16_divide", lambda cp: kernel)
     comm = object.__new__(NcclCommunicator)
-    comm.stream = _Stream()
-    with pytest.raises(RunError, match=r"^a bfloat16 mean needs ncclAvg.*--grad-dtype fp32"):
-        comm.finish_mean(np.zeros(4, np.uint16))
+    comm.stream, comm.size, comm.cp = _Stream(), 4, None
+    view = np.zeros(4, np.uint16)
+    comm.finish_mean(view)
+    assert len(calls) == 1 and calls[0][0] is view and calls[0][2] is view and calls[0][1] == np.float32(4)

@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +64,23 @@ def _nccl_dtype(nccl, dtype: np.dtype) -> int:
     if np.dtype(dtype) not in table:
         raise RunError(f"NCCL cannot move dtype {np.dtype(dtype)}")
     return table[np.dtype(dtype)]
+
+
+_BF16_DIVIDE: dict[int, Any] = {}
+
+
+def _bf16_divide(cp):
+    """``y = bf16(float(x) / n)`` on bfloat16 raw bits: what a bfloat16 division computes (the
+    quotient of the widened values, rounded to nearest even once), as the CPU communicators' mean of
+    a bfloat16 tensor (ml_dtypes) does."""
+    from runtime.gpu.elementwise_steps import PREAMBLE
+
+    device = cp.cuda.Device().id
+    if device not in _BF16_DIVIDE:
+        _BF16_DIVIDE[device] = cp.ElementwiseKernel(
+            "uint16 x, float32 n", "uint16 y", "y = gt_bf16_bits(gt_round_bf16(__fdiv_rn(gt_widen_bf16(x), n)))",
+            "graph_transpiler_bf16_mean", preamble=PREAMBLE)
+    return _BF16_DIVIDE[device]
 
 
 def join_nccl(nccl, host: HostGroup | None, rank: int, size: int, device: int):
@@ -345,10 +363,10 @@ class NcclCommunicator(Communicator):
     def finish_mean(self, view) -> None:
         """``mean = sum / size`` in the tensor's dtype, on the communication stream (the contract's
         definition, as the CPU communicators compute it)."""
-        if view.dtype == np.uint16:  # bfloat16's raw bits (_nccl_dtype): CuPy cannot divide them
-            raise RunError("a bfloat16 mean needs ncclAvg, which this CuPy's NCCL module lacks, or a bucket "
-                           "that is not divided after the sum (transpile with --grad-dtype fp32, or --strategy "
-                           "allreduce or sharded)")
+        if view.dtype == np.uint16:  # bfloat16's raw bits (_nccl_dtype): divided in float32, rounded once
+            with self.stream:
+                _bf16_divide(self.cp)(view, np.float32(self.size), view)
+            return
         if view.dtype.kind != "f":
             raise RunError(f"reduction 'mean' needs a floating dtype, got {view.dtype}")
         with self.stream:
