@@ -185,6 +185,13 @@ def git_commit(tree: Path) -> str | None:
         return None
 
 
+def run_env() -> dict[str, str]:
+    """The variables a row ran under that may change what it measures (NCCL's, the runtime's own),
+    but those every row sets alike: an experiment's rows (``NCCL_MAX_CTAS=8``) say so themselves."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("NCCL_", "GRAPH_TRANSPILER_", "CUBLAS_")) and k != "NCCL_NVLS_ENABLE"}
+
+
 def child_env(tree: str | None, device: str) -> dict:
     env = dict(os.environ)
     env["NCCL_NVLS_ENABLE"] = "0"
@@ -375,7 +382,7 @@ class Session:
                 "dtype": "float32, TF32 matmul/conv" if self.device == "cuda" else "float32",
                 "config": describe(m), "commit": self.commit, "mem_method": "device used (cudaMemGetInfo) after the "
                 "timed steps minus after CUDA context creation", "steps_per_window": m["steps"],
-                "windows": m["windows"], "warmup": m["warmup"]}
+                "windows": m["windows"], "warmup": m["warmup"], "env": run_env()}
         if ours is not None:
             _, (commit, source) = self.tree(ours)
             base.update(transpile_flags=ours["flags"], ours_path=ours["path"], ours_commit=commit, ours_source=source)

@@ -238,7 +238,8 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("onnxruntime")
     results, doc, image = tmp_path / "r.jsonl", tmp_path / "benchmarks.md", tmp_path / "b.png"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "GRAPH_TRANSPILER_", "CUBLAS_"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), NCCL_DEBUG="WARN")
     cmd = [sys.executable, "-m", "benchmarks", "compare", "--device", "cpu", "--models", "perceptron",
            "--variants", "eager", "--ours-variants", "default,allreduce", "--batch", "64", "--steps", "3",
            "--windows", "3", "--warmup", "2", "--threads", "1", "--work", str(tmp_path / "work"),
@@ -253,6 +254,7 @@ def test_compare_end_to_end_on_cpu(tmp_path):
         assert r["device"] == "cpu" and r["gpus"] == 1 and r["batch"] == 64 and len({x["run"] for x in records}) == 1
         assert r["step_ms"] > 0 and r["p90_ms"] >= r["step_ms"] and len(r["windows_ms"]) == 3
         assert r["kernels_per_step"] is None and r["peak_mem_gib"] is None
+        assert r["env"] == {"NCCL_DEBUG": "WARN"}  # what a row ran under, but NCCL_NVLS_ENABLE (always 0)
     # same module, same data, same start: the first losses agree
     losses = [r["first_loss"] for r in records]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
