@@ -199,19 +199,35 @@ def timed_windows(step, sync, spec: dict) -> list[float]:
 def kernel_profile(step, sync, steps: int, trace: str | None = None) -> dict:
     """CUDA activity of ``steps`` steps recorded by torch.profiler (CUPTI): it lists onnxruntime's
     and NCCL's kernels too, since they run in this process. ``trace``: also write the Chrome trace
-    there (host calls and device activity on one clock: chrome://tracing or Perfetto)."""
+    there (host calls and device activity on one clock: chrome://tracing or Perfetto).
+
+    One step runs under the profiler before the recorded ones (its ``warmup``, discarded): each rank
+    starts its profiler at its own time (up to 1.7 s apart on 4 H200s, run h200x4-s37), so a
+    rank's first profiled collective waits for the slowest rank's profiler, and that wait counted
+    as NCCL time (hundreds of ms per step in the rows before). The collectives of that step line
+    the ranks up again."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    kept: list = []
+
+    def keep(prof):
+        if trace:
+            prof.export_chrome_trace(trace)
+        kept.extend(e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
     step()
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], on_trace_ready=keep,
+                 schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
+        step()
+        sync()
+        prof.step()  # the warm-up step ends: the recorded ones begin (one profiler step for all of them)
         for _ in range(steps):
             step()
         sync()
-    if trace:
-        prof.export_chrome_trace(trace)
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        prof.step()  # the recorded steps end: keep() runs
+    events = kept
     summary = bench_lib.kernel_summary([(e.name, float(e.time_range.elapsed_us())) for e in events], steps)
     summary.update(bench_lib.timeline_summary(
         [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events], steps))

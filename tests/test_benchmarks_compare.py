@@ -334,3 +334,26 @@ def test_timeline_summary_splits_a_rank_step_into_busy_idle_and_exposed_communic
     assert s == {"gpu_span_ms": 0.025, "gpu_busy_ms": 0.02, "gpu_idle_ms": 0.005, "nccl_ms": 0.008,
                  "nccl_exposed_ms": 0.005}
     assert bench_lib.timeline_summary([], steps=1) == {}
+
+
+def test_the_kernel_profile_discards_one_warm_up_step_and_keeps_the_recorded_ones(tmp_path, monkeypatch):
+    """The rows' kernel figures come from the steps after one discarded warm-up step under the
+    profiler (each rank starts its profiler at its own time; bench_worker.kernel_profile). On CPU
+    no CUDA activity is recorded, so the summary has none; the trace is written once, at the end."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_worker
+
+    calls = []
+
+    def step():
+        calls.append("step")
+        with torch.profiler.record_function(f"step{calls.count('step')}"):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+
+    trace = tmp_path / "t.json"
+    summary = bench_worker.kernel_profile(step, lambda: calls.append("sync"), 3, str(trace))
+    assert calls == ["step", "sync", "step", "sync", "step", "step", "step", "sync"]
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {n for n in names if n and n.startswith("step")} == {"step3", "step4", "step5"}  # not the warm-up (2)
+    assert summary.get("kernels_per_step") in (None, 0, 0.0)
