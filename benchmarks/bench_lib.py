@@ -83,7 +83,7 @@ def kernel_summary(events: Iterable[tuple[str, float]], steps: int, top: int = 6
                             for k, (c, t) in ranked]}
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def interval_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -93,11 +93,11 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def _length(intervals: list[tuple[float, float]]) -> float:
+def interval_length(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def interval_overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Total length where two sorted, disjoint interval lists overlap."""
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
@@ -125,11 +125,11 @@ def timeline_summary(events: Iterable[tuple[str, float, float]], steps: int) -> 
         (comm if "nccl" in name.lower() else compute).append((start, end))
     if not every:
         return {}
-    busy, comm_u, compute_u = _union(every), _union(comm), _union(compute)
+    busy, comm_u, compute_u = interval_union(every), interval_union(comm), interval_union(compute)
     span = max(b for _, b in every) - min(a for a, _ in every)
     per = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
-    return {"gpu_span_ms": per(span), "gpu_busy_ms": per(_length(busy)), "gpu_idle_ms": per(span - _length(busy)),
-            "nccl_ms": per(_length(comm_u)), "nccl_exposed_ms": per(_length(comm_u) - _intersection(comm_u, compute_u))}
+    return {"gpu_span_ms": per(span), "gpu_busy_ms": per(interval_length(busy)), "gpu_idle_ms": per(span - interval_length(busy)),
+            "nccl_ms": per(interval_length(comm_u)), "nccl_exposed_ms": per(interval_length(comm_u) - interval_overlap(comm_u, compute_u))}
 
 
 # -- records ----------------------------------------------------------------------------------

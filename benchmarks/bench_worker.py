@@ -224,7 +224,8 @@ def kernel_profile(step, sync, steps: int, trace: str | None = None) -> dict:
         sync()
         prof.step()  # the warm-up step ends: the recorded ones begin (one profiler step for all of them)
         for _ in range(steps):
-            step()
+            with torch.profiler.record_function("bench_step"):  # trace_steps.py splits the trace at these
+                step()
         sync()
         prof.step()  # the recorded steps end: keep() runs
     events = kept

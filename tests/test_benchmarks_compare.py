@@ -356,4 +356,6 @@ def test_the_kernel_profile_discards_one_warm_up_step_and_keeps_the_recorded_one
     assert calls == ["step", "sync", "step", "sync", "step", "step", "step", "sync"]
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {n for n in names if n and n.startswith("step")} == {"step3", "step4", "step5"}  # not the warm-up (2)
+    ranges = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "bench_step"]
+    assert len(ranges) == 3  # each recorded step in its range, for benchmarks/trace_steps.py
     assert summary.get("kernels_per_step") in (None, 0, 0.0)
