@@ -16,6 +16,7 @@ The GPU program's use of them (program.py ``_split_update``, the external event 
 from __future__ import annotations
 
 import types
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -30,7 +31,7 @@ import runtime.gpu.cuda as gpu_cuda
 from commands.main import main
 from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime.gpu.compile import SessionCollectives, Specialize, compile_segment
-from runtime.gpu.session_collectives import DOMAIN, FINISH, START, Registry, _mark_early_finish
+from runtime.gpu.session_collectives import DOMAIN, FINISH, START, FinishRunner, Registry, _mark_early_finish
 from runtime.gpu.update_kernel import FusedUpdateRunner
 from runtime.plan import load_plan
 from runtime.segments import cut_graph
@@ -161,3 +162,21 @@ def test_split_updates_run_early_on_the_side_stream_and_compute_the_same(late_co
                    ("compute", "enter"), ("compute", "exit"), ("compute", "wait", "done")]
     for name, value in results[0].items():
         np.testing.assert_array_equal(results[1][name], value, err_msg=name)
+
+
+def test_an_early_finish_registers_under_its_session_and_only_with_the_variable():
+    """Under sharded both the Reduces' session and the Broadcasts' mark one: the program pairs each
+    with the update right after its own session (program.py ``_split_update``), so they are kept apart."""
+    device = SimpleNamespace(cp=SimpleNamespace(cuda=SimpleNamespace(Event=lambda disable_timing: object())), compute=None)
+    early = helper.make_node(FINISH, ["t1"], [], domain=DOMAIN, bucket=1, direct=1, early=1, late=2)
+    other = helper.make_node(FINISH, ["t4"], [], domain=DOMAIN, bucket=4, direct=1, early=1, late=5)
+    plain = helper.make_node(FINISH, ["t0"], [], domain=DOMAIN, bucket=0, direct=1)
+    off = Registry()
+    assert off.record_external is None  # the variable unset
+    FinishRunner(early, "step: segment 0", device, off)
+    assert off.early == {}
+    on = Registry()
+    on.record_external = lambda event, stream: None
+    for node, where in ((early, "step: segment 0"), (other, "step: segment 2"), (plain, "step: segment 0")):
+        FinishRunner(node, where, device, on)
+    assert {where: e.late for where, e in on.early.items()} == {"step: segment 0": 2, "step: segment 2": 5}

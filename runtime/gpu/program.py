@@ -123,21 +123,20 @@ class GpuProgram(ProgramBase):
         return self._run_bound(feeds, self.calls % 2)
 
     def _split_update(self) -> None:
-        """variables.EARLY_UPDATE: the fused update right after the segment whose early finish
-        (session_collectives.EarlyUpdate) was compiled starts the buckets of every collective but
-        the last on a side stream once that finish passed, beside the last collective; the compute
+        """variables.EARLY_UPDATE: a fused update right after a session with an early finish
+        (session_collectives.EarlyUpdate) starts the buckets of every collective of that session but
+        its last on a side stream once that finish passed, beside the last collective; the compute
         stream joins it before the step ends (FusedUpdateRunner.split). Decided at the first bound
         call: the sessions were compiled at the first."""
-        early = self.session_collectives.early if self.session_collectives is not None else None
-        if early is None:
+        registry = self.session_collectives
+        if registry is None or not registry.early:
             return
-        late = set(self.session_collectives.nodes[early.late].output)
         for pos in range(1, len(self.steps)):
             before, runner = self.steps[pos - 1][1], self.steps[pos][1]
-            if isinstance(before, OrtCudaSegment) and hasattr(runner, "split"):
-                side = self.cp.cuda.Stream(non_blocking=True)
-                if runner.split(late, early.event, side, self.cp.cuda.Event(disable_timing=True)):
-                    return
+            early = registry.early.get(getattr(before, "where", None)) if isinstance(before, OrtCudaSegment) else None
+            if early is not None and hasattr(runner, "split"):
+                runner.split(set(registry.nodes[early.late].output), early.event, self.cp.cuda.Stream(non_blocking=True),
+                             self.cp.cuda.Event(disable_timing=True))
 
     def release(self) -> None:
         """Drop every session and its CUDA graphs (the communicator's close calls it); not run again."""

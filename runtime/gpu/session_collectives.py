@@ -218,9 +218,9 @@ class Bucket:
 
 @dataclass
 class EarlyUpdate:
-    """What the early finish (``_mark_early_finish``) and the step's update share: ``event``, recorded
-    (external, so that a stream outside the captured graph may wait for it) once every collective
-    but the one of order ``late`` is finished."""
+    """What the early finish (``_mark_early_finish``) of one session and the update right after that
+    session share: ``event``, recorded (external, so that a stream outside the captured graph may
+    wait for it) once every collective of the session but the one of order ``late`` is finished."""
 
     event: Any
     late: int
@@ -233,10 +233,11 @@ class Registry:
     def __init__(self):
         self.comm = None
         self.buckets: dict[int, Bucket] = {}
-        # variables.EARLY_UPDATE: the external event record, where the driver has it; ``early`` is
-        # made by the early finish's runner.
+        # variables.EARLY_UPDATE: the external event record, where the driver has it; ``early``, by
+        # the session's ``where``, is made by the early finish's runner (under sharded both the
+        # Reduces' session and the Broadcasts' have one: only the update after a session reads it).
         self.record_external = external_record() if flag(EARLY_UPDATE) else None
-        self.early: EarlyUpdate | None = None
+        self.early: dict[str, EarlyUpdate] = {}
         # From the compile pass (``record``): each collective node replaced, and its output specs.
         self.nodes: dict[int, onnx.NodeProto] = {}
         self.specs: dict[int, list[TensorSpec]] = {}
@@ -321,7 +322,7 @@ class FinishRunner:
         self.may_inplace = tuple((1 + j, j) for j in range(outputs)) if self.direct else ()
         self.early = None
         if _attr(node, "early", 0) and registry.record_external is not None:
-            self.early = registry.early = EarlyUpdate(device.cp.cuda.Event(disable_timing=True), _attr(node, "late"))
+            self.early = registry.early[where] = EarlyUpdate(device.cp.cuda.Event(disable_timing=True), _attr(node, "late"))
 
     def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
         bucket = self.registry.buckets.get(self.k)
