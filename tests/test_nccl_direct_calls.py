@@ -129,7 +129,7 @@ def test_a_bfloat16_mean_is_the_widened_quotient_rounded_once(monkeypatch):
         np.testing.assert_array_equal(got, want, err_msg=f"size {size}")
     calls = []
     kernel = lambda *args: calls.append(args)  # noqa: E731
-    monkeypatch.setattr(nccl_module, "_bf16_divide", lambda cp: kernel)
+    monkeypatch.setattr(nccl_module, "bf16_divide", lambda cp: kernel)
     comm = object.__new__(NcclCommunicator)
     comm.stream, comm.size, comm.cp = _Stream(), 4, None
     view = np.zeros(4, np.uint16)

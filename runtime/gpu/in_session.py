@@ -46,7 +46,7 @@ DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken no
 VIEWS = {**CUPY_DTYPES, onnx.TensorProto.FLOAT16: np.dtype(np.float16)}
 TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
          ATTENTION_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
-         # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl.py's _nccl_dtype)
+         # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl_types.nccl_dtype)
          SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
 
 

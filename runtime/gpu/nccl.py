@@ -23,7 +23,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -40,47 +39,11 @@ from runtime.collectives.base import (
 from runtime.collectives.op import FLAT_ALIGN
 from runtime.errors import RunError
 from runtime.gpu.cuda import import_cupy, relax_capture_mode
+from runtime.gpu.nccl_types import bf16_divide, nccl_dtype
 
 DEFAULT_TIMEOUT_S = 300.0  # transpile run's --timeout default, which the rank passes (one knob for every watchdog)
 ABORT_WAIT_S = 3.0  # how long a failing rank waits for ncclCommAbort before it exits regardless
 DESTROY_WAIT_S = 20.0  # how long close() waits for the device, the sessions' release and ncclCommDestroy
-
-
-# ncclBfloat16 (nccl.h, NCCL >= 2.10), where CuPy's module does not name it.
-NCCL_BFLOAT16 = 9
-
-
-def _nccl_dtype(nccl, dtype: np.dtype) -> int:
-    """NCCL's data type of a buffer of ``dtype``. A uint16 buffer is bfloat16's raw bits: CuPy has
-    no bfloat16, and the runtime views a bfloat16 tensor as uint16 (--grad-dtype bf16's buckets;
-    elementwise_steps.CUPY_DTYPES) and has no uint16 tensor that a collective moves."""
-    bf16 = getattr(nccl, "NCCL_BFLOAT16", NCCL_BFLOAT16)
-    table = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
-             np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.int64): nccl.NCCL_INT64,
-             np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.int8): nccl.NCCL_INT8,
-             np.dtype(np.uint8): nccl.NCCL_UINT8, np.dtype(np.uint16): bf16}
-    if np.dtype(dtype).name == "bfloat16":  # ml_dtypes' (onnx's numpy type for BFLOAT16)
-        return bf16
-    if np.dtype(dtype) not in table:
-        raise RunError(f"NCCL cannot move dtype {np.dtype(dtype)}")
-    return table[np.dtype(dtype)]
-
-
-_BF16_DIVIDE: dict[int, Any] = {}
-
-
-def _bf16_divide(cp):
-    """``y = bf16(float(x) / n)`` on bfloat16 raw bits: what a bfloat16 division computes (the
-    quotient of the widened values, rounded to nearest even once), as the CPU communicators' mean of
-    a bfloat16 tensor (ml_dtypes) does."""
-    from runtime.gpu.elementwise_steps import PREAMBLE
-
-    device = cp.cuda.Device().id
-    if device not in _BF16_DIVIDE:
-        _BF16_DIVIDE[device] = cp.ElementwiseKernel(
-            "uint16 x, float32 n", "uint16 y", "y = gt_bf16_bits(gt_round_bf16(__fdiv_rn(gt_widen_bf16(x), n)))",
-            "graph_transpiler_bf16_mean", preamble=PREAMBLE)
-    return _BF16_DIVIDE[device]
 
 
 def join_nccl(nccl, host: HostGroup | None, rank: int, size: int, device: int):
@@ -270,7 +233,7 @@ class NcclCommunicator(Communicator):
 
     def all_reduce_flat(self, buf, label: str) -> None:
         self._call(label, "allReduce", buf.data.ptr, buf.data.ptr, buf.size,
-                   _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM)
+                   nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM)
 
     # -- direct collectives: one tensor per call, out of place, one NCCL group per bucket ---------
     # (runtime/gpu/session_collectives.py: the session's own buffers, no bucket.) A mean is NCCL's
@@ -283,7 +246,7 @@ class NcclCommunicator(Communicator):
             return
         op, divide = self._reduction(mean)
         self._group(label, "allReduce",
-                    [(s.data.ptr, r.data.ptr, s.size, _nccl_dtype(self._nccl, s.dtype), op) for s, r in zip(sends, recvs)])
+                    [(s.data.ptr, r.data.ptr, s.size, nccl_dtype(self._nccl, s.dtype), op) for s, r in zip(sends, recvs)])
         if divide:
             for recv in recvs:
                 self.finish_mean(recv)
@@ -295,7 +258,7 @@ class NcclCommunicator(Communicator):
             return
         op, divide = self._reduction(mean)
         targets = recvs if self.rank == root else sends  # a non-root's receive buffer is not read
-        self._group(label, "reduce", [(s.data.ptr, r.data.ptr, s.size, _nccl_dtype(self._nccl, s.dtype), op, root)
+        self._group(label, "reduce", [(s.data.ptr, r.data.ptr, s.size, nccl_dtype(self._nccl, s.dtype), op, root)
                                       for s, r in zip(sends, targets)])
         if divide and self.rank == root:
             for recv in recvs:
@@ -306,7 +269,7 @@ class NcclCommunicator(Communicator):
         if self._alone(sends, recvs):
             return
         sources = sends if self.rank == root else recvs  # a non-root's send buffer is not read
-        self._group(label, "broadcast", [(s.data.ptr, r.data.ptr, r.size, _nccl_dtype(self._nccl, r.dtype), root)
+        self._group(label, "broadcast", [(s.data.ptr, r.data.ptr, r.size, nccl_dtype(self._nccl, r.dtype), root)
                                          for s, r in zip(sources, recvs)])
 
     def _reduction(self, mean: bool) -> tuple[int, bool]:
@@ -342,30 +305,30 @@ class NcclCommunicator(Communicator):
 
     def reduce_flat(self, buf, root: int, label: str) -> None:
         self._call(label, "reduce", buf.data.ptr, buf.data.ptr, buf.size,
-                   _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM, root)
+                   nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM, root)
 
     def broadcast_flat(self, buf, root: int, label: str) -> None:
         self._call(label, "broadcast", buf.data.ptr, buf.data.ptr, buf.size,
-                   _nccl_dtype(self._nccl, buf.dtype), root)
+                   nccl_dtype(self._nccl, buf.dtype), root)
 
     def reduce_scatter_flat(self, buf, label: str) -> None:
         """In place: rank r's result lands in ``buf[r*S:(r+1)*S]`` (``buf`` holds N*S elements)."""
         shard = buf.size // self.size
         self._call(label, "reduceScatter", buf.data.ptr, buf.data.ptr + self.rank * shard * buf.itemsize,
-                   shard, _nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM)
+                   shard, nccl_dtype(self._nccl, buf.dtype), self._nccl.NCCL_SUM)
 
     def all_gather_flat(self, buf, label: str) -> None:
         """In place: rank r contributes ``buf[r*S:(r+1)*S]``; every rank ends with all N*S."""
         shard = buf.size // self.size
         self._call(label, "allGather", buf.data.ptr + self.rank * shard * buf.itemsize, buf.data.ptr,
-                   shard, _nccl_dtype(self._nccl, buf.dtype))
+                   shard, nccl_dtype(self._nccl, buf.dtype))
 
     def finish_mean(self, view) -> None:
         """``mean = sum / size`` in the tensor's dtype, on the communication stream (the contract's
         definition, as the CPU communicators compute it)."""
-        if view.dtype == np.uint16:  # bfloat16's raw bits (_nccl_dtype): divided in float32, rounded once
+        if view.dtype == np.uint16:  # bfloat16's raw bits (nccl_types.nccl_dtype): divided in float32, rounded once
             with self.stream:
-                _bf16_divide(self.cp)(view, np.float32(self.size), view)
+                bf16_divide(self.cp)(view, np.float32(self.size), view)
             return
         if view.dtype.kind != "f":
             raise RunError(f"reduction 'mean' needs a floating dtype, got {view.dtype}")
