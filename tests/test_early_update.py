@@ -53,21 +53,26 @@ def _plain(name: str) -> onnx.NodeProto:
     (["a", "f0", "f1", "f2"], 1),  # only finishes after the last-but-one: marked
     (["a", "f0", "f1", "b", "f2"], None),  # a plain node after it: the updates could race it
     (["a", "f0", "f2", "f1"], 1),  # the last one's finish may come first: still all that follows is finishes
+    (["a", "f1", "f0", "f2"], None),  # an earlier collective's finish after it: its bucket not yet final
 ])
 def test_the_last_but_one_finish_is_marked_where_only_finishes_follow(order, marked):
     finishes = [_finish(k) for k in range(3)]
     nodes = {"a": _plain("a"), "b": _plain("b"), **{f"f{k}": f for k, f in enumerate(finishes)}}
-    _mark_early_finish([nodes[n] for n in order], finishes, [0, 1, 2])
+    _mark_early_finish([nodes[n] for n in order], finishes, [0, 1, 2], "token2", ["a", "b"])
     early = [k for k, f in enumerate(finishes) if _attrs(f).get("early")]
     assert early == ([] if marked is None else [marked])
     if marked is not None:
         assert _attrs(finishes[marked])["late"] == 2
+        # it runs after the last start and after every sink, whatever order onnxruntime picks
+        assert list(finishes[marked].input) == [f"t{marked}", "token2", "a", "b"]
+    else:
+        assert all(len(f.input) == 1 for f in finishes)
 
 
 def test_one_collective_marks_nothing():
     finish = _finish(0)
-    _mark_early_finish([_plain("a"), finish], [finish], [0])
-    assert "early" not in _attrs(finish)
+    _mark_early_finish([_plain("a"), finish], [finish], [0], "token0", ["a"])
+    assert "early" not in _attrs(finish) and list(finish.input) == ["t0"]
 
 
 @pytest.mark.slow
@@ -97,6 +102,10 @@ def test_the_transpiled_step_marks_its_last_but_one_finish(strategy, model_dir, 
     node = nodes[early[0]]
     assert node.op_type == FINISH and _attrs(node)["bucket"] == orders[-2] and _attrs(node)["late"] == orders[-1]
     assert all(n.domain == DOMAIN and n.op_type == FINISH for n in nodes[early[0] + 1:])
+    last_start = next(n for n in nodes if n.domain == DOMAIN and n.op_type == START and _attrs(n)["bucket"] == orders[-1])
+    assert last_start.output[0] in node.input  # a data dependency on the last start, not only a place in the order
+    loss = [o.name for o in compiled.model.graph.output if "loss" in o.name]
+    assert loss and set(loss) <= set(node.input)  # and on the sinks (the loss is computed by plain nodes)
 
 
 class _Stream:
@@ -136,8 +145,11 @@ def test_split_updates_run_early_on_the_side_stream_and_compute_the_same(late_co
     split = FusedUpdateRunner(group, "test", types.SimpleNamespace(cp=cp, compute=compute))
     late = {op.grad for op in ops[len(ops) - late_count:]}  # the last collective's outputs
     every = {op.grad for op in ops}
-    assert not split.split(every, _Event("ready", log), _Stream("side", log), _Event("done", log))  # none early
-    assert split.split(late, _Event("ready", log), _Stream("side", log), _Event("done", log))
+    state = {name for op in ops for name in op.outputs}  # the program updates it all in place
+    events = lambda: (_Event("ready", log), _Stream("side", log), _Event("done", log))  # noqa: E731
+    assert not split.split(every, *events(), state)  # none early
+    assert not split.split(late, *events(), state - {ops[0].outputs[0]})  # an early output in the block
+    assert split.split(late, *events(), state)
     cut = len(ops) - late_count
     assert [op.param for launch in split.early for op in launch.ops] == [op.param for op in ops[:cut]]
     assert [op.param for launch in split.launches for op in launch.ops] == [op.param for op in ops[cut:]]
@@ -180,3 +192,48 @@ def test_an_early_finish_registers_under_its_session_and_only_with_the_variable(
     for node, where in ((early, "step: segment 0"), (other, "step: segment 2"), (plain, "step: segment 0")):
         FinishRunner(node, where, device, on)
     assert {where: e.late for where, e in on.early.items()} == {"step: segment 0": 2, "step: segment 2": 5}
+
+
+@pytest.mark.parametrize(("status", "flags"), [(1, 1), (0, 0)])
+def test_the_event_is_recorded_external_only_while_its_stream_is_capturing(status, flags, monkeypatch):
+    """CU_EVENT_RECORD_EXTERNAL is invalid outside a capture: the first, uncaptured runs record plainly."""
+    import ctypes
+
+    calls = []
+
+    class _Driver:
+        def cuStreamIsCapturing(self, stream, out):  # noqa: N802 - the driver's name
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = status
+            return 0
+
+        def cuEventRecordWithFlags(self, event, stream, flags):  # noqa: N802
+            calls.append((event, stream, flags))
+            return 0
+
+    driver = _Driver()
+    for name in ("cuStreamIsCapturing", "cuEventRecordWithFlags"):
+        setattr(driver, name, _Callable(getattr(driver, name)))
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver)
+    record = gpu_cuda.external_record()
+    record(SimpleNamespace(ptr=11), SimpleNamespace(ptr=22))
+    assert calls == [(11, 22, flags)]
+
+
+def test_a_failed_record_is_an_error_not_a_silent_race(monkeypatch):
+    import ctypes
+
+    driver = SimpleNamespace(cuStreamIsCapturing=_Callable(lambda stream, out: 0),
+                             cuEventRecordWithFlags=_Callable(lambda event, stream, flags: 1))
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver)
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        gpu_cuda.external_record()(SimpleNamespace(ptr=1), SimpleNamespace(ptr=2))
+
+
+class _Callable:
+    """A stand-in ctypes function: takes argtypes/restype like one, calls ``fn`` with the raw arguments."""
+
+    def __init__(self, fn):
+        self.fn, self.argtypes, self.restype = fn, None, None
+
+    def __call__(self, *args):
+        return self.fn(*args)

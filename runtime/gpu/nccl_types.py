@@ -16,7 +16,9 @@ NCCL_BFLOAT16 = 9
 def nccl_dtype(nccl, dtype: np.dtype) -> int:
     """NCCL's data type of a buffer of ``dtype``. A uint16 buffer is bfloat16's raw bits: CuPy has
     no bfloat16, and the runtime views a bfloat16 tensor as uint16 (--grad-dtype bf16's buckets;
-    elementwise_steps.CUPY_DTYPES) and has no uint16 tensor that a collective moves."""
+    elementwise_steps.CUPY_DTYPES). A real UINT16 tensor never gets here for a reduction: the
+    collectives inside the sessions take only float, bfloat16 and float16 tensors (in_session.TAKES),
+    the cut's collectives reduce gradients, and a Broadcast or AllGather moves bits, whatever the type."""
     bf16 = getattr(nccl, "NCCL_BFLOAT16", NCCL_BFLOAT16)
     table = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
              np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.int64): nccl.NCCL_INT64,

@@ -56,6 +56,7 @@ from runtime.executor import Backend, ProgramBase, median_timings, timing_key
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.session import OrtCudaSegment, misaligned
 from runtime.segments import CutGraph
+from runtime.variables import EARLY_UPDATE
 
 BUFFER_ALIGN = 256  # bytes: where pack_buffers starts each value (cudaMalloc's own alignment)
 
@@ -100,6 +101,7 @@ class GpuProgram(ProgramBase):
         self.copy_in: dict[int, list[str]] = {}
         self.outs: dict[int, list[dict[str, Any]]] = {}
         self.block_bytes = 0
+        self.in_place_outputs: set[str] = set()  # set by _allocate
         # --timings: per recorded step, (item key, start event, end event) on the item's stream.
         self.timed_steps: deque[list[tuple[tuple[str, int], Any, Any]]] | None = None
 
@@ -129,14 +131,19 @@ class GpuProgram(ProgramBase):
         stream joins it before the step ends (FusedUpdateRunner.split). Decided at the first bound
         call: the sessions were compiled at the first."""
         registry = self.session_collectives
-        if registry is None or not registry.early:
+        if registry is None or registry.record_external is None:
             return
+        split = False
         for pos in range(1, len(self.steps)):
             before, runner = self.steps[pos - 1][1], self.steps[pos][1]
             early = registry.early.get(getattr(before, "where", None)) if isinstance(before, OrtCudaSegment) else None
             if early is not None and hasattr(runner, "split"):
-                runner.split(set(registry.nodes[early.late].output), early.event, self.cp.cuda.Stream(non_blocking=True),
-                             self.cp.cuda.Event(disable_timing=True))
+                split |= runner.split(set(registry.nodes[early.late].output), early.event, self.cp.cuda.Stream(non_blocking=True),
+                                      self.cp.cuda.Event(disable_timing=True), self.in_place_outputs)
+        if not split and any(hasattr(runner, "split") for _, runner in self.steps):
+            print(f"transpile: note: {self.cut.where}: {EARLY_UPDATE} is set, but no update of this step can start "
+                  "early (no session marks an early finish before an update, or the update writes state that is not "
+                  "updated in place)", file=sys.stderr, flush=True)
 
     def release(self) -> None:
         """Drop every session and its CUDA graphs (the communicator's close calls it); not run again."""
@@ -252,6 +259,7 @@ class GpuProgram(ProgramBase):
                 else:
                     self.copy_in[pos].append(name)
         aliased, moved = self._in_place(feeds, bound_into)
+        self.in_place_outputs = set(aliased)  # the state the update writes over its own input (_split_update)
         internal = self._internal_buffers(bound_into, aliased)
         for pos, (item, runner) in enumerate(self.steps):
             if runner is None:

@@ -76,6 +76,8 @@ TOKEN_SHAPE = (1,)
 # module docstring). The others go through a flat bucket, with a copy in and a copy out.
 DIRECT = frozenset({"AllReduce", "Reduce", "Broadcast"})
 STAGED = ".staged"  # suffix of a direct collective's staged output names
+# The element types an early finish may read besides its own inputs (those its custom op is made for).
+EARLY_INPUT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
 
 
 def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
@@ -128,7 +130,10 @@ def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[i
     ordered = _order_nodes([n for n in nodes if n.domain != COLLECTIVE_DOMAIN], [starts[k] for k in orders],
                            [finishes[k] for k in orders], {i.name for i in graph.input} | {t.name for t in graph.initializer},
                            [o.name for o in graph.output], where)
-    _mark_early_finish(ordered, [finishes[k] for k in orders], orders)
+    outputs = [o.name for o in graph.output]
+    plain_outputs = [o for o in outputs if o in known and known[o][1] in EARLY_INPUT_TYPES
+                     and not any(o in n.output for n in [*starts.values(), *finishes.values()])]
+    _mark_early_finish(ordered, [finishes[k] for k in orders], orders, starts[orders[-1]].output[0], plain_outputs)
     del graph.node[:]
     graph.node.extend(ordered)
     graph.value_info.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, list(TOKEN_SHAPE)) for t in tokens)
@@ -138,18 +143,27 @@ def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[i
     return model, originals
 
 
-def _mark_early_finish(ordered: list[onnx.NodeProto], finishes: list[onnx.NodeProto], orders: list[int]) -> None:
+def _mark_early_finish(ordered: list[onnx.NodeProto], finishes: list[onnx.NodeProto], orders: list[int],
+                       last_token: str, plain_outputs: list[str]) -> None:
     """Marks the finish of the last-but-one collective ``early`` (with ``late``: the last one's
-    order) where only finishes follow it: past it every plain node has run and every collective but
-    the last is finished, so the updates of their buckets may start beside the last one
-    (variables.EARLY_UPDATE). onnxruntime's priority order keeps the proto's order where the
-    dependencies allow, and every plain node comes before that finish in the proto."""
+    order) where every other finish but the last comes before it and only finishes after it: past
+    it every collective but the last is finished, so the updates of their buckets may start beside
+    the last one (variables.EARLY_UPDATE), which write parameters and optimizer state in place.
+    So that no node of the session reads those after it, whatever order onnxruntime picks (its
+    fusions make nodes of new, higher indices, which its priority order may run after the finish),
+    the finish also reads the last start's token (after every input of every collective: the tokens
+    chain the starts) and every float output of a plain node (after every sink); its runner reads
+    neither. A plain node whose only results are non-float outputs is not covered: none reads
+    parameters in the steps the transpiler writes."""
     if len(finishes) < 2:
         return
     early = finishes[-2]
     at = next(i for i, n in enumerate(ordered) if n is early)
-    if all(n.domain == DOMAIN and n.op_type == FINISH for n in ordered[at + 1:]):
-        early.attribute.extend([helper.make_attribute("early", 1), helper.make_attribute("late", orders[-1])])
+    before = [next(i for i, n in enumerate(ordered) if n is f) for f in finishes[:-2]]
+    if any(i > at for i in before) or not all(n.domain == DOMAIN and n.op_type == FINISH for n in ordered[at + 1:]):
+        return
+    early.input.extend([last_token, *(o for o in plain_outputs if o not in early.input)])
+    early.attribute.extend([helper.make_attribute("early", 1), helper.make_attribute("late", orders[-1])])
 
 
 def _order(node: onnx.NodeProto) -> int:

@@ -207,17 +207,22 @@ class FusedUpdateRunner(SegmentRunner):
         self.early: list[_Launch] = []
         self.side = self.ready = self.early_done = None
 
-    def split(self, late: set[str], ready, side, done) -> bool:
+    def split(self, late: set[str], ready, side, done, in_place: set[str]) -> bool:
         """From the next bound call on, the nodes reading none of ``late`` (the last collective's
         outputs) run on stream ``side`` after event ``ready``, the rest on the compute stream after
         the segment before, which then waits for ``done`` (recorded on ``side``): the step ends with
         every update done, as before. The late part may be empty (under ``sharded``, a rank that is
-        not the last Reduce's root). False (nothing changed) where no node would start early or an
-        early node reads what a late one writes."""
+        not the last Reduce's root). False (nothing changed) where no node would start early, one
+        part reads what the other writes, or an early node writes an output that is not state
+        updated in place (``in_place``: the program's; any other output has bytes in the program's
+        block, planned as if the update ran after the session, which it now runs beside)."""
         early = [op for op in self.ops if not late & set(op.tensors_in)]
         rest = [op for op in self.ops if late & set(op.tensors_in)]
-        written = {name for op in rest for name in op.outputs}
-        if not early or any(written & {*op.tensors_in, op.lr} for op in early):
+        early_written = {name for op in early for name in op.outputs}
+        late_written = {name for op in rest for name in op.outputs}
+        if (not early or not early_written <= in_place
+                or any(late_written & {*op.tensors_in, op.lr} for op in early)
+                or any(early_written & {*op.tensors_in, op.lr} for op in rest)):
             return False
         self.early, self.launches = _launches(early), _launches(rest)
         self.side, self.ready, self.early_done = side, ready, done
