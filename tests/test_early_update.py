@@ -93,7 +93,11 @@ def test_the_transpiled_step_marks_its_last_but_one_finish(strategy, model_dir, 
                     collectives_inside=True)
     segment = cut.segments[0]
     shapes = {name: tuple(np.shape(feeds[name])) for name in segment.inputs}
-    compiled = compile_segment(segment, shapes, "step", [Specialize(), SessionCollectives(Registry())], frozenset())
+    plain = compile_segment(segment, shapes, "step", [Specialize(), SessionCollectives(Registry())], frozenset())
+    assert not any(_attrs(n).get("early") for n in plain.model.graph.node)  # the variable unset: as before
+    registry = Registry()
+    registry.record_external = lambda event, stream: None  # as with the variable set on a GPU
+    compiled = compile_segment(segment, shapes, "step", [Specialize(), SessionCollectives(registry)], frozenset())
     nodes = list(compiled.model.graph.node)
     orders = sorted(_attrs(n)["bucket"] for n in nodes if n.domain == DOMAIN and n.op_type == START)
     assert len(orders) >= 2, "the bucket cap should have made several buckets"

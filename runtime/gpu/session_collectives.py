@@ -80,12 +80,13 @@ STAGED = ".staged"  # suffix of a direct collective's staged output names
 EARLY_INPUT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
 
 
-def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
+def rewrite(model: onnx.ModelProto, where: str, *, early: bool = False) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
     """``model`` (a specialized segment) with each collective node replaced by its start and finish
     (the module docstring), the nodes reordered for the PRIORITY_BASED order, each token with its
     value_info; and the collective nodes replaced, by ``order``. The start and finish carry
     ``bucket`` (the collective's order); the start ``chained`` (whether its first input is the
-    previous start's token)."""
+    previous start's token). ``early`` (variables.EARLY_UPDATE): one finish marked for the early
+    update (``_mark_early_finish``); without it the session is what it was before that experiment."""
     graph = model.graph
     nodes = list(graph.node)
     collectives = sorted((n for n in nodes if n.domain == COLLECTIVE_DOMAIN), key=_order)
@@ -130,10 +131,11 @@ def rewrite(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict[i
     ordered = _order_nodes([n for n in nodes if n.domain != COLLECTIVE_DOMAIN], [starts[k] for k in orders],
                            [finishes[k] for k in orders], {i.name for i in graph.input} | {t.name for t in graph.initializer},
                            [o.name for o in graph.output], where)
-    outputs = [o.name for o in graph.output]
-    plain_outputs = [o for o in outputs if o in known and known[o][1] in EARLY_INPUT_TYPES
-                     and not any(o in n.output for n in [*starts.values(), *finishes.values()])]
-    _mark_early_finish(ordered, [finishes[k] for k in orders], orders, starts[orders[-1]].output[0], plain_outputs)
+    if early:
+        made_here = {name for n in (*starts.values(), *finishes.values()) for name in n.output}
+        plain_outputs = [o.name for o in graph.output if o.name not in made_here and o.name in known
+                         and known[o.name][1] in EARLY_INPUT_TYPES]
+        _mark_early_finish(ordered, [finishes[k] for k in orders], orders, starts[orders[-1]].output[0], plain_outputs)
     del graph.node[:]
     graph.node.extend(ordered)
     graph.value_info.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, list(TOKEN_SHAPE)) for t in tokens)
