@@ -160,9 +160,10 @@ def _mark_early_finish(ordered: list[onnx.NodeProto], finishes: list[onnx.NodePr
     if len(finishes) < 2:
         return
     early = finishes[-2]
-    at = next(i for i, n in enumerate(ordered) if n is early)
-    before = [next(i for i, n in enumerate(ordered) if n is f) for f in finishes[:-2]]
-    if any(i > at for i in before) or not all(n.domain == DOMAIN and n.op_type == FINISH for n in ordered[at + 1:]):
+    index = {id(n): i for i, n in enumerate(ordered)}
+    at = index[id(early)]
+    if any(index[id(f)] > at for f in finishes[:-2]) or not all(n.domain == DOMAIN and n.op_type == FINISH
+                                                                for n in ordered[at + 1:]):
         return
     early.input.extend([last_token, *(o for o in plain_outputs if o not in early.input)])
     early.attribute.extend([helper.make_attribute("early", 1), helper.make_attribute("late", orders[-1])])
