@@ -133,12 +133,13 @@ class GpuProgram(ProgramBase):
         registry = self.session_collectives
         if registry is None or registry.record_external is None:
             return
-        split = False
+        split, side = False, None
         for pos in range(1, len(self.steps)):
             before, runner = self.steps[pos - 1][1], self.steps[pos][1]
             early = registry.early.get(getattr(before, "where", None)) if isinstance(before, OrtCudaSegment) else None
             if early is not None and hasattr(runner, "split"):
-                split |= runner.split(set(registry.nodes[early.late].output), early.event, self.cp.cuda.Stream(non_blocking=True),
+                side = side or self.cp.cuda.Stream(non_blocking=True)  # one per program: its updates run in step order
+                split |= runner.split(set(registry.nodes[early.late].output), early.event, side,
                                       self.cp.cuda.Event(disable_timing=True), self.in_place_outputs)
         if not split and any(hasattr(runner, "split") for _, runner in self.steps):
             print(f"transpile: note: {self.cut.where}: {EARLY_UPDATE} is set, but no update of this step can start "
