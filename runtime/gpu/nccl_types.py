@@ -3,7 +3,7 @@ runtime does itself on a type CuPy lacks: the mean of a bfloat16 bucket after it
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
 import numpy as np
 
@@ -31,18 +31,13 @@ def nccl_dtype(nccl, dtype: np.dtype) -> int:
     return table[np.dtype(dtype)]
 
 
-_BF16_DIVIDE: dict[int, Any] = {}
-
-
+@functools.cache
 def bf16_divide(cp):
     """``y = bf16(float(x) / n)`` on bfloat16 raw bits: what a bfloat16 division computes (the
     quotient of the widened values, rounded to nearest even once), as the CPU communicators' mean of
-    a bfloat16 tensor (ml_dtypes) does."""
+    a bfloat16 tensor (ml_dtypes) does. One kernel object: CuPy compiles it for each device it runs on."""
     from runtime.gpu.elementwise_steps import PREAMBLE
 
-    device = cp.cuda.Device().id
-    if device not in _BF16_DIVIDE:
-        _BF16_DIVIDE[device] = cp.ElementwiseKernel(
-            "uint16 x, float32 n", "uint16 y", "y = gt_bf16_bits(gt_round_bf16(__fdiv_rn(gt_widen_bf16(x), n)))",
-            "graph_transpiler_bf16_mean", preamble=PREAMBLE)
-    return _BF16_DIVIDE[device]
+    return cp.ElementwiseKernel("uint16 x, float32 n", "uint16 y",
+                                "y = gt_bf16_bits(gt_round_bf16(__fdiv_rn(gt_widen_bf16(x), n)))",
+                                "graph_transpiler_bf16_mean", preamble=PREAMBLE)
