@@ -377,8 +377,10 @@ def run_ours(spec: dict) -> dict:
 
         def sync():
             pass
-    result["setup_s"] = round(time.perf_counter() - started, 2)
+    phase = Phases(result, ranks.rank, started)
+    phase("setup_s")
     trainer.initialize()
+    phase("init_s")
     data = shard(spec, ranks.rank)
     lr = spec["optimizer"]["lr"]
 
@@ -388,8 +390,10 @@ def run_ours(spec: dict) -> dict:
     for _ in range(spec["warmup"]):
         step()
     sync()
+    phase("warmup_s")
     losses = trainer.collect_losses()
     result["windows_ms"] = timed_windows(step, sync, spec)
+    phase("timed_s")
     trainer.collect_losses()
     if cuda:
         result["mem_used_delta_gib"] = round((used_bytes(cupy.cuda.runtime.memGetInfo) - base_used) / GIB, 3)
@@ -399,6 +403,7 @@ def run_ours(spec: dict) -> dict:
             trace = spec["result"] + f".rank{ranks.rank}.trace.json" if spec.get("traces") else None
             result.update(kernel_profile(step, sync, spec["profile_steps"], trace))
             trainer.collect_losses()
+            phase("profile_s")
         if ranks.world > 1 and not skips(backend):
             result["nocomm_step_ms"] = None  # the captured sessions replay their NCCL calls
         elif ranks.world > 1:
@@ -410,8 +415,23 @@ def run_ours(spec: dict) -> dict:
             result["nocomm_step_ms"] = bench_lib.summarize(timed_windows(step, sync, spec))["step_ms"]
             trainer.collect_losses()
         comm.close()
+        phase("close_s")
     result["first_loss"] = losses[0] if losses else None
     return finish(ranks, result)
+
+
+class Phases:
+    """Seconds each phase of a run took (``result[name]``), and a line per phase on stderr as it
+    ends, so that the log of a row that timed out says which phase it was in (rank-prefixed)."""
+
+    def __init__(self, result: dict, rank: int, started: float):
+        self.result, self.rank, self.last = result, rank, started
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.result[name] = round(now - self.last, 2)
+        self.last = now
+        print(f"[rank {self.rank}] {name} {self.result[name]}", file=sys.stderr, flush=True)
 
 
 def finish(ranks: Ranks, result: dict) -> dict | None:

@@ -112,12 +112,15 @@ def main() -> None:
     sessions = [r for _, r in program.steps if isinstance(r, OrtCudaSegment)]
     state = sum(int(v.nbytes) for v in trainer.state.values())
     slots = sum(int(b.nbytes) for s in program.slots.values() for b in s.buffers)
+    registry = program.session_collectives  # the in-session collectives' flat buckets (ReduceScatter, AllGather)
+    buckets = sum(int(b.flat.nbytes) for b in registry.buckets.values() if b.flat is not None) if registry else 0
     result.update({
         "end": used(),
         "cupy_pool_used": round(pool.used_bytes() / GIB, 3),
         "cupy_pool_total": round(pool.total_bytes() / GIB, 3),
         "state": round(state / GIB, 3),
         "slots": round(slots / GIB, 3),
+        "buckets": round(buckets / GIB, 3),  # a parameter bound to its AllGather view counts in state too
         "block": round(program.block_bytes / GIB, 3),
         "not_cupy": round(used() - result["before"] - pool.total_bytes() / GIB, 3),
         "sessions": len(sessions),
