@@ -80,9 +80,12 @@ class Backend(ABC):
     # Whether the step graph's collectives run inside the backend's segments (the cut keeps them).
     collectives_inside = False
 
-    def make_program(self, cut: CutGraph, comm: Communicator, *, calls_per_step: int = 1) -> Program:
+    def make_program(self, cut: CutGraph, comm: Communicator, *, calls_per_step: int = 1,
+                     carried: dict[str, str] | None = None) -> Program:
         """The program that runs ``cut``; ``calls_per_step``: how often a training step calls it
-        (the accumulate graph: K - 1 times), which a backend that replays recorded calls needs."""
+        (the accumulate graph: K - 1 times), which a backend that replays recorded calls needs;
+        ``carried``: output -> the input the caller feeds it back as on the next call (the step's
+        state), which a backend that keeps state in place may use."""
         return Program(cut, self, comm)
 
     def describe(self) -> str | None:

@@ -66,7 +66,8 @@ class Trainer:
                              collectives_inside=self.backend.collectives_inside and comm.size > 1)
         init_cut = cut_graph(load_graph(files.init), role, files.init.name)
         self._check_signature(step_cut.inputs, step_cut.outputs, init_cut.outputs, files.step.name, files.init.name)
-        self.step_program = self.backend.make_program(step_cut, comm)
+        self.step_program = self.backend.make_program(step_cut, comm,
+                                                      carried={s.output: s.input for s in self.state_entries})
         self.init_program = self.backend.make_program(init_cut, comm)
         self.state: dict[str, object] = {}
         self._held: list = []  # losses of steps not yet read (on the device for the GPU backend)

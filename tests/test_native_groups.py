@@ -1,5 +1,5 @@
 """What the GPU program builds from a cut, checked on CPU: where its items' values lie in one block
-(runtime/gpu/program.pack_buffers) and the order in which a native group's domains run
+(runtime/gpu/buffers.pack_buffers) and the order in which a native group's domains run
 (runtime/segments.NativeGroup.by_domain)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from runtime.gpu.program import pack_buffers
+from runtime.gpu.buffers import pack_buffers
 from runtime.segments import NativeGroup
 
 

@@ -44,6 +44,7 @@ class GpuBackend(Backend):
     name = "nccl"
     records_timings = True  # --timings: CUDA events around each item of the bound steps (GpuProgram)
     runs_grad_accumulation = True  # --grad-accumulation K: the trainer's accumulate and step programs, two GpuPrograms
+    sends_low_precision = True  # --grad-dtype: bf16/fp16 buckets through NCCL (nccl_types.py)
 
     def __init__(self, device_id: int = 0, *, tf32: bool = False, ep_options: dict[str, str] | None = None,
                  per_item_timings: bool = False):
@@ -97,10 +98,11 @@ class GpuBackend(Backend):
             return session_collectives.runner(group, where, self.device, self.collectives)
         return native.runner(group, where, self.device)
 
-    def make_program(self, cut, comm, *, calls_per_step: int = 1):
+    def make_program(self, cut, comm, *, calls_per_step: int = 1, carried=None):
         if self.collectives is not None:
             self.collectives.comm = comm  # before any session compiles (at the program's first call)
-        program = GpuProgram(cut, self, comm, self.device, debug_sync=self.debug_sync, collectives=self.collectives)
+        program = GpuProgram(cut, self, comm, self.device, debug_sync=self.debug_sync, collectives=self.collectives,
+                             carried=carried)
         if calls_per_step > 2:
             # A GpuProgram binds fixed buffers per call parity, and a captured graph replays them.
             # Called once or twice per step, each parity's call reads every input from the same

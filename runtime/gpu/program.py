@@ -19,8 +19,9 @@ everything is preallocated and bound once, in two IOBindings per segment (one pe
   reads is bound straight into its slot (bind_output at a pointer into the bucket), so one NCCL
   call moves the bucket without a copy; collectives run in place (CollectiveOp.launch_flat);
 - values that leave the program (state, loss) get two buffers, by parity: step t reads step t-1's
-  values from one set while writing the other; except the state the fused optimizer update
-  writes over its own input (``_in_place``): one buffer, updated in place;
+  values from one set while writing the other; except state written over its input: by the fused
+  optimizer update (``_in_place``), or by an item after every reader of the input, such as the
+  Broadcasts of `sharded` (``_carried_in_place``): one buffer, updated in place;
 - values passed between segments of one step share one block, placed so that values whose
   lifetimes (from the item that computes one to the last item that reads it) overlap never
   overlap in bytes (``pack_buffers``): with
@@ -53,12 +54,11 @@ import numpy as np
 from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
 from runtime.executor import Backend, ProgramBase, median_timings, timing_key
+from runtime.gpu.buffers import carried_in_place, pack_buffers
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.session import OrtCudaSegment, misaligned
 from runtime.segments import CutGraph
 from runtime.variables import EARLY_UPDATE
-
-BUFFER_ALIGN = 256  # bytes: where pack_buffers starts each value (cudaMalloc's own alignment)
 
 
 class _Slots:
@@ -79,9 +79,10 @@ class GpuProgram(ProgramBase):
     ``backend`` compiles its items; ``debug_sync`` synchronizes the device after every item."""
 
     def __init__(self, cut: CutGraph, backend: Backend, comm: Communicator, device: GpuDevice, *,
-                 debug_sync: bool = False, collectives=None):
+                 debug_sync: bool = False, collectives=None, carried: dict[str, str] | None = None):
         super().__init__(cut, backend, comm)  # segments and native groups compiled, constants on the device
         self.device, self.debug_sync = device, debug_sync
+        self.carried = dict(carried or {})  # output -> the input the caller feeds it back as (_carried_in_place)
         # The step's collectives inside its sessions (session_collectives.Registry), or None (cut).
         self.session_collectives = collectives if comm.size > 1 else None
         comm.before_destroy(self.release)  # its graphs may have captured NCCL calls
@@ -110,11 +111,9 @@ class GpuProgram(ProgramBase):
         if self.calls == 1:
             return self._run_first(feeds)
         if self.calls == 2:
-            # What the first call dropped goes back to the device before the program's own buffers
-            # are allocated, so that those lie in chunks of their own: CuPy's pool gives a chunk
-            # back only once every block carved from it is free, and the first call's blocks were
-            # carved from what the init graph freed (0.93 GiB stayed cached for good on GPT-2-small,
-            # rank 0 of 4; benchmarks/gpu_memory_steps.py).
+            # What the first call dropped goes back before the program's own buffers are allocated,
+            # so that those lie in chunks of their own (CuPy frees a chunk only once all of it is
+            # free: 0.93 GiB stayed cached for good on GPT-2-small; benchmarks/gpu_memory_steps.py).
             self._release_pool()
             feeds = self._allocate(feeds)
             self._split_update()
@@ -157,15 +156,12 @@ class GpuProgram(ProgramBase):
         self.cp.get_default_memory_pool().free_all_blocks()
 
     def _allow_capture(self) -> None:
-        """Whether the sessions may be captured as CUDA graphs, decided at the first call: programs
-        are made before the communicator connects (NCCL init waits until every rank is set up),
-        and what decides is the watchdog thread that connect() starts. Its event queries
-        invalidated onnxruntime's global-mode capture once (2 H200s, "operation failed due to a
-        previous error during capture"); it runs in relaxed capture mode since (cuda.py). Where it
-        could not be put in that mode, programs with collectives run uncaptured, which costs a
-        host round trip per session: said once. (Decided at construction, before connect(), this
-        left every multi-rank program uncaptured: 4 H100s, GPT-2-small 600 kernel launches and
-        15 stream synchronizations per step from the host, run h100x4-s23.)"""
+        """Whether the sessions may be captured as CUDA graphs, decided at the first call, after the
+        communicator connected: what decides is its watchdog thread, whose event queries invalidate
+        onnxruntime's global-mode capture unless it runs in relaxed capture mode (cuda.py). Where it
+        could not, programs with collectives run uncaptured (a host round trip per session): said
+        once. (Decided before connect(), this left every multi-rank program uncaptured: 4 H100s,
+        GPT-2-small 600 launches and 15 stream synchronizations per step, run h100x4-s23.)"""
         relaxed = getattr(self.comm, "relaxed", True)
         if not (self.collective_pos or self.session_collectives) or self.comm.size == 1 or relaxed is True:
             return
@@ -209,11 +205,9 @@ class GpuProgram(ProgramBase):
     # -- from the second call on: preallocated, bound once, overlapped -------------------------
     def _in_place(self, feeds: dict[str, Any], bound_into: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         """Program outputs the fused optimizer update writes over its own inputs, instead of into
-        the second buffer of a parity pair. Safe where the input is fed
-        (state from the previous call: the buffer the previous call's update wrote), read by no
-        item after the update, and the output goes to no collective slot. Then the state lives in
-        one buffer, its pointer never changes, and every later call passes it back in. Returns
-        (output -> its buffer, input -> the same buffer, holding the fed value)."""
+        the second buffer of a parity pair. Safe where the input is fed (the buffer the previous
+        call's update wrote), read by no item after the update, and the output goes to no slot.
+        Returns (output -> its buffer, input -> the same buffer, holding the fed value)."""
         aliased: dict[str, Any] = {}
         moved: dict[str, Any] = {}
         program_outputs = set(self.cut.outputs)
@@ -232,6 +226,42 @@ class GpuProgram(ProgramBase):
                     aliased[out] = moved[src] = self.cp.empty(shape, dtype)
                     moved[src][...] = value
         return aliased, moved
+
+    def _carried_in_place(self, feeds: dict[str, Any], taken: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+        """State that a later item computes for the next call, written over the buffer this call
+        reads it from (buffers.carried_in_place says where that is safe): `sharded`'s Broadcasts and
+        `zero`'s AllGathers write the next parameters into one buffer instead of a parity pair
+        (GPT-2-small: 0.65 GB); an output in a flat bucket (an AllGather's) is bound to its view
+        there, so the finish copies nothing. Where the caller feeds another value (a checkpoint
+        loaded), the readers read that one and the output still goes here. Returns what
+        ``_in_place`` returns."""
+        aliased: dict[str, Any] = {}
+        moved: dict[str, Any] = {}
+        items = [(list(item.inputs), list(item.outputs), runner is not None) for item, runner in self.steps]
+        pairs = carried_in_place(items, self.readers, self.carried, set(self.cut.outputs), set(feeds), set(taken))
+        for out, src in pairs.items():
+            value, (shape, dtype) = feeds[src], self.shapes[out]
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                continue
+            buffer = self._bucket_view(out, shape, dtype)
+            aliased[out] = moved[src] = buffer if buffer is not None else self.cp.empty(shape, dtype)
+            moved[src][...] = value
+        return aliased, moved
+
+    def _bucket_view(self, name: str, shape: tuple, dtype) -> Any:
+        """The view of output ``name`` in the flat bucket of the in-session collective that writes it
+        (one buffer, used by every step: session_collectives.Bucket), if it has one that onnxruntime's
+        kernels may read as an input; else None."""
+        registry = self.session_collectives
+        if registry is None:
+            return None
+        for bucket in registry.buckets.values():
+            view = bucket.outputs.get(name)
+            if view is not None:
+                ok = (tuple(view.shape) == shape and view.dtype == dtype and view.flags.c_contiguous
+                      and not misaligned(view))
+                return view if ok else None
+        return None
 
     def _allocate(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """The program's buffers and bindings (the module docstring); returns ``feeds`` with the
@@ -261,6 +291,9 @@ class GpuProgram(ProgramBase):
                     self.copy_in[pos].append(name)
         aliased, moved = self._in_place(feeds, bound_into)
         self.in_place_outputs = set(aliased)  # the state the update writes over its own input (_split_update)
+        carried_out, carried_in = self._carried_in_place(feeds, {**bound_into, **aliased})
+        aliased.update(carried_out)
+        moved.update(carried_in)
         internal = self._internal_buffers(bound_into, aliased)
         for pos, (item, runner) in enumerate(self.steps):
             if runner is None:
@@ -415,24 +448,3 @@ class _InFlight:
     @property
     def done(self) -> bool:
         return self.enqueued and self.event.done
-
-
-def pack_buffers(lifetimes: list[tuple[str, int, int, int]], align: int = BUFFER_ALIGN) -> tuple[dict[str, int], int]:
-    """Places for values ``(name, nbytes, first, last)`` (the positions of the item that computes
-    one and of the last that reads it, inclusive) in one block: ``(name -> byte offset, the block's
-    bytes)``, two values overlapping in bytes only if one's ``last`` is before the other's
-    ``first``. Greedy by size, largest first, each at the lowest offset (a multiple of ``align``)
-    free of the values placed so far that live at the same time; for a step's activations this
-    comes within a few percent of the most bytes alive at once."""
-    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
-    offsets: dict[str, int] = {}
-    for name, nbytes, first, last in sorted(lifetimes, key=lambda v: (-v[1], v[2], v[0])):
-        size = -(-max(nbytes, 1) // align) * align
-        offset = 0
-        for begin, end in sorted((o, e) for o, e, f, la in placed if not (la < first or last < f)):
-            if offset + size <= begin:
-                break
-            offset = max(offset, end)
-        offsets[name] = offset
-        placed.append((offset, offset + size, first, last))
-    return offsets, max((end for _, end, _, _ in placed), default=0)

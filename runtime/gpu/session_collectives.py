@@ -355,7 +355,8 @@ class FinishRunner:
                         values[name][...] = staged
             else:
                 for name in self.node.output:
-                    values[name][...] = bucket.outputs[name]
+                    if values[name].data.ptr != bucket.outputs[name].data.ptr:  # bound to its view: in place
+                        values[name][...] = bucket.outputs[name]
         if self.early is not None:
             self.registry.record_external(self.early.event, compute)
 

@@ -1,0 +1,59 @@
+"""Where a GPU program's values live: the decisions of GpuProgram's allocation (program.py) that
+need no device, each a pure function of the step's items.
+
+- ``pack_buffers``: the offsets of the values passed between a step's items in one block;
+- ``carried_in_place``: the state outputs written over the buffer their input is read from.
+"""
+
+from __future__ import annotations
+
+BUFFER_ALIGN = 256  # bytes: where pack_buffers starts each value (cudaMalloc's own alignment)
+
+
+def carried_in_place(items: list[tuple[list[str], list[str], bool]], readers: dict[str, list[int]],
+                     carried: dict[str, str], program_outputs: set[str], fed: set[str], taken: set[str]) -> dict[str, str]:
+    """The state outputs that may be written over the buffer of the input they are fed back as on
+    the next call: ``output -> input``, from ``carried`` (the same map for every output the caller
+    carries). ``items``: per position, (inputs, outputs, whether it runs on the compute stream: a
+    session or a native group, not a collective between sessions); ``readers``: value -> the
+    positions that read it; ``taken``: outputs already given a buffer of their own (a collective's
+    slot, the update's in-place state).
+
+    An output qualifies where its input is fed (not computed in the step, not itself an output)
+    and every item that reads the input comes before the item that computes the output, which
+    does not read it, all on the compute stream: in stream order each read of this call's value
+    is done before the next value is written. (sharded: the Broadcasts' session writes the next
+    parameters after the forward, backward and update read them; zero: the AllGathers' session.)"""
+    pairs: dict[str, str] = {}
+    for pos, (inputs, outputs, on_compute) in enumerate(items):
+        if not on_compute:
+            continue
+        for out in outputs:
+            src = carried.get(out)
+            if (src is None or out in taken or out not in program_outputs or src not in fed
+                    or src in program_outputs or src in inputs):
+                continue
+            if all(r < pos and items[r][2] for r in readers.get(src, [])):
+                pairs[out] = src
+    return pairs
+
+
+def pack_buffers(lifetimes: list[tuple[str, int, int, int]], align: int = BUFFER_ALIGN) -> tuple[dict[str, int], int]:
+    """Places for values ``(name, nbytes, first, last)`` (the positions of the item that computes
+    one and of the last that reads it, inclusive) in one block: ``(name -> byte offset, the block's
+    bytes)``, two values overlapping in bytes only if one's ``last`` is before the other's
+    ``first``. Greedy by size, largest first, each at the lowest offset (a multiple of ``align``)
+    free of the values placed so far that live at the same time; for a step's activations this
+    comes within a few percent of the most bytes alive at once."""
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    offsets: dict[str, int] = {}
+    for name, nbytes, first, last in sorted(lifetimes, key=lambda v: (-v[1], v[2], v[0])):
+        size = -(-max(nbytes, 1) // align) * align
+        offset = 0
+        for begin, end in sorted((o, e) for o, e, f, la in placed if not (la < first or last < f)):
+            if offset + size <= begin:
+                break
+            offset = max(offset, end)
+        offsets[name] = offset
+        placed.append((offset, offset + size, first, last))
+    return offsets, max((end for _, end, _, _ in placed), default=0)
