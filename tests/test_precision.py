@@ -254,8 +254,9 @@ def test_the_plan_records_the_precision(model_dir, tmp_path):
 
 
 def test_a_backend_without_low_precision_collectives_refuses_grad_dtype(model_dir, tmp_path):
-    """The nccl backend sends fp32 buckets only (CuPy has no bfloat16): a --grad-dtype plan is
-    refused in one line, never run with fp32 on the wire behind the user's back."""
+    """A backend that does not declare low-precision collectives (Backend.sends_low_precision)
+    refuses a --grad-dtype plan in one line, never runs it with fp32 on the wire behind the user's
+    back (the nccl backend did so until a GPU run checked its bf16 buckets)."""
     from runtime.collectives import LocalGroup
     from runtime.errors import RunError
     from runtime.executor import CpuBackend
@@ -263,12 +264,12 @@ def test_a_backend_without_low_precision_collectives_refuses_grad_dtype(model_di
     from runtime.trainer import Trainer
 
     class NotCpu(CpuBackend):
-        name = "nccl"
-        sends_low_precision = False  # declared, as GpuBackend does
+        name = "other"
+        sends_low_precision = False
 
     transpile(model_dir("perceptron") / "model.onnx", tmp_path / "out",
               Options(world_size=2, precision="bf16", grad_dtype="bf16"))
-    with pytest.raises(RunError, match="--grad-dtype bf16, whose collectives the nccl backend does not run yet"):
+    with pytest.raises(RunError, match="--grad-dtype bf16, whose collectives the other backend does not run yet"):
         Trainer(load_plan(tmp_path / "out"), LocalGroup(2).communicator(0), rank=0, backend=NotCpu())
     transpile(model_dir("perceptron") / "model.onnx", tmp_path / "out2", Options(world_size=2, precision="bf16"))
     Trainer(load_plan(tmp_path / "out2"), LocalGroup(2).communicator(0), rank=0, backend=NotCpu())
