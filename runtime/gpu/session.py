@@ -36,6 +36,10 @@ ALIGN_BYTES = 16
 COLLECTIVE_OP_PREFIXES = (f"{START}_", f"{FINISH}_")
 
 
+# The run of a step parity at which a session's CUDA graph is captured at the earliest (run_bound).
+FIRST_CAPTURED_RUN = 3
+
+
 def misaligned(value) -> bool:
     """Whether a device array starts off the alignment onnxruntime's kernels may need."""
     return value.data.ptr % ALIGN_BYTES != 0
@@ -174,6 +178,7 @@ class OrtCudaSegment(SegmentRunner):
         self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
         self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
         self.seen = [False, False]  # per parity: bound runs made with the current pointers
+        self.runs = [0, 0]  # per parity: bound runs made
         self.captured = [False, False]  # per parity: whether its graph is captured (pointers frozen)
         # Aligned copies of misaligned inputs (see ALIGN_BYTES), one per input for every call and
         # parity: each is refilled on the compute stream right before the run that reads it, so
@@ -345,10 +350,17 @@ class OrtCudaSegment(SegmentRunner):
             return
         # A captured graph replays with the pointers it was captured with. The first runs of a
         # parity still read buffers that later steps no longer use (the first call's outputs), so
-        # a parity is captured only once its inputs were bound to the same buffers twice in a row.
+        # a parity is captured only once its inputs were bound to the same buffers twice in a row,
+        # and not before its FIRST_CAPTURED_RUN-th run: by then the pointers of every input have
+        # settled (an input in a parity pair moves once more, at the parity's second run; one
+        # updated in place does not), so each session captures at the same call on every rank.
+        # NCCL needs that of the sessions that hold collectives; where one rank replayed a graph
+        # while another ran the same session uncaptured, `sharded` hung on the perceptron at 4
+        # H200s (its ranks hold different state: run h200x4-s39d).
+        self.runs[parity] += 1
         if self.captured[parity] and changed:
             raise RunError(f"{self.where}: an input moved to another buffer after its CUDA graph was captured")
-        if changed or not self.seen[parity]:
+        if changed or self.runs[parity] < FIRST_CAPTURED_RUN:
             self.seen[parity] = True
             self._run(io, self._uncaptured())
             return
