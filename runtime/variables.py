@@ -30,12 +30,8 @@ CACHE = "GRAPH_TRANSPILER_CACHE"
 # as the last-but-one collective is finished, beside the last one (docs/gpu.md, "What the 4-GPU
 # step still pays"). The same kernels on the same values: only when they run changes.
 EARLY_UPDATE = "GRAPH_TRANSPILER_EARLY_UPDATE"
-# Experiment (issue 25), until a 4-GPU measurement decides it: "1": the NCCL stream at the default
-# priority (as PyTorch's ProcessGroupNCCL by default) instead of the highest: two 0.15-0.17 ms stalls
-# of GPT-2-small's compute stream, each where an AllReduce kernel starts (docs/gpu.md).
-COMM_NORMAL_PRIORITY = "GRAPH_TRANSPILER_COMM_NORMAL_PRIORITY"
 
-ALL = (DEBUG_SYNC, DUMP, NATIVE_OFF, CACHE, EARLY_UPDATE, COMM_NORMAL_PRIORITY)
+ALL = (DEBUG_SYNC, DUMP, NATIVE_OFF, CACHE, EARLY_UPDATE)
 
 
 def flag(name: str) -> bool:
