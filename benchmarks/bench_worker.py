@@ -240,19 +240,18 @@ def used_bytes(mem_get_info) -> int:
     return int(total) - int(free)
 
 
-def nvml_process_bytes(device: int) -> int | None:
-    """This process's memory on ``device`` as NVML reports it (context included), if pynvml is there."""
+def device_processes_gib(device: int) -> dict[str, float] | None:
+    """Every process with memory on ``device`` as NVML lists it, ``"self"`` for this one: what the
+    device's used memory holds besides this process (another rank's context, say), if pynvml is there."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(device)
-        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if p.pid == os.getpid():
-                return int(p.usedGpuMemory or 0)
+        return {("self" if p.pid == os.getpid() else str(p.pid)): round(int(p.usedGpuMemory or 0) / GIB, 3)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
     except Exception:
         return None
-    return None
 
 
 GIB = 2.0 ** 30
@@ -322,7 +321,8 @@ def run_torch(spec: dict) -> dict:
         result["mem_used_delta_gib"] = round((used_bytes(torch.cuda.mem_get_info) - base_used) / GIB, 3)
         result["torch_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
         result["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
-        result["nvml_process_gib"] = (lambda b: None if b is None else round(b / GIB, 3))(nvml_process_bytes(ranks.local))
+        result["device_processes_gib"] = device_processes_gib(ranks.local)
+        result["nvml_process_gib"] = (result["device_processes_gib"] or {}).get("self")
         if spec["profile_steps"] > 0:
             trace = spec["result"] + f".rank{ranks.rank}.trace.json" if spec.get("traces") else None
             result.update(kernel_profile(step, sync, spec["profile_steps"], trace))
@@ -387,9 +387,13 @@ def run_ours(spec: dict) -> dict:
     def step():
         trainer.step_async(data, lr)
 
-    for _ in range(spec["warmup"]):
+    warm = []
+    for _ in range(spec["warmup"]):  # each synchronized and timed: a slow start shows which step it is
+        begun = time.perf_counter()
         step()
-    sync()
+        sync()
+        warm.append(round(time.perf_counter() - begun, 3))
+    result["warmup_steps_s"] = warm
     phase("warmup_s")
     losses = trainer.collect_losses()
     result["windows_ms"] = timed_windows(step, sync, spec)
@@ -398,7 +402,8 @@ def run_ours(spec: dict) -> dict:
     if cuda:
         result["mem_used_delta_gib"] = round((used_bytes(cupy.cuda.runtime.memGetInfo) - base_used) / GIB, 3)
         result["cupy_pool_gib"] = round(cupy.get_default_memory_pool().total_bytes() / GIB, 3)
-        result["nvml_process_gib"] = (lambda b: None if b is None else round(b / GIB, 3))(nvml_process_bytes(ranks.local))
+        result["device_processes_gib"] = device_processes_gib(ranks.local)
+        result["nvml_process_gib"] = (result["device_processes_gib"] or {}).get("self")
         if spec["profile_steps"] > 0:
             trace = spec["result"] + f".rank{ranks.rank}.trace.json" if spec.get("traces") else None
             result.update(kernel_profile(step, sync, spec["profile_steps"], trace))

@@ -124,32 +124,32 @@ class GpuProgram(ProgramBase):
         return self._run_bound(feeds, self.calls % 2)
 
     def _split_update(self) -> None:
-        """variables.EARLY_UPDATE: a fused update right after a session with an early finish
-        (session_collectives.EarlyUpdate) starts the buckets of every collective of that session but
-        its last on a side stream once that finish passed, beside the last collective; the compute
-        stream joins it before the step ends (FusedUpdateRunner.split). Decided at the first bound
-        call: the sessions were compiled at the first."""
+        """variables.EARLY_UPDATE: a fused update right after a session with an early finish starts
+        the buckets of all that session's collectives but its last on a side stream once that finish
+        passed (FusedUpdateRunner.split); decided at the first bound call. Where none splits: why."""
         registry = self.session_collectives
         if registry is None or registry.record_external is None:
             return
-        split, side = False, None
+        split, side, why = False, None, []
         for pos in range(1, len(self.steps)):
             before, runner = self.steps[pos - 1][1], self.steps[pos][1]
+            if not hasattr(runner, "split"):
+                continue
             early = registry.early.get(getattr(before, "where", None)) if isinstance(before, OrtCudaSegment) else None
-            if early is not None and hasattr(runner, "split"):
-                side = side or self.cp.cuda.Stream(non_blocking=True)  # one per program: its updates run in step order
-                split |= runner.split(set(registry.nodes[early.late].output), early.event, side,
-                                      self.cp.cuda.Event(disable_timing=True), self.in_place_outputs)
-        if not split and any(hasattr(runner, "split") for _, runner in self.steps):
-            print(f"transpile: note: {self.cut.where}: {EARLY_UPDATE} is set, but no update of this step can start "
-                  "early (no session marks an early finish before an update, or the update writes state that is not "
-                  "updated in place)", file=sys.stderr, flush=True)
+            side = side or self.cp.cuda.Stream(non_blocking=True)  # one per program: its updates run in step order
+            refused = (f"no early finish in the session before it (marked in: {', '.join(registry.early) or 'none'})"
+                       if early is None else runner.split(set(registry.nodes[early.late].output), early.event, side,
+                                                          self.cp.cuda.Event(disable_timing=True), self.in_place_outputs))
+            split |= refused is None
+            why += [f"{runner.where}: {refused}"] if refused else []
+        if not split and why:
+            print(f"transpile: note: {self.cut.where}: {EARLY_UPDATE} is set, but no update of this step starts "
+                  f"early: {'; '.join(why)}", file=sys.stderr, flush=True)
 
     def release(self) -> None:
         """Drop every session and its CUDA graphs (the communicator's close calls it); not run again."""
-        for _, runner in self.steps:
-            if runner is not None:
-                runner.release()
+        for runner in (r for _, r in self.steps if r is not None):
+            runner.release()
 
     def _release_pool(self) -> None:
         self.device.compute.synchronize()

@@ -353,10 +353,10 @@ class OrtCudaSegment(SegmentRunner):
         # a parity is captured only once its inputs were bound to the same buffers twice in a row,
         # and not before its FIRST_CAPTURED_RUN-th run: by then the pointers of every input have
         # settled (an input in a parity pair moves once more, at the parity's second run; one
-        # updated in place does not), so each session captures at the same call on every rank.
-        # NCCL needs that of the sessions that hold collectives; where one rank replayed a graph
-        # while another ran the same session uncaptured, `sharded` hung on the perceptron at 4
-        # H200s (its ranks hold different state: run h200x4-s39d).
+        # updated in place does not), so each session captures at the same call on every rank, as
+        # NCCL asks of the calls a graph holds. (A hang of `sharded` on the perceptron at 4 H200s,
+        # one rank in an uncaptured run while the others replayed theirs, run h200x4-s39d, was not
+        # ended by this alone: docs/gpu.md, "CUDA graphs".)
         self.runs[parity] += 1
         if self.captured[parity] and changed:
             raise RunError(f"{self.where}: an input moved to another buffer after its CUDA graph was captured")

@@ -207,26 +207,31 @@ class FusedUpdateRunner(SegmentRunner):
         self.early: list[_Launch] = []
         self.side = self.ready = self.early_done = None
 
-    def split(self, late: set[str], ready, side, done, in_place: set[str]) -> bool:
+    def split(self, late: set[str], ready, side, done, in_place: set[str]) -> str | None:
         """From the next bound call on, the nodes reading none of ``late`` (the last collective's
         outputs) run on stream ``side`` after event ``ready``, the rest on the compute stream after
         the segment before, which then waits for ``done`` (recorded on ``side``): the step ends with
         every update done, as before. The late part may be empty (under ``sharded``, a rank that is
-        not the last Reduce's root). False (nothing changed) where no node would start early, one
-        part reads what the other writes, or an early node writes an output that is not state
-        updated in place (``in_place``: the program's; any other output has bytes in the program's
-        block, planned as if the update ran after the session, which it now runs beside)."""
+        not the last Reduce's root). Returns None once split; else why not, and nothing changed:
+        no node would start early, one part reads what the other writes, or an early node writes an
+        output that is not state updated in place (``in_place``: the program's; any other output
+        has bytes in the program's block, planned as if the update ran after the session, which it
+        now runs beside)."""
         early = [op for op in self.ops if not late & set(op.tensors_in)]
         rest = [op for op in self.ops if late & set(op.tensors_in)]
         early_written = {name for op in early for name in op.outputs}
         late_written = {name for op in rest for name in op.outputs}
-        if (not early or not early_written <= in_place
-                or any(late_written & {*op.tensors_in, op.lr} for op in early)
-                or any(early_written & {*op.tensors_in, op.lr} for op in rest)):
-            return False
+        not_in_place = sorted(early_written - in_place)
+        if not early:
+            return f"every update reads the last collective's outputs ({', '.join(sorted(late)[:3])})"
+        if not_in_place:
+            return f"{len(not_in_place)} early output(s) not updated in place, e.g. '{not_in_place[0]}'"
+        if any(late_written & {*op.tensors_in, op.lr} for op in early) or any(
+                early_written & {*op.tensors_in, op.lr} for op in rest):
+            return "an early update and a late one read what the other writes"
         self.early, self.launches = _launches(early), _launches(rest)
         self.side, self.ready, self.early_done = side, ready, done
-        return True
+        return None
 
     def in_place_pairs(self) -> dict[str, str]:
         """Output -> the input it may overwrite: param' -> param, slot' -> slot. Each element is
