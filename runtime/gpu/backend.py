@@ -44,7 +44,6 @@ class GpuBackend(Backend):
     name = "nccl"
     records_timings = True  # --timings: CUDA events around each item of the bound steps (GpuProgram)
     runs_grad_accumulation = True  # --grad-accumulation K: the trainer's accumulate and step programs, two GpuPrograms
-    sends_low_precision = True  # --grad-dtype: bf16/fp16 buckets through NCCL (nccl_types.py)
 
     def __init__(self, device_id: int = 0, *, tf32: bool = False, ep_options: dict[str, str] | None = None,
                  per_item_timings: bool = False):
