@@ -354,9 +354,8 @@ class OrtCudaSegment(SegmentRunner):
         # and not before its FIRST_CAPTURED_RUN-th run: by then the pointers of every input have
         # settled (an input in a parity pair moves once more, at the parity's second run; one
         # updated in place does not), so each session captures at the same call on every rank, as
-        # NCCL asks of the calls a graph holds. (A hang of `sharded` on the perceptron at 4 H200s,
-        # one rank in an uncaptured run while the others replayed theirs, run h200x4-s39d, was not
-        # ended by this alone: docs/gpu.md, "CUDA graphs".)
+        # NCCL asks of the calls a graph holds (with segments.py's _publish_apart: docs/gpu.md,
+        # "CUDA graphs").
         self.runs[parity] += 1
         if self.captured[parity] and changed:
             raise RunError(f"{self.where}: an input moved to another buffer after its CUDA graph was captured")
