@@ -33,10 +33,10 @@ stage their readers allow: a part's updates are then one group (one multi-tensor
 topological order.
 
 ``collectives_inside`` (the nccl backend runs the collectives in its sessions) keeps the collective
-nodes in the segments; with native stages, the publishing ones (Broadcast, AllGather) and what reads
-them go to an onnxruntime stage after every other collective of the part (``_publish_apart``), so
-that every rank's sessions hold the same collectives whether or not an update of its own separates
-them (NCCL asks every rank to capture the same calls in a CUDA graph).
+nodes in the segments; with native stages, each run of collectives of one op type (in their order)
+goes to an onnxruntime stage after the run before it (``_collectives_apart``), so that every rank's
+sessions hold the same collectives whether or not an update of its own separates them (NCCL asks
+every rank to capture the same calls in a CUDA graph).
 
 Before the cut, Constant nodes become initializers (``contract.collectives.constants_as_initializers``,
 which inspect applies too): an initializer is copied into every segment that reads it, so a constant
@@ -175,7 +175,7 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
     stage_of = _stages(nodes, segment_of, part_of, frozenset(native_domains), frozenset(graph_outputs),
                        frozenset(late_domains))
     if collectives_inside and native_domains:  # without native stages every rank's step is one session
-        _publish_apart(nodes, segment_of, part_of, stage_of, frozenset(native_domains))
+        _collectives_apart(nodes, segment_of, part_of, stage_of, frozenset(native_domains))
 
     # Position in execution order, compared as tuples: segment k at (2k, part, stage), collective k
     # at (2k+1, 0, 0), graph outputs after all.
@@ -337,34 +337,41 @@ def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: di
     return stage
 
 
-# Collectives that publish what a step computed (sharded's Broadcasts, zero's AllGathers), after every
-# reduction of the step on every rank.
-PUBLISHING = frozenset({"Broadcast", "AllGather"})
-
-
-def _publish_apart(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],
-                   stage: dict[int, int], native: frozenset[str]) -> None:
-    """With the collectives inside the segments: each publishing collective, and what reads it, goes
-    to a later onnxruntime stage than every other collective of its part, so that every rank's
-    sessions hold the same collectives. A rank whose update sits between its reductions and its
-    publications gets that from the cut already; one that updates nothing (the root of no
-    parameter under `sharded`) would otherwise run all its collectives in one session, and NCCL
-    asks every rank to capture the same calls in a CUDA graph. Stages keep their parity and stay a
-    topological order (each node at or after its producers' in the part)."""
+def _collectives_apart(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],
+                       stage: dict[int, int], native: frozenset[str]) -> None:
+    """With the collectives inside the segments: the collectives, in their order, fall into runs of
+    one op type (a `sharded` step: Reduces, then with --precision fp16 the overflow AllReduce, then
+    Broadcasts); each run goes to an onnxruntime stage after the stages of the run before it in the
+    part, and what reads it follows. The runs are the same on every rank, so every rank's sessions
+    hold the same collectives, whatever the rank's own update puts between them: NCCL asks every
+    rank to capture the same calls in a CUDA graph (the root of no parameter under `sharded` ran its
+    Reduces and Broadcasts in one session while the others ran two, and hung at 4 GPUs). Stages
+    keep their parity and stay a topological order (each node at or after its producers' in the
+    part); nodes only move later."""
+    collectives = sorted((i for i in stage if nodes[i].domain == COLLECTIVE_DOMAIN),
+                         key=lambda i: next(a.i for a in nodes[i].attribute if a.name == "order"))
+    run_of, run = {}, -1
+    for n, i in enumerate(collectives):
+        run += n == 0 or nodes[i].op_type != nodes[collectives[n - 1]].op_type
+        run_of[i] = run
     here = lambda i: (segment_of[i], part_of[i])  # noqa: E731
-    floor: dict[tuple[int, int], int] = {}
-    for i, node in enumerate(nodes):
-        if i in stage and node.domain == COLLECTIVE_DOMAIN and node.op_type not in PUBLISHING:
-            floor[here(i)] = max(floor.get(here(i), 0), stage[i] + 2)
     producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
-    for i, node in enumerate(nodes):  # graph order: producers first
-        if i not in stage:
-            continue
-        low = floor.get(here(i), 0) if node.domain == COLLECTIVE_DOMAIN and node.op_type in PUBLISHING else 0
-        low = max([low] + [stage[j] for j in map(producer.get, _consumed(node)) if j in stage and here(j) == here(i)])
-        if low > stage[i]:
-            parity = 1 if node.domain in native else 0
-            stage[i] = low + ((low - parity) % 2)
+    # Runs in order: each in one stage, at or after the latest of its own collectives' and the run
+    # before it's plus 2 (the next even one); every node at or after its producers' stages (graph
+    # order: producers first).
+    for r in range(run + 1):
+        floor: dict[tuple[int, int], int] = {}
+        for i in collectives:
+            if run_of[i] <= r:
+                floor[here(i)] = max(floor.get(here(i), 0), stage[i] + (2 if run_of[i] < r else 0))
+        for i, node in enumerate(nodes):
+            if i not in stage:
+                continue
+            low = floor.get(here(i), 0) if run_of.get(i) == r else 0
+            low = max([low] + [stage[j] for j in map(producer.get, _consumed(node)) if j in stage and here(j) == here(i)])
+            if low > stage[i]:
+                parity = 1 if node.domain in native else 0
+                stage[i] = low + ((low - parity) % 2)
 
 
 def build_native(members: list[onnx.NodeProto], here: tuple[int, int, int]) -> NativeGroup:

@@ -104,10 +104,11 @@ class GpuBackend(Backend):
                              carried=carried)
         if calls_per_step > 2:
             # A GpuProgram binds fixed buffers per call parity, and a captured graph replays them.
-            # Called once or twice per step, each parity's call reads every input from the same
-            # buffer every step; called 3 or more times (the accumulate graph with K >= 4), one
-            # parity's calls read the accumulators and statistics from different buffers within a
-            # step, which a capture cannot replay: its sessions run uncaptured.
+            # Called 3 or more times a step (the accumulate graph with K >= 4), one parity's calls
+            # read the accumulators and statistics from different buffers within a step, which a
+            # capture cannot replay: its sessions run uncaptured. (Called twice, K = 3, a session
+            # whose input moves every step, such as BatchNorm statistics from the step program's
+            # parity pair, is never captured either: the input moved; no NCCL call is in them.)
             for _, runner in program.steps:
                 if isinstance(runner, OrtCudaSegment):
                     runner.capture_allowed = False

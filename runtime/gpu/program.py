@@ -136,7 +136,7 @@ class GpuProgram(ProgramBase):
             if not hasattr(runner, "split"):
                 continue
             early = registry.early.get(getattr(before, "where", None)) if isinstance(before, OrtCudaSegment) else None
-            side = side or self.cp.cuda.Stream(non_blocking=True)  # one per program: its updates run in step order
+            side = side or (self.cp.cuda.Stream(non_blocking=True) if early else None)  # one a program: in step order
             refused = (f"no early finish in the session before it (marked in: {', '.join(registry.early) or 'none'})"
                        if early is None else runner.split(set(registry.nodes[early.late].output), early.event, side,
                                                           self.cp.cuda.Event(disable_timing=True), self.in_place_outputs))

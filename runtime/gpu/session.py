@@ -354,7 +354,7 @@ class OrtCudaSegment(SegmentRunner):
         # and not before its FIRST_CAPTURED_RUN-th run: by then the pointers of every input have
         # settled (an input in a parity pair moves once more, at the parity's second run; one
         # updated in place does not), so each session captures at the same call on every rank, as
-        # NCCL asks of the calls a graph holds (with segments.py's _publish_apart: docs/gpu.md,
+        # NCCL asks of the calls a graph holds (with segments.py's _collectives_apart: docs/gpu.md,
         # "CUDA graphs").
         self.runs[parity] += 1
         if self.captured[parity] and changed:
