@@ -56,7 +56,7 @@ from runtime.errors import RunError
 from runtime.executor import Backend, ProgramBase, median_timings, timing_key
 from runtime.gpu.buffers import carried_in_place, pack_buffers
 from runtime.gpu.device import GpuDevice
-from runtime.gpu.session import OrtCudaSegment, misaligned
+from runtime.gpu.session import OrtCudaSegment, agree_on_graphs, misaligned
 from runtime.segments import CutGraph
 from runtime.variables import EARLY_UPDATE
 
@@ -111,15 +111,15 @@ class GpuProgram(ProgramBase):
         if self.calls == 1:
             return self._run_first(feeds)
         if self.calls == 2:
-            # What the first call dropped goes back before the program's own buffers are allocated,
-            # so that those lie in chunks of their own (CuPy frees a chunk only once all of it is
-            # free: 0.93 GiB stayed cached for good on GPT-2-small; benchmarks/gpu_memory_steps.py).
+            # What the first call dropped goes back before the program's own buffers are allocated, so
+            # that those lie in chunks of their own (CuPy frees a chunk only once all of it is free).
             self._release_pool()
+            if self.session_collectives is not None:  # every rank at its call 2, before any capture
+                agree_on_graphs(self.steps, self.comm, self.cut.where)
             feeds = self._allocate(feeds)
             self._split_update()
         elif self.calls == 3:
-            # The first call's outputs (the state, 1.8 GiB for GPT-2-small) were last read by call
-            # 2; no later call allocates, so give them back once, after call 2 is done.
+            # The first call's outputs (GPT-2-small: 1.8 GiB) were last read by call 2: given back.
             self._release_pool()
         return self._run_bound(feeds, self.calls % 2)
 

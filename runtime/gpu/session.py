@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from runtime import ort_custom_ops
+from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner, _first_line
 from runtime.gpu.compile import SegmentPass, compile_segment
@@ -38,6 +39,26 @@ COLLECTIVE_OP_PREFIXES = (f"{START}_", f"{FINISH}_")
 
 # The run of a step parity at which a session's CUDA graph is captured at the earliest (run_bound).
 FIRST_CAPTURED_RUN = 3
+
+
+def agree_on_graphs(steps: list, comm, where: str) -> None:
+    """The sessions among ``steps`` (a program's items and runners) that hold collectives are captured
+    as CUDA graphs on every rank or on none: NCCL asks every rank to capture the same calls, and
+    whether a session may be captured is decided by each rank (onnxruntime may refuse a graph; the
+    watchdog's capture mode). Those sessions are the same on every rank (segments.py). One host
+    all-reduce; every rank calls it at the same call of the program, before any capture."""
+    holding = [runner for item, runner in steps if isinstance(runner, OrtCudaSegment)
+               and any(n.domain == COLLECTIVE_DOMAIN for n in item.model.graph.node)]
+    refused = [r for r in holding if r.session is not None and not r.graphs]
+    if comm.allreduce_scalars([float(len(refused))], "sum")[0] == 0:
+        return
+    captured = [r for r in holding if r.graphs]
+    for runner in captured:
+        runner.graphs = False
+    if captured:
+        print(f"transpile: warning: {where}: no CUDA graphs for the {len(captured)} session(s) holding collectives: "
+              "another rank's could not be captured, and every rank must capture the same NCCL calls",
+              file=sys.stderr, flush=True)
 
 
 def misaligned(value) -> bool:
