@@ -165,6 +165,7 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
 
     _check_defined(nodes, graph_inputs, initializers, graph_outputs, where)
     collectives = _collectives(nodes, types, rank, where)
+    inside = collectives if collectives_inside else {}
     if collectives_inside:  # the backend runs them inside its sessions (runtime/gpu/session_collectives.py)
         collectives = {}
     segment_of, earliest = _place_alap(nodes, collectives, where)
@@ -174,8 +175,8 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
 
     stage_of = _stages(nodes, segment_of, part_of, frozenset(native_domains), frozenset(graph_outputs),
                        frozenset(late_domains))
-    if collectives_inside and native_domains:  # without native stages every rank's step is one session
-        _collectives_apart(nodes, segment_of, part_of, stage_of, frozenset(native_domains))
+    if inside and native_domains:  # without native stages every rank's step is one session
+        _collectives_apart(nodes, inside, segment_of, part_of, stage_of, frozenset(native_domains))
 
     # Position in execution order, compared as tuples: segment k at (2k, part, stage), collective k
     # at (2k+1, 0, 0), graph outputs after all.
@@ -337,8 +338,8 @@ def _stages(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: di
     return stage
 
 
-def _collectives_apart(nodes: list[onnx.NodeProto], segment_of: dict[int, int], part_of: dict[int, int],
-                       stage: dict[int, int], native: frozenset[str]) -> None:
+def _collectives_apart(nodes: list[onnx.NodeProto], ops: dict[int, CollectiveOp], segment_of: dict[int, int],
+                       part_of: dict[int, int], stage: dict[int, int], native: frozenset[str]) -> None:
     """With the collectives inside the segments: the collectives, in their order, fall into runs of
     one op type (a `sharded` step: Reduces, then with --precision fp16 the overflow AllReduce, then
     Broadcasts); each run goes to an onnxruntime stage after the stages of the run before it in the
@@ -347,9 +348,8 @@ def _collectives_apart(nodes: list[onnx.NodeProto], segment_of: dict[int, int], 
     rank to capture the same calls in a CUDA graph (the root of no parameter under `sharded` ran its
     Reduces and Broadcasts in one session while the others ran two, and hung at 4 GPUs). Stages
     keep their parity and stay a topological order (each node at or after its producers' in the
-    part); nodes only move later."""
-    collectives = sorted((i for i in stage if nodes[i].domain == COLLECTIVE_DOMAIN),
-                         key=lambda i: next(a.i for a in nodes[i].attribute if a.name == "order"))
+    part); nodes only move later. ``ops``: the collective nodes' executors, by node index."""
+    collectives = sorted((i for i in ops if i in stage), key=lambda i: ops[i].order)
     run_of, run = {}, -1
     for n, i in enumerate(collectives):
         run += n == 0 or nodes[i].op_type != nodes[collectives[n - 1]].op_type

@@ -136,12 +136,16 @@ class GpuProgram(ProgramBase):
             if not hasattr(runner, "split"):
                 continue
             early = registry.early.get(getattr(before, "where", None)) if isinstance(before, OrtCudaSegment) else None
-            side = side or (self.cp.cuda.Stream(non_blocking=True) if early else None)  # one a program: in step order
-            refused = (f"no early finish in the session before it (marked in: {', '.join(registry.early) or 'none'})"
-                       if early is None else runner.split(set(registry.nodes[early.late].output), early.event, side,
-                                                          self.cp.cuda.Event(disable_timing=True), self.in_place_outputs))
+            if early is None:
+                why.append(f"{runner.where}: no early finish in the session before it (marked in: "
+                           f"{', '.join(registry.early) or 'none'})")
+                continue
+            side = side or self.cp.cuda.Stream(non_blocking=True)  # one per program: its updates in step order
+            refused = runner.split(set(registry.nodes[early.late].output), early.event, side,
+                                   self.cp.cuda.Event(disable_timing=True), self.in_place_outputs)
+            if refused:
+                why.append(f"{runner.where}: {refused}")
             split |= refused is None
-            why += [f"{runner.where}: {refused}"] if refused else []
         if not split and why:
             print(f"transpile: note: {self.cut.where}: {EARLY_UPDATE} is set, but no update of this step starts "
                   f"early: {'; '.join(why)}", file=sys.stderr, flush=True)
@@ -203,65 +207,50 @@ class GpuProgram(ProgramBase):
         return {name: env[name] for name in self.cut.outputs}
 
     # -- from the second call on: preallocated, bound once, overlapped -------------------------
-    def _in_place(self, feeds: dict[str, Any], bound_into: dict) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Program outputs the fused optimizer update writes over its own inputs, instead of into
-        the second buffer of a parity pair. Safe where the input is fed (the buffer the previous
-        call's update wrote), read by no item after the update, and the output goes to no slot.
-        Returns (output -> its buffer, input -> the same buffer, holding the fed value)."""
-        aliased: dict[str, Any] = {}
-        moved: dict[str, Any] = {}
+    def _in_place(self, feeds: dict[str, Any], bound_into: dict) -> dict[str, str]:
+        """Program outputs the fused optimizer update writes over its own inputs (output -> input),
+        instead of into the second buffer of a parity pair. Safe where the input is fed (the buffer
+        the previous call's update wrote), read by no item after the update, and the output goes to
+        no slot."""
+        pairs: dict[str, str] = {}
         program_outputs = set(self.cut.outputs)
         for pos, (_, runner) in enumerate(self.steps):
-            pairs = runner.in_place_pairs() if hasattr(runner, "in_place_pairs") else {}
-            for out, src in pairs.items():
+            for out, src in (runner.in_place_pairs() if hasattr(runner, "in_place_pairs") else {}).items():
                 if out not in program_outputs or out in bound_into or src not in feeds:
                     continue
-                if max(self.readers.get(src, [pos])) > pos or src in self.cut.outputs:
-                    continue
-                value = feeds[src]
-                shape, dtype = self.shapes[out]
-                if tuple(value.shape) == shape and value.dtype == dtype:
-                    # A buffer of the program's own, not the first call's output it was fed (which
-                    # would pin its chunk of the pool); this call reads the input from it too.
-                    aliased[out] = moved[src] = self.cp.empty(shape, dtype)
-                    moved[src][...] = value
-        return aliased, moved
+                if max(self.readers.get(src, [pos])) <= pos and src not in self.cut.outputs:
+                    pairs[out] = src
+        return pairs
 
-    def _carried_in_place(self, feeds: dict[str, Any], taken: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _carried_in_place(self, feeds: dict[str, Any], taken) -> dict[str, str]:
         """State that a later item computes for the next call, written over the buffer this call
-        reads it from (buffers.carried_in_place says where that is safe): `sharded`'s Broadcasts and
-        `zero`'s AllGathers write the next parameters into one buffer instead of a parity pair
-        (GPT-2-small: 0.65 GB); an output in a flat bucket (an AllGather's) is bound to its view
-        there, so the finish copies nothing. Where the caller feeds another value (a checkpoint
-        loaded), the readers read that one and the output still goes here. Returns what
-        ``_in_place`` returns."""
+        reads it from (output -> input; buffers.carried_in_place says where that is safe):
+        `sharded`'s Broadcasts and `zero`'s AllGathers write the next parameters into one buffer
+        instead of a parity pair (GPT-2-small: 0.65 GB). Where the caller feeds another value (a
+        checkpoint loaded), the readers read that one and the output still goes here."""
+        items = [(list(item.inputs), list(item.outputs), runner is not None) for item, runner in self.steps]
+        return carried_in_place(items, self.readers, self.carried, set(self.cut.outputs), set(feeds), set(taken))
+
+    def _own_buffers(self, pairs: dict[str, str], feeds: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """For each (output -> input) of the same shape and dtype: one buffer of the program's own for
+        both, holding the fed value (not the first call's output it was fed, which would pin its
+        chunk of the pool; this call reads the input from it too). An output in a collective's flat
+        bucket (an AllGather's) takes its view there where onnxruntime may read it as an input, so
+        the finish copies nothing. Returns (output -> buffer, input -> the same buffer)."""
         aliased: dict[str, Any] = {}
         moved: dict[str, Any] = {}
-        items = [(list(item.inputs), list(item.outputs), runner is not None) for item, runner in self.steps]
-        pairs = carried_in_place(items, self.readers, self.carried, set(self.cut.outputs), set(feeds), set(taken))
+        registry = self.session_collectives
         for out, src in pairs.items():
             value, (shape, dtype) = feeds[src], self.shapes[out]
             if tuple(value.shape) != shape or value.dtype != dtype:
                 continue
-            buffer = self._bucket_view(out, shape, dtype)
-            aliased[out] = moved[src] = buffer if buffer is not None else self.cp.empty(shape, dtype)
-            moved[src][...] = value
+            view = registry.output_view(out) if registry is not None else None
+            if view is None or tuple(view.shape) != shape or view.dtype != dtype or not view.flags.c_contiguous \
+                    or misaligned(view):
+                view = self.cp.empty(shape, dtype)
+            aliased[out] = moved[src] = view
+            view[...] = value
         return aliased, moved
-
-    def _bucket_view(self, name: str, shape: tuple, dtype) -> Any:
-        """The view of output ``name`` in the flat bucket of the in-session collective that writes it
-        (one buffer, used by every step: session_collectives.Bucket), if it has one that onnxruntime's
-        kernels may read as an input; else None."""
-        registry = self.session_collectives
-        if registry is None:
-            return None
-        for bucket in registry.buckets.values():
-            view = bucket.outputs.get(name)
-            if view is not None:
-                ok = (tuple(view.shape) == shape and view.dtype == dtype and view.flags.c_contiguous
-                      and not misaligned(view))
-                return view if ok else None
-        return None
 
     def _allocate(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """The program's buffers and bindings (the module docstring); returns ``feeds`` with the
@@ -289,9 +278,9 @@ class GpuProgram(ProgramBase):
                     bound_into[name] = (pos, name)
                 else:
                     self.copy_in[pos].append(name)
-        aliased, moved = self._in_place(feeds, bound_into)
+        aliased, moved = self._own_buffers(self._in_place(feeds, bound_into), feeds)
         self.in_place_outputs = set(aliased)  # the state the update writes over its own input (_split_update)
-        carried_out, carried_in = self._carried_in_place(feeds, {**bound_into, **aliased})
+        carried_out, carried_in = self._own_buffers(self._carried_in_place(feeds, bound_into.keys() | aliased.keys()), feeds)
         aliased.update(carried_out)
         moved.update(carried_in)
         internal = self._internal_buffers(bound_into, aliased)

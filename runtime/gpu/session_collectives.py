@@ -272,6 +272,12 @@ class Registry:
             self.buckets[k] = Bucket(make_collective(self.nodes[k], self.specs[k], self.comm.rank, where))
         return self.buckets[k]
 
+    def output_view(self, name: str) -> Any:
+        """The view of collective output ``name`` in its bucket's flat buffer (one buffer, used by
+        every step), or None: a direct collective has no bucket, and a bucket exists from its
+        start's first launch on."""
+        return next((b.outputs[name] for b in self.buckets.values() if name in b.outputs), None)
+
 
 def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
     for a in node.attribute:
@@ -348,15 +354,12 @@ class FinishRunner:
         compute = self.device.compute
         compute.wait_event(bucket.done)
         with compute:
-            if self.direct:
-                for j, name in enumerate(self.node.output):
-                    staged = values[self.node.input[1 + j]]
-                    if values[name].data.ptr != staged.data.ptr:
-                        values[name][...] = staged
-            else:
-                for name in self.node.output:
-                    if values[name].data.ptr != bucket.outputs[name].data.ptr:  # bound to its view: in place
-                        values[name][...] = bucket.outputs[name]
+            for j, name in enumerate(self.node.output):
+                # Direct: the staged buffer NCCL wrote; else the output's view in the bucket. Nothing to
+                # copy where the output already is that buffer (a hint taken, an output bound to its view).
+                source = values[self.node.input[1 + j]] if self.direct else bucket.outputs[name]
+                if values[name].data.ptr != source.data.ptr:
+                    values[name][...] = source
         if self.early is not None:
             self.registry.record_external(self.early.event, compute)
 
