@@ -240,18 +240,20 @@ def used_bytes(mem_get_info) -> int:
     return int(total) - int(free)
 
 
-def device_processes_gib(device: int) -> dict[str, float] | None:
-    """Every process with memory on ``device`` as NVML lists it, ``"self"`` for this one: what the
-    device's used memory holds besides this process (another rank's context, say), if pynvml is there."""
+def process_memory(device: int) -> dict:
+    """``device_processes_gib``: every process with memory on ``device`` as NVML lists it, ``"self"``
+    for this one (what the device's used memory holds besides this process: another rank's
+    context, say); ``nvml_process_gib``: this one's. None where pynvml is not there."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(device)
-        return {("self" if p.pid == os.getpid() else str(p.pid)): round(int(p.usedGpuMemory or 0) / GIB, 3)
-                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        every = {("self" if p.pid == os.getpid() else str(p.pid)): round(int(p.usedGpuMemory or 0) / GIB, 3)
+                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
     except Exception:
-        return None
+        every = None
+    return {"device_processes_gib": every, "nvml_process_gib": (every or {}).get("self")}
 
 
 GIB = 2.0 ** 30
@@ -321,8 +323,7 @@ def run_torch(spec: dict) -> dict:
         result["mem_used_delta_gib"] = round((used_bytes(torch.cuda.mem_get_info) - base_used) / GIB, 3)
         result["torch_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
         result["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
-        result["device_processes_gib"] = device_processes_gib(ranks.local)
-        result["nvml_process_gib"] = (result["device_processes_gib"] or {}).get("self")
+        result.update(process_memory(ranks.local))
         if spec["profile_steps"] > 0:
             trace = spec["result"] + f".rank{ranks.rank}.trace.json" if spec.get("traces") else None
             result.update(kernel_profile(step, sync, spec["profile_steps"], trace))
@@ -402,8 +403,7 @@ def run_ours(spec: dict) -> dict:
     if cuda:
         result["mem_used_delta_gib"] = round((used_bytes(cupy.cuda.runtime.memGetInfo) - base_used) / GIB, 3)
         result["cupy_pool_gib"] = round(cupy.get_default_memory_pool().total_bytes() / GIB, 3)
-        result["device_processes_gib"] = device_processes_gib(ranks.local)
-        result["nvml_process_gib"] = (result["device_processes_gib"] or {}).get("self")
+        result.update(process_memory(ranks.local))
         if spec["profile_steps"] > 0:
             trace = spec["result"] + f".rank{ranks.rank}.trace.json" if spec.get("traces") else None
             result.update(kernel_profile(step, sync, spec["profile_steps"], trace))
