@@ -33,6 +33,17 @@ LAYERNORM_DOMAIN = "graph_transpiler.layernorm"
 LAYERNORM_VERSION = 1
 LAYERNORM_GRAD = "LayerNormGrad"
 
+# The gradient of a mean-reduced SoftmaxCrossEntropyLoss over 2-D scores (docs/contracts.md):
+#   SoftmaxCrossEntropyGrad(dloss, scores, labels, log_prob) -> dscores      attribute ignore_index (int)
+# scores, log_prob, dscores (N, C) float32, log_prob the forward node's output 1; labels (N,) int32 or
+# int64; dloss a float32 scalar. A row whose label is ignore_index weighs 0 (the transpiler writes
+# -2**63 where the loss ignores none: no label is that), every other row 1:
+#   dscores[i, j] = dloss * w_i / sum(w) * (exp(log_prob[i, j]) - (j == labels[i]))
+LOSS_DOMAIN = "graph_transpiler.loss"
+LOSS_VERSION = 1
+CROSS_ENTROPY_GRAD = "SoftmaxCrossEntropyGrad"
+NO_IGNORED_LABEL = -(2 ** 63)
+
 # Scaled dot-product attention, forward and gradient, on the heads as the projections lay them out
 # (docs/contracts.md):
 #   Attention(Q, K, V) -> (Y, LSE)                           attributes scale (float), causal (int)

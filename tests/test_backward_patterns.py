@@ -20,6 +20,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from transpiler.autodiff import build_gradients
+from transpiler.native_ops import add_op_functions
 
 # (how the exporter wrote x / sqrt 2, whether x is the Mul's second operand, Add's operand order)
 VARIANTS = [("div", False, False), ("mul", True, True), ("mul_swapped", False, True)]
@@ -209,7 +210,8 @@ def _cross_entropy_gradient(scores_shape, x, labels):
     g = ir_model.graph
     scores = g.inputs[0]
     g.outputs.append(build_gradients(g, g.outputs[0], [scores]).grads[scores])
-    ops = {n.op_type for n in g}
+    add_op_functions(ir_model)  # the SoftmaxCrossEntropyGrad node's function (transpiler/loss_ops.py)
+    ops = {n.op_type for n in g} | {n.op_type for f in ir_model.functions.values() for n in f.graph}
     session = ort.InferenceSession(ir.serde.serialize_model(ir_model).SerializeToString(),
                                    providers=["CPUExecutionProvider"])
     return session.run(None, {"scores": x, "labels": labels})[1], ops
@@ -218,7 +220,8 @@ def _cross_entropy_gradient(scores_shape, x, labels):
 @pytest.mark.parametrize("scores_shape", [(6, 5), (3, 5, 4)])
 def test_cross_entropy_gradient_equals_the_one_hot_form_bit_for_bit(scores_shape, monkeypatch):
     """The label's element gets p - 1 by ScatterElements, the others stay p: the same float ops
-    as c * (exp(log_prob) - onehot), so the same bits; ignored labels (-100) get no gradient."""
+    as c * (exp(log_prob) - onehot), so the same bits; ignored labels (-100) get no gradient. 2-D
+    scores get one SoftmaxCrossEntropyGrad node, whose function computes those same bits."""
     from transpiler.autodiff.rules import losses
 
     rng = np.random.default_rng(9)
@@ -227,6 +230,8 @@ def test_cross_entropy_gradient_equals_the_one_hot_form_bit_for_bit(scores_shape
     labels.reshape(-1)[1] = -100
     grad, ops = _cross_entropy_gradient(scores_shape, x, labels)
     assert "ScatterElements" in ops and "Range" not in ops
+    assert ("SoftmaxCrossEntropyGrad" in ops) == (len(scores_shape) == 2)
+    monkeypatch.setattr(losses, "_one_node_applies", lambda *_: False)
     monkeypatch.setattr(losses, "_minus_one_at_labels",
                         lambda ctx, prob, safe: ctx.op("Sub", [prob, losses._class_mask(ctx, prob, safe)]))
     one_hot, ops = _cross_entropy_gradient(scores_shape, x, labels)

@@ -24,15 +24,19 @@ from contract.ops import (
     CONV_GRAD_DOMAIN,
     CONV_GRAD_VERSION,
     CONV_WEIGHT_GRAD,
+    CROSS_ENTROPY_GRAD,
     LAYERNORM_DOMAIN,
     LAYERNORM_GRAD,
     LAYERNORM_VERSION,
+    LOSS_DOMAIN,
+    LOSS_VERSION,
 )
 from transpiler.attention_ops import forward_function as attention_function
 from transpiler.attention_ops import grad_function as attention_grad_function
 from transpiler.batchnorm_ops import training_function, training_grad_function
 from transpiler.conv_grad import weight_grad_function
 from transpiler.layernorm_ops import grad_function as layernorm_grad_function
+from transpiler.loss_ops import grad_function as cross_entropy_grad_function
 
 # (domain, op type) -> (domain version, the function for the model's default-domain opset)
 FUNCTIONS: dict[tuple[str, str], tuple[int, Callable[[int], ir.Function]]] = {
@@ -42,6 +46,7 @@ FUNCTIONS: dict[tuple[str, str], tuple[int, Callable[[int], ir.Function]]] = {
     (LAYERNORM_DOMAIN, LAYERNORM_GRAD): (LAYERNORM_VERSION, layernorm_grad_function),
     (ATTENTION_DOMAIN, ATTENTION): (ATTENTION_VERSION, attention_function),
     (ATTENTION_DOMAIN, ATTENTION_GRAD): (ATTENTION_VERSION, attention_grad_function),
+    (LOSS_DOMAIN, CROSS_ENTROPY_GRAD): (LOSS_VERSION, cross_entropy_grad_function),
 }
 
 

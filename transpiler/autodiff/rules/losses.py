@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from contract.ops import CROSS_ENTROPY_GRAD, LOSS_DOMAIN, NO_IGNORED_LABEL
 from transpiler.autodiff._context import RuleContext
 from transpiler.autodiff._registry import register
+from transpiler.autodiff.rules._native_node import grad_node
 
 
 def _class_mask(ctx: RuleContext, scores: ir.Value, labels: ir.Value) -> ir.Value:
@@ -87,6 +89,12 @@ def _softmax_cross_entropy(ctx: RuleContext) -> list[ir.Value | None]:
     scores = ctx.inputs[0]
     dloss = ctx.dys[0]
     dlog_prob = ctx.dys[1] if len(ctx.dys) > 1 else None
+    if _one_node_applies(ctx, scores, dloss, dlog_prob):
+        # One SoftmaxCrossEntropyGrad node (transpiler/loss_ops.py), whose function is grad() below.
+        log_prob = ctx.forward_output(1, "log_prob", ctx.dtype(scores), scores.shape)
+        ignore_index = ctx.node.attributes.get_int("ignore_index", NO_IGNORED_LABEL)
+        return grad_node(ctx, LOSS_DOMAIN, CROSS_ENTROPY_GRAD, [dloss, scores, ctx.inputs[1], log_prob],
+                         {"ignore_index": ignore_index}, (scores,))
 
     def grad() -> ir.Value:
         log_prob = ctx.forward_output(1, "log_prob", ctx.dtype(scores), scores.shape)
@@ -104,6 +112,18 @@ def _softmax_cross_entropy(ctx: RuleContext) -> list[ir.Value | None]:
         return total
 
     return ctx.wanted_grads(grad)
+
+
+def _one_node_applies(ctx: RuleContext, scores: ir.Value, dloss: ir.Value | None,
+                      dlog_prob: ir.Value | None) -> bool:
+    """Whether the gradient is one SoftmaxCrossEntropyGrad node (its contract, contract/ops.py):
+    float32 (N, C) scores, (N,) labels, the mean over the samples, no class weights, and only the
+    loss read downstream (not log_prob)."""
+    labels = ctx.inputs[1]
+    return (dloss is not None and dlog_prob is None and not ctx.has_input(2)
+            and ctx.node.attributes.get_string("reduction", "mean") == "mean"
+            and ctx.dtype(scores) == ir.DataType.FLOAT and scores.shape is not None and scores.shape.rank() == 2
+            and labels.shape is not None and labels.shape.rank() == 1)
 
 
 @register("NegativeLogLikelihoodLoss", inputs=(0,))
