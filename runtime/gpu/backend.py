@@ -21,6 +21,7 @@ from runtime.errors import RunError
 from runtime.executor import Backend
 from runtime.gpu import native, session_collectives
 from runtime.gpu.compile import default_passes
+from runtime.gpu.cross_entropy import fuse_cross_entropy
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.elementwise_fusion import fuse_elementwise, fuse_relu_masks
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
@@ -44,6 +45,7 @@ class GpuBackend(Backend):
     name = "nccl"
     records_timings = True  # --timings: CUDA events around each item of the bound steps (GpuProgram)
     runs_grad_accumulation = True  # --grad-accumulation K: the trainer's accumulate and step programs, two GpuPrograms
+    sends_low_precision = True  # --grad-dtype bf16|fp16: bf16/fp16 NCCL buckets (nccl_types.py; tests/test_gpu_grad_dtype.py)
 
     def __init__(self, device_id: int = 0, *, tf32: bool = False, ep_options: dict[str, str] | None = None,
                  per_item_timings: bool = False):
@@ -78,7 +80,11 @@ class GpuBackend(Backend):
         return self.plan.line
 
     def prepare_step_graph(self, model):
-        """The backend's own rewrites of the step graph into native nodes (elementwise_fusion.py)."""
+        """The backend's own rewrites of the step graph into native nodes (cross_entropy.py,
+        elementwise_fusion.py)."""
+        if self.plan.fuse_cross_entropy:
+            # First: the casts around the loss join its node, not an elementwise chain.
+            model = fuse_cross_entropy(model)
         if self.plan.relu_masks:
             model = fuse_relu_masks(model, (self.plan.inside | self.plan.between) - {ELEMENTWISE_DOMAIN})
         if self.plan.fuse_elementwise:

@@ -33,6 +33,7 @@ from onnx import helper
 
 from contract.ops import ATTENTION_DOMAIN
 from runtime.errors import RunError
+from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.session_collectives import DOMAIN as SESSION_COLLECTIVES_DOMAIN
@@ -43,8 +44,11 @@ from runtime.specialize import static_values
 DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
 # The element types each runner computes on (every other runner: float32 only, as the transpiler
 # writes its nodes only for float32); each is viewed in CuPy as VIEWS says.
-VIEWS = {**CUPY_DTYPES, onnx.TensorProto.FLOAT16: np.dtype(np.float16)}
+VIEWS = {**CUPY_DTYPES, onnx.TensorProto.FLOAT16: np.dtype(np.float16), onnx.TensorProto.INT32: np.dtype(np.int32),
+         onnx.TensorProto.INT64: np.dtype(np.int64)}
 TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
+         CROSS_ENTROPY_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT32,
+                                onnx.TensorProto.INT64),
          ATTENTION_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
          # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl_types.nccl_dtype)
          SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}

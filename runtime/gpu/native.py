@@ -41,6 +41,8 @@ from runtime.gpu import attention
 from runtime.gpu.attention import AttentionRunner
 from runtime.gpu.batchnorm import BatchNormRunner
 from runtime.gpu.conv_grad import ConvGradRunner
+from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
+from runtime.gpu.cross_entropy import CrossEntropyRunner
 from runtime.gpu.elementwise import ElementwiseRunner
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.layernorm import LayerNormRunner
@@ -71,6 +73,8 @@ KERNELS = (
     # cuDNN's fused attention (bf16/fp16 nodes only): between sessions each node would cut the step.
     Kernel("attention", ATTENTION_DOMAIN, AttentionRunner, in_session=True, between=False,
            unavailable=attention.unavailable),
+    # The loss and its gradient fused (cross_entropy.py: a rewrite of the step graph, as above).
+    Kernel("cross_entropy", CROSS_ENTROPY_DOMAIN, CrossEntropyRunner, in_session=True, between=False),
 )
 RUNNERS = {kernel.domain: kernel.runner for kernel in KERNELS}
 IN_SESSION = "in_session"  # NATIVE_OFF's name for "run the kernels between sessions"
@@ -94,6 +98,10 @@ class NativePlan:
     @property
     def relu_masks(self) -> bool:
         return "relu_mask" in self.on
+
+    @property
+    def fuse_cross_entropy(self) -> bool:
+        return CROSS_ENTROPY_DOMAIN in self.inside
 
 
 def parse_off(text: str) -> frozenset[str]:

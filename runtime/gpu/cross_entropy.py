@@ -1,0 +1,299 @@
+"""The loss and its gradient in one pass on the GPU: a SoftmaxCrossEntropyLoss node and the
+``graph_transpiler.loss::SoftmaxCrossEntropyGrad`` node of its gradient (transpiler/loss_ops.py,
+docs/contracts.md) become one node of ``DOMAIN``, run inside its onnxruntime session by three
+CuPy RawKernel launches.
+
+Why: onnxruntime computes the forward node's log-probabilities in float32 (a LogSoftmax pass and a
+(rows, classes) tensor kept until the backward), and the gradient's function is four more passes
+over tensors of that size; under ``--precision bf16`` the scores are also widened to float32 first
+and the gradient rounded back after. For GPT-2-small (4,096 x 50,257 logits) each such tensor is
+0.77 GiB in float32. The fused node reads the scores twice (once for each row's log-sum-exp and
+loss, once for the gradient) and writes the gradient once, in its consumer's dtype; no
+(rows, classes) value lives between the forward and the backward. llm.c's fused classifier and
+Liger's fused cross-entropy do the same.
+
+The rewrite (``fuse_cross_entropy``) takes a pair only where the gradient node reads the forward
+node's scores, labels and log_prob, nobody else reads log_prob, and the seed ``dloss`` is computed
+before the forward node or by a node of no inputs (the step's constant 1, which then moves; the fp16
+loss scale is a step input): the fused node takes the forward node's place. A Cast to float32 that only the pair reads (the scores of a bf16 step) and a
+Cast that is the gradient's only reader join the node, which then reads and writes bfloat16 as its
+raw bits. The fused node carries a function of the nodes it replaced (the gradient node keeps its
+own), so a session that cannot take it computes what the graph computed before.
+
+Kernels (one node: R rows of C classes, scores float32 or bfloat16):
+- ``ce_weights``: one block counts the rows whose label is not ``ignore_index`` (their weight is 1,
+  the others' 0) and writes ``dloss / count`` and ``count``;
+- ``ce_rows``: one block per row; a first pass keeps a running maximum and sum of exponentials
+  (online softmax), so the row's log-sum-exp ``lse`` takes one read; the row's loss
+  ``weight * (lse - x[label])``; a second pass writes
+  ``dloss / count * weight * (exp(x - lse) - (j == label))``;
+- ``ce_loss``: one block sums the rows' losses in a fixed order and divides by the count (the mean
+  of SoftmaxCrossEntropyLoss with ``ignore_index``).
+All three are deterministic. A label outside [0, C) that is not ignored makes the row's loss NaN
+(onnxruntime's CPU kernel raises; the trainer's non-finite check stops the run).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from contract.ops import CROSS_ENTROPY_GRAD, LOSS_DOMAIN, LOSS_VERSION, NO_IGNORED_LABEL
+from runtime.errors import RunError
+from runtime.executor import LaunchRunner
+from runtime.gpu.cuda import compiled_module
+from runtime.gpu.elementwise_steps import PREAMBLE
+from runtime.segments import place
+
+DOMAIN = "graph_transpiler.gpu.cross_entropy"  # the runtime's own: the fused nodes of this rewrite
+OP = "SoftmaxCrossEntropy"  # (scores, labels, dloss) -> (loss, dscores), attribute ignore_index
+THREADS = 1024
+
+SOURCE = PREAMBLE + r"""
+#define GT_INF __int_as_float(0x7f800000)  /* NVRTC has no INFINITY */
+__device__ __forceinline__ float gt_load(const void* p, long long i, int bf16) {
+    return bf16 ? gt_widen_bf16(((const unsigned short*)p)[i]) : ((const float*)p)[i];
+}
+__device__ __forceinline__ long long gt_label(const void* p, long long i, int wide) {
+    return wide ? ((const long long*)p)[i] : (long long)((const int*)p)[i];
+}
+__device__ __forceinline__ float gt_block_sum(float v, float* shared) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < warps ? shared[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;  // every thread holds the block's sum
+}
+// (m, s) = a running maximum and the sum of exp(x - m): two merged into one.
+__device__ __forceinline__ void gt_merge(float& m, float& s, float m2, float s2) {
+    const float M = fmaxf(m, m2);
+    if (M == -GT_INF) return;
+    s = (m == -GT_INF ? 0.f : s * expf(m - M)) + (m2 == -GT_INF ? 0.f : s2 * expf(m2 - M));
+    m = M;
+}
+
+extern "C" __global__ void ce_weights(const void* labels, int wide, long long rows, long long ignore,
+                                      const float* dloss, float* scalars) {
+    __shared__ float shared[32];
+    float count = 0.f;
+    for (long long r = threadIdx.x; r < rows; r += blockDim.x) count += gt_label(labels, r, wide) != ignore ? 1.f : 0.f;
+    count = gt_block_sum(count, shared);
+    if (threadIdx.x == 0) { scalars[0] = dloss[0] / count; scalars[1] = count; }
+}
+
+extern "C" __global__ void ce_rows(const void* scores, int in_bf16, const void* labels, int wide, long long ignore,
+                                   int C, const float* scalars, float* row_loss, void* dscores, int out_bf16) {
+    __shared__ float shared_m[32], shared_s[32];
+    const long long base = (long long)blockIdx.x * C;
+    float m = -GT_INF, s = 0.f;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {  // one exp per element
+        const float x = gt_load(scores, base + j, in_bf16);
+        if (x > m) { s = (m == -GT_INF ? 0.f : s * expf(m - x)) + 1.f; m = x; }
+        else if (x != -GT_INF) s += expf(x - m);
+    }
+    for (int o = 16; o > 0; o >>= 1) gt_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    if (lane == 0) { shared_m[warp] = m; shared_s[warp] = s; }
+    __syncthreads();
+    m = lane < warps ? shared_m[lane] : -GT_INF;
+    s = lane < warps ? shared_s[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) gt_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    const float lse = m + logf(s);
+    const long long label = gt_label(labels, blockIdx.x, wide);
+    const float weight = label != ignore ? 1.f : 0.f;
+    const long long hit = label != ignore ? label : 0;  // an ignored row points at class 0, weight 0
+    const bool inside = hit >= 0 && hit < C;
+    if (threadIdx.x == 0)
+        row_loss[blockIdx.x] = !inside ? __int_as_float(0x7fc00000) : weight == 0.f ? 0.f : lse - gt_load(scores, base + hit, in_bf16);
+    const float coefficient = scalars[0] * weight;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        const float d = coefficient * (expf(gt_load(scores, base + j, in_bf16) - lse) - (j == hit ? 1.f : 0.f));
+        if (out_bf16) ((unsigned short*)dscores)[base + j] = gt_bf16_bits(gt_round_bf16(d));
+        else ((float*)dscores)[base + j] = d;
+    }
+}
+
+extern "C" __global__ void ce_loss(const float* row_loss, long long rows, const float* scalars, float* loss) {
+    __shared__ float shared[32];
+    float total = 0.f;
+    for (long long r = threadIdx.x; r < rows; r += blockDim.x) total += row_loss[r];
+    total = gt_block_sum(total, shared);
+    if (threadIdx.x == 0) loss[0] = total / scalars[1];
+}
+"""
+
+# -- the rewrite --------------------------------------------------------------------------------
+
+
+def _int_attribute(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def fuse_cross_entropy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each SoftmaxCrossEntropyLoss and its SoftmaxCrossEntropyGrad node fused (the
+    module docstring says where), in place; returned."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    fused = 0
+    while (pair := _next_pair(list(graph.node), outputs)) is not None:
+        _fuse(model, *pair, op_type=f"{OP}_{fused}")
+        fused += 1
+    if fused and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def _next_pair(nodes: list, outputs: set[str]) -> tuple[int, int, int | None, int | None] | None:
+    """The positions of (forward, grad, widen or None, narrow or None) of the first pair the rewrite
+    takes (positions: a protobuf gives a new Python object at each access, so no identities)."""
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output}
+    readers = defaultdict(list)
+    for k, n in enumerate(nodes):
+        for name in n.input:
+            readers[name].append(k)
+    for g, grad in enumerate(nodes):
+        if (grad.domain, grad.op_type) != (LOSS_DOMAIN, CROSS_ENTROPY_GRAD):
+            continue
+        dloss, scores, labels, log_prob = grad.input
+        f = producer.get(log_prob)
+        forward = None if f is None else nodes[f]
+        if (forward is None or forward.op_type != "SoftmaxCrossEntropyLoss" or forward.domain not in ("", "ai.onnx")
+                or list(forward.input) != [scores, labels] or len(forward.output) < 2 or forward.output[1] != log_prob
+                or readers[log_prob] != [g] or log_prob in outputs
+                or _int_attribute(forward, "reduction", b"mean") not in (b"mean", "mean")
+                or _int_attribute(forward, "ignore_index", NO_IGNORED_LABEL) != _int_attribute(grad, "ignore_index", None)
+                or (producer.get(dloss, -1) > f and nodes[producer[dloss]].input)):
+            continue
+        w = producer.get(scores)
+        if not (w is not None and nodes[w].op_type == "Cast"
+                and _int_attribute(nodes[w], "to", None) == onnx.TensorProto.FLOAT
+                and set(readers[scores]) == {f, g} and scores not in outputs):
+            w = None
+        narrow = readers[grad.output[0]]
+        n = narrow[0] if (len(narrow) == 1 and nodes[narrow[0]].op_type == "Cast" and grad.output[0] not in outputs) else None
+        return f, g, w, n
+    return None
+
+
+def _fuse(model, f: int, g: int, w: int | None, n: int | None, op_type: str) -> None:
+    graph = model.graph
+    nodes = list(graph.node)
+    forward, grad = nodes[f], nodes[g]
+    scores = nodes[w].input[0] if w is not None else forward.input[0]
+    dscores = nodes[n].output[0] if n is not None else grad.output[0]
+    inputs, results = [scores, forward.input[1], grad.input[0]], [forward.output[0], dscores]
+    replaced = [k for k in (w, f, g, n) if k is not None]
+    body = []
+    for k in replaced:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(nodes[k])
+        body.append(copy)
+    opsets = [helper.make_opsetid("", next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))),
+              helper.make_opsetid(LOSS_DOMAIN, LOSS_VERSION)]
+    model.functions.append(helper.make_function(DOMAIN, op_type, inputs, results, body, opsets))
+    node = helper.make_node(op_type, inputs, results, name=f"{forward.name or 'loss'}/fused", domain=DOMAIN,
+                            ignore_index=int(_int_attribute(grad, "ignore_index", NO_IGNORED_LABEL)))
+    # The seed, where a node of no inputs (the autodiff's Constant 1) made it after the forward
+    # node, moves to just before the fused node.
+    seed = next((k for k, x in enumerate(nodes) if grad.input[0] in x.output and k > f), None)
+    kept = []
+    for k, x in enumerate(nodes):
+        if k == f:
+            kept += [nodes[seed], node] if seed is not None else [node]
+        elif k not in replaced and k != seed:
+            kept.append(x)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+# -- the kernels --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Node:
+    name: str
+    inputs: list[str]  # scores, labels, dloss
+    outputs: list[str]  # loss, dscores
+    ignore_index: int
+
+    @classmethod
+    def from_node(cls, node, where: str) -> _Node:
+        if not node.op_type.startswith(OP) or len(node.input) != 3 or len(node.output) != 2:
+            raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused "
+                           f"{OP} node (3 inputs, 2 outputs)")
+        return cls(node.name, list(node.input), list(node.output),
+                   int(_int_attribute(node, "ignore_index", NO_IGNORED_LABEL)))
+
+
+# How each value arrives (in_session.VIEWS): float32, bfloat16 as its raw bits, int32/int64 labels.
+_FLOATS = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1}
+_LABELS = {np.dtype(np.int32): 0, np.dtype(np.int64): 1}
+
+
+class CrossEntropyRunner(LaunchRunner):
+    """One fused node's three launches on the device's compute stream (the module docstring); the
+    rows' losses and the two scalars live in a scratch buffer the runner keeps (a captured graph
+    replays with its pointers)."""
+
+    def __init__(self, group, where: str, device):
+        super().__init__(group.outputs)
+        self.cp = device.cp
+        self.stream = device.compute
+        self.where = f"{where}: fused cross-entropy in {place(group)}"
+        self.ops = [_Node.from_node(node, self.where) for node in group.nodes]
+        self.scratch: dict[str, object] = {}
+        self.kernels: tuple | None = None
+
+    def _check(self, op: _Node, values) -> tuple[int, int]:
+        scores, labels, dloss = (values[name] for name in op.inputs)
+        if scores.ndim != 2 or scores.dtype not in _FLOATS or not scores.flags.c_contiguous:
+            raise RunError(f"{self.where}: '{op.name}': scores must be contiguous float32 or bfloat16 (rows, "
+                           f"classes), got {scores.dtype} {tuple(scores.shape)}")
+        if labels.dtype not in _LABELS or tuple(labels.shape) != scores.shape[:1]:
+            raise RunError(f"{self.where}: '{op.name}': labels must be int32 or int64 of shape {scores.shape[:1]}, "
+                           f"got {labels.dtype} {tuple(labels.shape)}")
+        if dloss.dtype != np.float32 or dloss.size != 1:
+            raise RunError(f"{self.where}: '{op.name}': dloss must be one float32, got {dloss.dtype} {tuple(dloss.shape)}")
+        return int(scores.shape[0]), int(scores.shape[1])
+
+    def launch(self, values, allocate: bool) -> None:
+        cp = self.cp
+        if self.kernels is None:
+            module = compiled_module(cp, SOURCE)
+            self.kernels = tuple(module.get_function(k) for k in ("ce_weights", "ce_rows", "ce_loss"))
+        weights, rows_kernel, loss_kernel = self.kernels
+        with self.stream:
+            for op in self.ops:
+                scores, labels, dloss = (values[name] for name in op.inputs)
+                if allocate:  # a first call: its shapes are every bound call's
+                    rows, _ = self._check(op, values)
+                    self.scratch[op.name] = cp.empty(rows + 2, dtype=np.float32)
+                    for name, like in zip(op.outputs, [cp.empty((), np.float32), scores]):
+                        if name not in values:  # given where the node runs inside a session (in_session.py)
+                            values[name] = cp.empty_like(like)
+                loss, dscores = (values[name] for name in op.outputs)
+                if dscores.shape != scores.shape or dscores.dtype not in _FLOATS:
+                    raise RunError(f"{self.where}: '{op.name}': dscores must be float32 or bfloat16 shaped like "
+                                   f"the scores {tuple(scores.shape)}, got {dscores.dtype} {tuple(dscores.shape)}")
+                rows, classes = int(scores.shape[0]), int(scores.shape[1])
+                scratch = self.scratch[op.name]
+                scalars, row_loss = scratch[rows:], scratch[:rows]
+                wide, ignore = np.int32(_LABELS[labels.dtype]), np.int64(op.ignore_index)
+                try:
+                    weights((1,), (THREADS,), (labels, wide, np.int64(rows), ignore, dloss, scalars))
+                    rows_kernel((rows,), (THREADS,), (scores, np.int32(_FLOATS[scores.dtype]), labels, wide, ignore,
+                                                      np.int32(classes), scalars, row_loss, dscores,
+                                                      np.int32(_FLOATS[dscores.dtype])))
+                    loss_kernel((1,), (THREADS,), (row_loss, np.int64(rows), scalars, loss))
+                except Exception as exc:  # CuPy's launch errors name no node
+                    raise RunError(f"{self.where}: '{op.name}': {str(exc).splitlines()[0]}") from None
