@@ -38,11 +38,7 @@ def _gpus() -> int:
     return gpu_count() if cuda_available() else 0
 
 
-# The nccl backend refuses --grad-dtype plans (GpuBackend does not declare sends_low_precision)
-# until this test has passed on GPUs: then GpuBackend declares it and the xfail goes (strict: a pass
-# while still marked fails, as a reminder).
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpus() < WORLD, reason=f"needs {WORLD} CUDA GPUs with CuPy and onnxruntime-gpu"),
-              pytest.mark.xfail(strict=True, reason="the nccl backend refuses --grad-dtype until this test passed on GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpus() < WORLD, reason=f"needs {WORLD} CUDA GPUs with CuPy and onnxruntime-gpu")]
 
 
 def _train(outs: list[Path], backend: str, data: Path, saved: Path) -> None:
