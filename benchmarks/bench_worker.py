@@ -452,6 +452,10 @@ def finish(ranks: Ranks, result: dict) -> dict | None:
         out["rank_step_ms"] = [r["step_ms"] for r in every]
         mems = [r.get("mem_used_delta_gib") for r in every if r.get("mem_used_delta_gib") is not None]
         out["mem_used_delta_gib"] = max(mems) if mems else None
+        # Every rank's (the strategies that shard hold different state per rank; the row's
+        # nvml_process_gib and device_processes_gib are the slowest rank's).
+        out["rank_mem_used_delta_gib"] = [r.get("mem_used_delta_gib") for r in every]
+        out["rank_nvml_process_gib"] = [r.get("nvml_process_gib") for r in every]
     out["peak_mem_gib"] = out.get("mem_used_delta_gib")
     out["python"] = platform.python_version()
     return out
