@@ -65,7 +65,12 @@ def int64(tape: Tape, values: list[int]) -> ir.Value:
 
 
 def flatten(tape: Tape, values: list[ir.Value], total: int) -> ir.Value:
-    """The values flattened and concatenated, in order (a bucket's flat layout)."""
-    flat = tape.op("Concat", [tape.op("Reshape", [v, int64(tape, [-1])]) for v in values], {"axis": 0})
-    flat.dtype, flat.shape = values[0].dtype, ir.Shape([total])
+    """The values flattened and concatenated, in order (a bucket's flat layout), as one row (1, total).
+
+    A row, not a vector: onnx's shape inference with data propagation (runtime/specialize.py) takes
+    a 1-D Concat or Slice for shape arithmetic and keeps one symbolic dimension per element: 135 s
+    and tens of GiB for GPT-2-small's zero step (its first step on 2 H200s, run h200x2-s40); rows it
+    leaves alone."""
+    flat = tape.op("Concat", [tape.op("Reshape", [v, int64(tape, [1, -1])]) for v in values], {"axis": 1})
+    flat.dtype, flat.shape = values[0].dtype, ir.Shape([1, total])
     return flat

@@ -48,11 +48,12 @@ class Zero(Strategy):
         def const(array: np.ndarray) -> ir.Value:
             return tape.op("Constant", [], {"value": ir.tensor(array)})
 
-        flat = flatten(tape, [step.params[p] for p in bucket.params], total)
+        flat = flatten(tape, [step.params[p] for p in bucket.params], total)  # (1, total)
         if per_rank * step.world > total:
-            flat = tape.op("Pad", [flat, const(np.array([0, per_rank * step.world - total], np.int64))])
-        param_slice = tape.op("Slice", [flat, const(np.array([start], np.int64)),
-                                        const(np.array([start + per_rank], np.int64))])
+            flat = tape.op("Pad", [flat, const(np.array([0, 0, 0, per_rank * step.world - total], np.int64))])
+        row = tape.op("Slice", [flat, const(np.array([start], np.int64)), const(np.array([start + per_rank], np.int64)),
+                                const(np.array([1], np.int64))])
+        param_slice = tape.op("Reshape", [row, const(np.array([-1], np.int64))])
         param_slice.dtype, param_slice.shape = dtype, ir.Shape([per_rank])
         name = f"bucket{bucket.id}.slice"
         new_value = emit_param_update(step, name, grad_slice, param=param_slice)
