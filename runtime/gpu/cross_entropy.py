@@ -44,10 +44,8 @@ from onnx import helper
 
 from contract.ops import CROSS_ENTROPY_GRAD, LOSS_DOMAIN, LOSS_VERSION, NO_IGNORED_LABEL
 from runtime.errors import RunError
-from runtime.executor import LaunchRunner
-from runtime.gpu.cuda import compiled_module
 from runtime.gpu.elementwise_steps import PREAMBLE
-from runtime.segments import place
+from runtime.gpu.kernel_runner import RawKernelRunner
 
 DOMAIN = "graph_transpiler.gpu.cross_entropy"  # the runtime's own: the fused nodes of this rewrite
 OP = "SoftmaxCrossEntropy"  # (scores, labels, dloss) -> (loss, dscores), attribute ignore_index
@@ -132,7 +130,7 @@ extern "C" __global__ void ce_loss(const float* row_loss, long long rows, const 
 # -- the rewrite --------------------------------------------------------------------------------
 
 
-def _int_attribute(node: onnx.NodeProto, name: str, default):
+def _attribute(node: onnx.NodeProto, name: str, default):
     for a in node.attribute:
         if a.name == name:
             return helper.get_attribute_value(a)
@@ -170,13 +168,13 @@ def _next_pair(nodes: list, outputs: set[str]) -> tuple[int, int, int | None, in
         if (forward is None or forward.op_type != "SoftmaxCrossEntropyLoss" or forward.domain not in ("", "ai.onnx")
                 or list(forward.input) != [scores, labels] or len(forward.output) < 2 or forward.output[1] != log_prob
                 or readers[log_prob] != [g] or log_prob in outputs
-                or _int_attribute(forward, "reduction", b"mean") not in (b"mean", "mean")
-                or _int_attribute(forward, "ignore_index", NO_IGNORED_LABEL) != _int_attribute(grad, "ignore_index", None)
+                or _attribute(forward, "reduction", b"mean") not in (b"mean", "mean")
+                or _attribute(forward, "ignore_index", NO_IGNORED_LABEL) != _attribute(grad, "ignore_index", None)
                 or (producer.get(dloss, -1) > f and nodes[producer[dloss]].input)):
             continue
         w = producer.get(scores)
         if not (w is not None and nodes[w].op_type == "Cast"
-                and _int_attribute(nodes[w], "to", None) == onnx.TensorProto.FLOAT
+                and _attribute(nodes[w], "to", None) == onnx.TensorProto.FLOAT
                 and set(readers[scores]) == {f, g} and scores not in outputs):
             w = None
         narrow = readers[grad.output[0]]
@@ -202,7 +200,7 @@ def _fuse(model, f: int, g: int, w: int | None, n: int | None, op_type: str) -> 
               helper.make_opsetid(LOSS_DOMAIN, LOSS_VERSION)]
     model.functions.append(helper.make_function(DOMAIN, op_type, inputs, results, body, opsets))
     node = helper.make_node(op_type, inputs, results, name=f"{forward.name or 'loss'}/fused", domain=DOMAIN,
-                            ignore_index=int(_int_attribute(grad, "ignore_index", NO_IGNORED_LABEL)))
+                            ignore_index=int(_attribute(grad, "ignore_index", NO_IGNORED_LABEL)))
     # The seed, where a node of no inputs (the autodiff's Constant 1) made it after the forward
     # node, moves to just before the fused node.
     seed = next((k for k, x in enumerate(nodes) if grad.input[0] in x.output and k > f), None)
@@ -232,7 +230,7 @@ class _Node:
             raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused "
                            f"{OP} node (3 inputs, 2 outputs)")
         return cls(node.name, list(node.input), list(node.output),
-                   int(_int_attribute(node, "ignore_index", NO_IGNORED_LABEL)))
+                   int(_attribute(node, "ignore_index", NO_IGNORED_LABEL)))
 
 
 # How each value arrives (in_session.VIEWS): float32, bfloat16 as its raw bits, int32/int64 labels.
@@ -240,21 +238,25 @@ _FLOATS = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1}
 _LABELS = {np.dtype(np.int32): 0, np.dtype(np.int64): 1}
 
 
-class CrossEntropyRunner(LaunchRunner):
+class CrossEntropyRunner(RawKernelRunner):
     """One fused node's three launches on the device's compute stream (the module docstring); the
     rows' losses and the two scalars live in a scratch buffer the runner keeps (a captured graph
     replays with its pointers)."""
 
-    def __init__(self, group, where: str, device):
-        super().__init__(group.outputs)
-        self.cp = device.cp
-        self.stream = device.compute
-        self.where = f"{where}: fused cross-entropy in {place(group)}"
-        self.ops = [_Node.from_node(node, self.where) for node in group.nodes]
-        self.scratch: dict[str, object] = {}
-        self.kernels: tuple | None = None
+    SOURCE = SOURCE
+    KERNELS = ("ce_weights", "ce_rows", "ce_loss")
+    WHAT = "fused cross-entropy"
 
-    def _check(self, op: _Node, values) -> tuple[int, int]:
+    def __init__(self, group, where: str, device):
+        super().__init__(group, where, device)
+        self.scratch: dict[str, object] = {}
+
+    def parse(self, node) -> _Node:
+        return _Node.from_node(node, self.where)
+
+    def _check(self, op: _Node, values) -> None:
+        """Every input and output of its contract dtype and shape (the first call's: every bound
+        call's): the kernels would read or write past a smaller buffer without an error."""
         scores, labels, dloss = (values[name] for name in op.inputs)
         if scores.ndim != 2 or scores.dtype not in _FLOATS or not scores.flags.c_contiguous:
             raise RunError(f"{self.where}: '{op.name}': scores must be contiguous float32 or bfloat16 (rows, "
@@ -264,27 +266,24 @@ class CrossEntropyRunner(LaunchRunner):
                            f"got {labels.dtype} {tuple(labels.shape)}")
         if dloss.dtype != np.float32 or dloss.size != 1:
             raise RunError(f"{self.where}: '{op.name}': dloss must be one float32, got {dloss.dtype} {tuple(dloss.shape)}")
-        return int(scores.shape[0]), int(scores.shape[1])
+        dscores = values[op.outputs[1]]
+        if dscores.shape != scores.shape or dscores.dtype not in _FLOATS:
+            raise RunError(f"{self.where}: '{op.name}': dscores must be float32 or bfloat16 shaped like "
+                           f"the scores {tuple(scores.shape)}, got {dscores.dtype} {tuple(dscores.shape)}")
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        if self.kernels is None:
-            module = compiled_module(cp, SOURCE)
-            self.kernels = tuple(module.get_function(k) for k in ("ce_weights", "ce_rows", "ce_loss"))
-        weights, rows_kernel, loss_kernel = self.kernels
+        weights, rows_kernel, loss_kernel = self.functions()
         with self.stream:
             for op in self.ops:
                 scores, labels, dloss = (values[name] for name in op.inputs)
                 if allocate:  # a first call: its shapes are every bound call's
-                    rows, _ = self._check(op, values)
-                    self.scratch[op.name] = cp.empty(rows + 2, dtype=np.float32)
                     for name, like in zip(op.outputs, [cp.empty((), np.float32), scores]):
                         if name not in values:  # given where the node runs inside a session (in_session.py)
                             values[name] = cp.empty_like(like)
+                    self._check(op, values)
+                    self.scratch[op.name] = cp.empty(scores.shape[0] + 2, dtype=np.float32)
                 loss, dscores = (values[name] for name in op.outputs)
-                if dscores.shape != scores.shape or dscores.dtype not in _FLOATS:
-                    raise RunError(f"{self.where}: '{op.name}': dscores must be float32 or bfloat16 shaped like "
-                                   f"the scores {tuple(scores.shape)}, got {dscores.dtype} {tuple(dscores.shape)}")
                 rows, classes = int(scores.shape[0]), int(scores.shape[1])
                 scratch = self.scratch[op.name]
                 scalars, row_loss = scratch[rows:], scratch[:rows]
@@ -295,5 +294,5 @@ class CrossEntropyRunner(LaunchRunner):
                                                       np.int32(classes), scalars, row_loss, dscores,
                                                       np.int32(_FLOATS[dscores.dtype])))
                     loss_kernel((1,), (THREADS,), (row_loss, np.int64(rows), scalars, loss))
-                except Exception as exc:  # CuPy's launch errors name no node
-                    raise RunError(f"{self.where}: '{op.name}': {str(exc).splitlines()[0]}") from None
+                except Exception as exc:
+                    raise self.launch_error(op.name, exc) from None

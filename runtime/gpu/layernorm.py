@@ -25,9 +25,7 @@ import numpy as np
 
 from contract.ops import LAYERNORM_GRAD
 from runtime.errors import RunError
-from runtime.executor import LaunchRunner
-from runtime.gpu.cuda import compiled_module
-from runtime.segments import place
+from runtime.gpu.kernel_runner import RawKernelRunner
 
 SOURCE = r"""
 __device__ __forceinline__ float warp_sum(float v) {
@@ -115,16 +113,15 @@ class _Node:
         return cls(node.name, list(node.input), list(node.output))
 
 
-class LayerNormRunner(LaunchRunner):
+class LayerNormRunner(RawKernelRunner):
     """A NativeGroup of LayerNormGrad nodes, run on the device's compute stream (the module docstring)."""
 
-    def __init__(self, group, where: str, device):
-        super().__init__(group.outputs)
-        self.cp = device.cp
-        self.stream = device.compute
-        self.where = f"{where}: LayerNorm gradients in {place(group)}"
-        self.ops = [_Node.from_node(node, self.where) for node in group.nodes]
-        self.kernels: tuple | None = None
+    SOURCE = SOURCE
+    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params")
+    WHAT = "LayerNorm gradients"
+
+    def parse(self, node) -> _Node:
+        return _Node.from_node(node, self.where)
 
     def _check(self, op: _Node, values) -> tuple[int, int]:
         """(rows, width) of X, every input contiguous float32 of its contract shape: the kernels
@@ -147,10 +144,7 @@ class LayerNormRunner(LaunchRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        if self.kernels is None:
-            module = compiled_module(cp, SOURCE)
-            self.kernels = (module.get_function("layer_norm_grad_input"), module.get_function("layer_norm_grad_params"))
-        grad_input, grad_params = self.kernels
+        grad_input, grad_params = self.functions()
         with self.stream:
             for op in self.ops:
                 x = values[op.inputs[1]]
@@ -167,5 +161,5 @@ class LayerNormRunner(LaunchRunner):
                     grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width)))
                     grad_params((-(-width // 32),), (32, 32), (dy, x, mean, inv, dscale, dbias, np.int64(rows),
                                                               np.int32(width)))
-                except Exception as exc:  # CuPy's launch errors name no node
-                    raise RunError(f"{self.where}: '{op.name}': {str(exc).splitlines()[0]}") from None
+                except Exception as exc:
+                    raise self.launch_error(op.name, exc) from None

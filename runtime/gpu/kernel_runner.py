@@ -1,0 +1,44 @@
+"""``RawKernelRunner``: the nodes of a NativeGroup run by the RawKernels of one CUDA source, on the
+device's compute stream (layernorm.py, cross_entropy.py).
+
+What such runners share: the group's nodes parsed once (a malformed node is refused naming it), the
+source compiled once per process and device (cuda.compiled_module) and its kernels looked up once,
+and a launch error that names the node (CuPy's name none).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from runtime.errors import RunError
+from runtime.executor import LaunchRunner
+from runtime.gpu.cuda import compiled_module
+from runtime.segments import place
+
+
+class RawKernelRunner(LaunchRunner):
+    SOURCE: str  # the CUDA source of the kernels
+    KERNELS: tuple[str, ...]  # their names, in the order ``functions`` gives them
+    WHAT: str  # what the nodes are, in errors ("LayerNorm gradients")
+
+    def __init__(self, group, where: str, device):
+        super().__init__(group.outputs)
+        self.cp = device.cp
+        self.stream = device.compute
+        self.where = f"{where}: {self.WHAT} in {place(group)}"
+        self.ops = [self.parse(node) for node in group.nodes]
+        self._functions: tuple | None = None
+
+    @abstractmethod
+    def parse(self, node):
+        """The node as the runner keeps it; a RunError naming it where it is not the runner's op."""
+
+    def functions(self) -> tuple:
+        """The compiled kernels, in ``KERNELS`` order."""
+        if self._functions is None:
+            module = compiled_module(self.cp, self.SOURCE)
+            self._functions = tuple(module.get_function(name) for name in self.KERNELS)
+        return self._functions
+
+    def launch_error(self, node_name: str, exc: Exception) -> RunError:
+        return RunError(f"{self.where}: '{node_name}': {str(exc).splitlines()[0]}")
