@@ -16,14 +16,15 @@ from onnx import TensorProto, helper
 from contract.ops import LAYERNORM_DOMAIN, LAYERNORM_GRAD
 from runtime.errors import RunError
 from runtime.gpu import cuda_available, gpu_count
-from runtime.gpu.layernorm import LayerNormRunner, row_threads
+from runtime.gpu.layernorm import LayerNormRunner, row_parts, row_threads
 from runtime.segments import NativeGroup
 from transpiler.autodiff import build_gradients
 from transpiler.native_ops import add_op_functions
 
 # (..., C): GPT-like rows, a width that is no multiple of the 4 elements a thread takes or of a warp,
-# one of a single row, and one wider than a block's 512 threads take in one sweep.
-SHAPES = [(4, 16, 96), (7, 37), (1, 5), (3, 2100)]
+# one of a single row, one wider than a block's 512 threads take in one sweep, GPT-2-small's (the
+# rows cut into runs for the parameter gradients, the last run shorter), and runs over an odd width.
+SHAPES = [(4, 16, 96), (7, 37), (1, 5), (3, 2100), (2, 2048, 768), (1000, 37)]
 EPSILON = 1e-5
 INPUTS = ["dy", "x", "scale", "mean", "inv"]
 OUTPUTS = ["dx", "dscale", "dbias"]
@@ -115,6 +116,14 @@ def test_a_bias_that_broadcasts_keeps_its_own_gradient_shape(bias_shape, node):
     ops, _, bias_grad_shape = _gradient_ops(TensorProto.FLOAT, -1, bias_shape=bias_shape)
     assert (LAYERNORM_GRAD in ops) is node, ops
     assert bias_grad_shape == list(bias_shape)
+
+
+def test_the_rows_are_cut_into_runs_only_where_there_are_many():
+    assert row_parts(64, 96) == 1 and row_parts(1, 5) == 1
+    assert row_parts(4096, 768) == 22  # 24 column blocks x 22 runs: about 512 blocks
+    assert row_parts(1000, 37) == 15  # every run at least 64 rows
+    for rows, width in [(4096, 768), (1000, 37), (130, 100_000)]:
+        assert -(-rows // row_parts(rows, width)) >= 64
 
 
 def test_row_threads_cover_a_row_in_whole_warps():

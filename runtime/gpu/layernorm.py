@@ -1,5 +1,5 @@
 """The LayerNorm gradient on the GPU: ``graph_transpiler.layernorm::LayerNormGrad`` nodes
-(transpiler/layernorm_ops.py, docs/contracts.md) run as two CuPy RawKernel launches each.
+(transpiler/layernorm_ops.py, docs/contracts.md) run as three CuPy RawKernel launches each.
 
 Why: the node's function in standard ops is about 13 onnxruntime kernels, each a pass over the
 activation (onnxruntime fuses none of them); PyTorch runs two (``layer_norm_grad_input`` and
@@ -8,10 +8,14 @@ activation (onnxruntime fuses none of them); PyTorch runs two (``layer_norm_grad
 Kernels (float32, X viewed as R rows of C):
 - ``layer_norm_grad_input``: one block per row. A first pass sums g = dY * scale and g * xhat over
   the row (warp shuffles, then one warp over the warps' sums), a second writes
-  dX = inv * (g - sum(g) / C - xhat * sum(g * xhat) / C), re-reading the row (from L1/L2).
-- ``layer_norm_grad_params``: one block of 32 x 32 threads per 32 columns; each thread sums every
-  32nd row of its column, then one row of threads sums the 32 partial sums in a fixed order.
-Both are deterministic: the same inputs give the same bits on every run.
+  dX = inv * (g - sum(g) / C - xhat * sum(g * xhat) / C), re-reading the row (from L1/L2); four
+  consecutive elements per thread, as one 16-byte load where the width and pointers allow.
+- ``layer_norm_grad_params_partial``: the rows cut into ``row_parts`` runs; one block of 32 x 8
+  threads per 32 columns and run, each thread summing every 8th row of the run in its column, one
+  row of threads then the 8 sums in order, into a buffer of partial sums the runner keeps;
+  ``layer_norm_grad_params_final``: one thread per column sums its runs' partial sums in order.
+Both are deterministic: the same inputs give the same bits on every run (the runs depend only on
+the shape).
 
 Interface: OrtCudaSegment's, through ``LaunchRunner`` (``run`` allocates the outputs on the first
 call, whose shapes every bound call keeps; then ``prepare`` and ``run_bound``).
@@ -33,19 +37,28 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Four consecutive elements of a row: one 16-byte load where ``vec`` (the host checked that the
+// width is a multiple of 4 and every pointer 16-byte aligned), else four loads, zero past the end.
+__device__ __forceinline__ float4 load4(const float* __restrict__ p, int j, int C, int vec) {
+    if (vec) return *reinterpret_cast<const float4*>(p + j);
+    return make_float4(p[j], j + 1 < C ? p[j + 1] : 0.f, j + 2 < C ? p[j + 2] : 0.f, j + 3 < C ? p[j + 3] : 0.f);
+}
+
 extern "C" __global__ void layer_norm_grad_input(const float* __restrict__ dy, const float* __restrict__ x,
                                                  const float* __restrict__ scale, const float* __restrict__ mean,
-                                                 const float* __restrict__ inv, float* __restrict__ dx, int C) {
+                                                 const float* __restrict__ inv, float* __restrict__ dx, int C, int vec) {
     __shared__ float s_g[32], s_gx[32];
     const long long row = blockIdx.x;
     const float* dy_row = dy + row * C;
     const float* x_row = x + row * C;
     const float mu = mean[row], rs = inv[row];
     float sum_g = 0.f, sum_gx = 0.f;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        const float g = dy_row[j] * scale[j];
-        sum_g += g;
-        sum_gx += g * ((x_row[j] - mu) * rs);
+    for (int j = 4 * threadIdx.x; j < C; j += 4 * blockDim.x) {  // past the end every lane reads 0
+        const float4 d = load4(dy_row, j, C, vec), xs = load4(x_row, j, C, vec), w = load4(scale, j, C, vec);
+        const float g0 = d.x * w.x, g1 = d.y * w.y, g2 = d.z * w.z, g3 = d.w * w.w;
+        sum_g += g0; sum_g += g1; sum_g += g2; sum_g += g3;
+        sum_gx += g0 * ((xs.x - mu) * rs); sum_gx += g1 * ((xs.y - mu) * rs);
+        sum_gx += g2 * ((xs.z - mu) * rs); sum_gx += g3 * ((xs.w - mu) * rs);
     }
     sum_g = warp_sum(sum_g);
     sum_gx = warp_sum(sum_gx);
@@ -60,21 +73,37 @@ extern "C" __global__ void layer_norm_grad_input(const float* __restrict__ dy, c
     __syncthreads();
     const float mean_g = s_g[0] / (float)C, mean_gx = s_gx[0] / (float)C;
     float* dx_row = dx + row * C;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        const float xhat = (x_row[j] - mu) * rs;
-        dx_row[j] = (dy_row[j] * scale[j] - mean_g - xhat * mean_gx) * rs;
+    for (int j = 4 * threadIdx.x; j < C; j += 4 * blockDim.x) {
+        const float4 d = load4(dy_row, j, C, vec), xs = load4(x_row, j, C, vec), w = load4(scale, j, C, vec);
+        float4 out;
+        out.x = (d.x * w.x - mean_g - ((xs.x - mu) * rs) * mean_gx) * rs;
+        out.y = (d.y * w.y - mean_g - ((xs.y - mu) * rs) * mean_gx) * rs;
+        out.z = (d.z * w.z - mean_g - ((xs.z - mu) * rs) * mean_gx) * rs;
+        out.w = (d.w * w.w - mean_g - ((xs.w - mu) * rs) * mean_gx) * rs;
+        if (vec) { *reinterpret_cast<float4*>(dx_row + j) = out; continue; }
+        dx_row[j] = out.x;
+        if (j + 1 < C) dx_row[j + 1] = out.y;
+        if (j + 2 < C) dx_row[j + 2] = out.z;
+        if (j + 3 < C) dx_row[j + 3] = out.w;
     }
 }
 
-extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, const float* __restrict__ x,
-                                                  const float* __restrict__ mean, const float* __restrict__ inv,
-                                                  float* __restrict__ dscale, float* __restrict__ dbias,
-                                                  long long R, int C) {
-    __shared__ float s_scale[32][33], s_bias[32][33];
+// dscale and dbias in two launches: the rows cut into ``parts`` runs, each block (32 columns x
+// PART_LANES row lanes) sums its run into ``partial`` (parts x C for dscale, then for dbias); then
+// one thread per column sums its parts in order. One block per 32 columns over all rows (the
+// first form) kept 24 blocks busy on GPT-2-small's C = 768: 27 us a node on an H200.
+#define PART_LANES 8
+extern "C" __global__ void layer_norm_grad_params_partial(const float* __restrict__ dy, const float* __restrict__ x,
+                                                          const float* __restrict__ mean, const float* __restrict__ inv,
+                                                          float* __restrict__ partial, long long R, int C,
+                                                          long long rows_per_part) {
+    __shared__ float s_scale[PART_LANES][33], s_bias[PART_LANES][33];
     const int col = blockIdx.x * 32 + threadIdx.x;
+    const long long first = blockIdx.y * rows_per_part;
+    const long long last = first + rows_per_part < R ? first + rows_per_part : R;
     float a = 0.f, b = 0.f;
     if (col < C) {
-        for (long long r = threadIdx.y; r < R; r += 32) {
+        for (long long r = first + threadIdx.y; r < last; r += PART_LANES) {
             const float d = dy[r * C + col];
             a += d * ((x[r * C + col] - mean[r]) * inv[r]);
             b += d;
@@ -85,10 +114,20 @@ extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, 
     __syncthreads();
     if (threadIdx.y == 0 && col < C) {
         float ta = 0.f, tb = 0.f;
-        for (int k = 0; k < 32; ++k) { ta += s_scale[k][threadIdx.x]; tb += s_bias[k][threadIdx.x]; }
-        dscale[col] = ta;
-        dbias[col] = tb;
+        for (int k = 0; k < PART_LANES; ++k) { ta += s_scale[k][threadIdx.x]; tb += s_bias[k][threadIdx.x]; }
+        partial[(long long)blockIdx.y * C + col] = ta;
+        partial[(long long)(gridDim.y + blockIdx.y) * C + col] = tb;
     }
+}
+
+extern "C" __global__ void layer_norm_grad_params_final(const float* __restrict__ partial, int parts, int C,
+                                                        float* __restrict__ dscale, float* __restrict__ dbias) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    float a = 0.f, b = 0.f;
+    for (int p = 0; p < parts; ++p) { a += partial[(long long)p * C + col]; b += partial[(long long)(parts + p) * C + col]; }
+    dscale[col] = a;
+    dbias[col] = b;
 }
 """
 
@@ -97,6 +136,18 @@ def row_threads(width: int) -> int:
     """Threads per row block: about four elements each, a whole number of warps, 32 to 512."""
     per_thread = -(-width // 4)
     return min(512, max(32, -(-per_thread // 32) * 32))
+
+
+PART_LANES = 8  # the row lanes of a partial-sum block (the kernel's #define)
+PARTIAL_BLOCKS = 512  # about four blocks per SM of an H100/H200: enough to keep every SM reading
+MIN_PART_ROWS = 64  # a run shorter than this costs more in its partial sums than it spreads
+
+
+def row_parts(rows: int, width: int) -> int:
+    """How many runs ``layer_norm_grad_params_partial`` cuts the rows into: about PARTIAL_BLOCKS
+    blocks in all, no run shorter than MIN_PART_ROWS rows (so one run where the rows are few)."""
+    column_blocks = -(-width // 32)
+    return max(1, min(rows // MIN_PART_ROWS, -(-PARTIAL_BLOCKS // column_blocks)))
 
 
 @dataclass
@@ -117,8 +168,12 @@ class LayerNormRunner(RawKernelRunner):
     """A NativeGroup of LayerNormGrad nodes, run on the device's compute stream (the module docstring)."""
 
     SOURCE = SOURCE
-    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params")
+    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params_partial", "layer_norm_grad_params_final")
     WHAT = "LayerNorm gradients"
+
+    def __init__(self, group, where: str, device):
+        super().__init__(group, where, device)
+        self.partial = None  # the partial sums of dscale and dbias (allocated by the first call)
 
     def parse(self, node) -> _Node:
         return _Node.from_node(node, self.where)
@@ -144,22 +199,32 @@ class LayerNormRunner(RawKernelRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        grad_input, grad_params = self.functions()
+        grad_input, partial_sums, final_sums = self.functions()
         with self.stream:
             for op in self.ops:
                 x = values[op.inputs[1]]
-                if allocate:  # a first call: its shapes are every bound call's
-                    self._check(op, values)
-                    for name, shape in zip(op.outputs, [x.shape, (x.shape[-1],), (x.shape[-1],)]):
-                        if name not in values:  # given where the node runs inside a session (in_session.py)
-                            values[name] = cp.empty(shape, dtype=np.float32)
                 width = int(x.shape[-1])
                 rows = x.size // width
+                parts = row_parts(rows, width)
+                if allocate:  # a first call: its shapes are every bound call's
+                    self._check(op, values)
+                    for name, shape in zip(op.outputs, [x.shape, (width,), (width,)]):
+                        if name not in values:  # given where the node runs inside a session (in_session.py)
+                            values[name] = cp.empty(shape, dtype=np.float32)
+                    # One buffer for every node's partial sums: the nodes run one after another on
+                    # one stream, and a captured graph replays with its pointer.
+                    if self.partial is None or self.partial.size < 2 * parts * width:
+                        self.partial = cp.empty(2 * parts * width, dtype=np.float32)
                 dy, _, scale, mean, inv = (values[name] for name in op.inputs)
                 dx, dscale, dbias = (values[name] for name in op.outputs)
+                # 16-byte loads where every row starts 16-byte aligned (onnxruntime's and CuPy's
+                # buffers are at least 256-byte aligned; the check costs nothing per bound call).
+                vec = np.int32(width % 4 == 0 and all(a.data.ptr % 16 == 0 for a in (dy, x, scale, dx)))
                 try:
-                    grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width)))
-                    grad_params((-(-width // 32),), (32, 32), (dy, x, mean, inv, dscale, dbias, np.int64(rows),
-                                                              np.int32(width)))
+                    grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width), vec))
+                    partial_sums((-(-width // 32), parts), (32, PART_LANES),
+                                 (dy, x, mean, inv, self.partial, np.int64(rows), np.int32(width),
+                                  np.int64(-(-rows // parts))))
+                    final_sums((-(-width // 256),), (256,), (self.partial, np.int32(parts), np.int32(width), dscale, dbias))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None
