@@ -4,7 +4,7 @@ No GPU here, so the kernel source (runtime/gpu/update_kernel.py's SOURCE) is com
 C++ compiler behind a small shim (``__global__`` a plain function, the ``_rn`` intrinsics as IEEE
 float/double operations, ``__fmaf_rn`` as ``std::fmaf``, ``-ffp-contract=off`` so that nothing else
 is fused) and launched block by block, thread by thread (thread 0 first, which is all that the
-kernel's one ``__syncthreads`` needs). A stand-in for CuPy hands it host arrays, so the launcher's
+kernel's one ``__syncthreads`` needs; a ``float4`` is four floats, so the 16-byte path runs too). A stand-in for CuPy hands it host arrays, so the launcher's
 pointer tables, chunk table and argument marshalling run exactly as on the GPU. The comparison with
 the NumPy reference is tests/test_gpu_fused_update.py's. Skipped without a C++ compiler.
 """
@@ -32,7 +32,10 @@ SHIM = r"""
 struct Dim3 { unsigned x, y, z; };
 static Dim3 threadIdx, blockIdx, blockDim;
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __shared__ static
+struct float4 { float x, y, z, w; };
 #define __syncthreads() ((void)0)
 static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 static inline float __fmul_rn(float a, float b) { return a * b; }
