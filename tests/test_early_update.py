@@ -28,6 +28,7 @@ from test_gpu_fused_update import SHAPES, _group
 from test_optimizer import CASES
 
 import runtime.gpu.cuda as gpu_cuda
+from runtime.gpu.buffers import pack_buffers, value_lifetimes
 from commands.main import main
 from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime.gpu.compile import SessionCollectives, Specialize, compile_segment
@@ -149,13 +150,12 @@ def test_split_updates_run_early_on_the_side_stream_and_compute_the_same(late_co
     split = FusedUpdateRunner(group, "test", types.SimpleNamespace(cp=cp, compute=compute))
     late = {op.grad for op in ops[len(ops) - late_count:]}  # the last collective's outputs
     every = {op.grad for op in ops}
-    state = {name for op in ops for name in op.outputs}  # the program updates it all in place
     events = lambda: (_Event("ready", log), _Stream("side", log), _Event("done", log))  # noqa: E731
-    assert "every update reads" in split.split(every, *events(), state)  # none early
-    refused = split.split(late, *events(), state - {ops[0].outputs[0]})  # an early output in the block
-    assert refused and ops[0].outputs[0] in refused
-    assert split.split(late, *events(), state) is None
+    assert "every update reads" in split.split(every, *events())  # none early
+    assert split.early_outputs() == set()
+    assert split.split(late, *events()) is None
     cut = len(ops) - late_count
+    assert split.early_outputs() == {name for op in ops[:cut] for name in op.outputs}
     assert [op.param for launch in split.early for op in launch.ops] == [op.param for op in ops[:cut]]
     assert [op.param for launch in split.launches for op in launch.ops] == [op.param for op in ops[cut:]]
     rng = np.random.default_rng(0)
@@ -179,6 +179,21 @@ def test_split_updates_run_early_on_the_side_stream_and_compute_the_same(late_co
                    ("compute", "enter"), ("compute", "exit"), ("compute", "wait", "done")]
     for name, value in results[0].items():
         np.testing.assert_array_equal(results[1][name], value, err_msg=name)
+
+
+def test_an_early_output_in_the_block_never_shares_bytes_with_the_session_it_runs_beside():
+    """The block of values between items (buffers.value_lifetimes, pack_buffers): an update at
+    position 2 whose output ``u`` the session at 3 reads. Run after session 1, ``u`` may take the
+    bytes of ``h`` (session 0 -> session 1, dead after 1); split to run beside session 1 it must not
+    (under `sharded`/`zero` such outputs are the new parameters on their way to the Broadcasts)."""
+    items = [(["h"], True), (["g"], True), (["u"], True), (["loss"], True)]
+    readers = {"h": [1], "g": [2], "u": [3]}
+    nbytes = {"h": 1024, "g": 1024, "u": 1024, "loss": 4}
+    for early, apart in (({}, False), ({2: {"u"}}, True)):
+        lifetimes = value_lifetimes(items, readers, nbytes, {"loss"}, {}, early)
+        assert ("u", 1024, 1 if early else 2, 3) in lifetimes
+        offsets, _ = pack_buffers(lifetimes)
+        assert (offsets["u"] != offsets["h"]) is apart
 
 
 def test_an_early_finish_registers_under_its_session_and_only_with_the_variable():

@@ -1,6 +1,7 @@
 """Where a GPU program's values live: the decisions of GpuProgram's allocation (program.py) that
 need no device, each a pure function of the step's items.
 
+- ``value_lifetimes``: which values go in that block and from which item to which they live;
 - ``pack_buffers``: the offsets of the values passed between a step's items in one block;
 - ``carried_in_place``: the state outputs written over the buffer their input is read from.
 """
@@ -36,6 +37,34 @@ def carried_in_place(items: list[tuple[list[str], list[str], bool]], readers: di
             if all(r < pos and items[r][2] for r in readers.get(src, [])):
                 pairs[out] = src
     return pairs
+
+
+def value_lifetimes(items: list[tuple[list[str], bool]], readers: dict[str, list[int]], nbytes: dict[str, int],
+                    own: set[str], once: dict[int, set[str]], early: dict[int, set[str]]) -> list[tuple[str, int, int, int]]:
+    """``(name, nbytes, first, last)`` of every value of the block (pack_buffers' input).
+    ``items``: per position, (outputs, whether it runs on the compute stream; a collective between
+    sessions does not and computes no value of the block); ``own``: values with a buffer of their
+    own (a collective's slot, state, the program's outputs). A value lives from the item that
+    computes it to its last reader, or to the step's end where a collective between sessions reads
+    it (NCCL reads it on its own stream), or all the step where its session writes it once, when
+    bound (``once``, per position: a constant it folded). ``early``, per position: outputs of an
+    update that runs beside the item before it (GpuProgram._split_update), so they live from that
+    item on."""
+    end = len(items)
+    lifetimes = []
+    for pos, (outputs, on_compute) in enumerate(items):
+        if not on_compute:
+            continue
+        for name in outputs:
+            if name in own:
+                continue
+            reads = readers.get(name, [])
+            last = end if any(not items[r][1] for r in reads) else max(reads, default=pos)
+            if name in once.get(pos, ()):
+                lifetimes.append((name, nbytes[name], 0, end))
+            else:
+                lifetimes.append((name, nbytes[name], pos - 1 if name in early.get(pos, ()) else pos, last))
+    return lifetimes
 
 
 def pack_buffers(lifetimes: list[tuple[str, int, int, int]], align: int = BUFFER_ALIGN) -> tuple[dict[str, int], int]:

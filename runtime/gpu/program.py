@@ -54,7 +54,7 @@ import numpy as np
 from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
 from runtime.executor import Backend, ProgramBase, median_timings, timing_key
-from runtime.gpu.buffers import carried_in_place, pack_buffers
+from runtime.gpu.buffers import carried_in_place, pack_buffers, value_lifetimes
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.session import OrtCudaSegment, agree_on_graphs, misaligned
 from runtime.segments import CutGraph
@@ -102,7 +102,6 @@ class GpuProgram(ProgramBase):
         self.copy_in: dict[int, list[str]] = {}
         self.outs: dict[int, list[dict[str, Any]]] = {}
         self.block_bytes = 0
-        self.in_place_outputs: set[str] = set()  # set by _allocate
         # --timings: per recorded step, (item key, start event, end event) on the item's stream.
         self.timed_steps: deque[list[tuple[tuple[str, int], Any, Any]]] | None = None
 
@@ -117,7 +116,6 @@ class GpuProgram(ProgramBase):
             if self.session_collectives is not None:  # every rank at its call 2, before any capture
                 agree_on_graphs(self.steps, self.comm, self.cut.where)
             feeds = self._allocate(feeds)
-            self._split_update()
         elif self.calls == 3:
             # The first call's outputs (GPT-2-small: 1.8 GiB) were last read by call 2: given back.
             self._release_pool()
@@ -126,7 +124,9 @@ class GpuProgram(ProgramBase):
     def _split_update(self) -> None:
         """variables.EARLY_UPDATE: a fused update right after a session with an early finish starts
         the buckets of all that session's collectives but its last on a side stream once that finish
-        passed (FusedUpdateRunner.split); decided at the first bound call. Where none splits: why."""
+        passed (FusedUpdateRunner.split); decided at the first bound call, before the block of
+        values between items is planned (``_internal_buffers`` starts the early outputs' lifetimes
+        at the session they now run beside). Where none splits: why."""
         registry = self.session_collectives
         if registry is None or registry.record_external is None:
             return
@@ -142,7 +142,7 @@ class GpuProgram(ProgramBase):
                 continue
             side = side or self.cp.cuda.Stream(non_blocking=True)  # one per program: its updates in step order
             refused = runner.split(set(registry.nodes[early.late].output), early.event, side,
-                                   self.cp.cuda.Event(disable_timing=True), self.in_place_outputs)
+                                   self.cp.cuda.Event(disable_timing=True))
             if refused:
                 why.append(f"{runner.where}: {refused}")
             split |= refused is None
@@ -279,10 +279,10 @@ class GpuProgram(ProgramBase):
                 else:
                     self.copy_in[pos].append(name)
         aliased, moved = self._own_buffers(self._in_place(feeds, bound_into), feeds)
-        self.in_place_outputs = set(aliased)  # the state the update writes over its own input (_split_update)
         carried_out, carried_in = self._own_buffers(self._carried_in_place(feeds, bound_into.keys() | aliased.keys()), feeds)
         aliased.update(carried_out)
         moved.update(carried_in)
+        self._split_update()
         internal = self._internal_buffers(bound_into, aliased)
         for pos, (item, runner) in enumerate(self.steps):
             if runner is None:
@@ -308,29 +308,23 @@ class GpuProgram(ProgramBase):
 
     def _internal_buffers(self, bound_into: dict, aliased: dict) -> dict[str, Any]:
         """A device array for every value passed between this step's items (the module docstring)."""
-        cp, end = self.cp, len(self.steps)
-        program_outputs = set(self.cut.outputs)
-        lifetimes = []
-        for pos, (item, runner) in enumerate(self.steps):
-            if runner is None:
-                continue
-            # A value a session writes once, when bound (a constant it folded), must keep its buffer.
-            once = runner.written_once() if isinstance(runner, OrtCudaSegment) else set()
-            for name in item.outputs:
-                if name in bound_into or name in aliased or name in program_outputs:
-                    continue
-                readers = self.readers.get(name, [])
-                last = end if any(self.steps[r][1] is None for r in readers) else max(readers, default=pos)
-                first, last = (0, end) if name in once else (pos, last)
-                shape, dtype = self.shapes[name]
-                lifetimes.append((name, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize, first, last))
+        cp = self.cp
+        items = [(list(item.outputs), runner is not None) for item, runner in self.steps]
+        # A session writes a constant it folded once, when bound; an update split to start early
+        # (_split_update) writes its outputs while the session before it still runs.
+        once = {pos: runner.written_once() for pos, (_, runner) in enumerate(self.steps) if isinstance(runner, OrtCudaSegment)}
+        early = {pos: runner.early_outputs() for pos, (_, runner) in enumerate(self.steps) if hasattr(runner, "early_outputs")}
+        nbytes = {name: int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                  for name, (shape, dtype) in self.shapes.items()}
+        own = set(bound_into) | set(aliased) | set(self.cut.outputs)
+        lifetimes = value_lifetimes(items, self.readers, nbytes, own, once, early)
         offsets, total = pack_buffers(lifetimes)
         self.block_bytes = total  # reported by benchmarks/gpu_memory_steps.py
         block = cp.empty(max(total, 1), dtype=np.uint8)
         internal = {}
-        for name, nbytes, _, _ in lifetimes:
+        for name, size, _, _ in lifetimes:
             shape, dtype = self.shapes[name]
-            internal[name] = block[offsets[name]:offsets[name] + nbytes].view(dtype).reshape(shape)
+            internal[name] = block[offsets[name]:offsets[name] + size].view(dtype).reshape(shape)
         return internal
 
     # -- --timings: each item's time on its own stream ------------------------------------------

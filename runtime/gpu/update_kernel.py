@@ -238,31 +238,36 @@ class FusedUpdateRunner(SegmentRunner):
         self.early: list[_Launch] = []
         self.side = self.ready = self.early_done = None
 
-    def split(self, late: set[str], ready, side, done, in_place: set[str]) -> str | None:
+    def split(self, late: set[str], ready, side, done) -> str | None:
         """From the next bound call on, the nodes reading none of ``late`` (the last collective's
         outputs) run on stream ``side`` after event ``ready``, the rest on the compute stream after
         the segment before, which then waits for ``done`` (recorded on ``side``): the step ends with
         every update done, as before. The late part may be empty (under ``sharded``, a rank that is
         not the last Reduce's root). Returns None once split; else why not, and nothing changed:
-        no node would start early, one part reads what the other writes, or an early node writes an
-        output that is not state updated in place (``in_place``: the program's; any other output
-        has bytes in the program's block, planned as if the update ran after the session, which it
-        now runs beside)."""
+        no node would start early, or one part reads what the other writes.
+
+        Where the early outputs live is the program's to make safe: state written in place, a
+        parity buffer or a collective's slot is read by nothing before the update; a value in the
+        block of values between items is placed as if computed by the session before
+        (``early_outputs``, GpuProgram._internal_buffers). The first form refused every output but
+        the state written in place, so under ``sharded`` (the new parameters go to the Broadcasts)
+        and ``zero`` (the slices to the AllGathers) nothing split."""
         early = [op for op in self.ops if not late & set(op.tensors_in)]
         rest = [op for op in self.ops if late & set(op.tensors_in)]
         early_written = {name for op in early for name in op.outputs}
         late_written = {name for op in rest for name in op.outputs}
-        not_in_place = sorted(early_written - in_place)
         if not early:
             return f"every update reads the last collective's outputs ({', '.join(sorted(late)[:3])})"
-        if not_in_place:
-            return f"{len(not_in_place)} early output(s) not updated in place, e.g. '{not_in_place[0]}'"
         if any(late_written & {*op.tensors_in, op.lr} for op in early) or any(
                 early_written & {*op.tensors_in, op.lr} for op in rest):
             return "an early update and a late one read what the other writes"
         self.early, self.launches = _launches(early), _launches(rest)
         self.side, self.ready, self.early_done = side, ready, done
         return None
+
+    def early_outputs(self) -> set[str]:
+        """The outputs of the nodes that start early (none unless ``split``)."""
+        return {name for launch in self.early for op in launch.ops for name in op.outputs}
 
     def in_place_pairs(self) -> dict[str, str]:
         """Output -> the input it may overwrite: param' -> param, slot' -> slot. Each element is
