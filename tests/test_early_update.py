@@ -28,9 +28,9 @@ from test_gpu_fused_update import SHAPES, _group
 from test_optimizer import CASES
 
 import runtime.gpu.cuda as gpu_cuda
-from runtime.gpu.buffers import pack_buffers, value_lifetimes
 from commands.main import main
 from contract.ops import FUSED_UPDATE_DOMAIN
+from runtime.gpu.buffers import pack_buffers, value_lifetimes
 from runtime.gpu.compile import SessionCollectives, Specialize, compile_segment
 from runtime.gpu.session_collectives import DOMAIN, FINISH, START, FinishRunner, Registry, _mark_early_finish
 from runtime.gpu.update_kernel import FusedUpdateRunner

@@ -36,6 +36,7 @@ from runtime.errors import RunError
 from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
 from runtime.gpu.session_collectives import DOMAIN as SESSION_COLLECTIVES_DOMAIN
 from runtime.ort_custom_ops import KernelContext, PythonOp
 from runtime.segments import build_native
@@ -50,6 +51,7 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
          CROSS_ENTROPY_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT32,
                                 onnx.TensorProto.INT64),
          ATTENTION_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
+         SCATTER_ADD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.INT64),
          # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl_types.nccl_dtype)
          SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
 

@@ -46,6 +46,8 @@ from runtime.gpu.cross_entropy import CrossEntropyRunner
 from runtime.gpu.elementwise import ElementwiseRunner
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.layernorm import LayerNormRunner
+from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
+from runtime.gpu.scatter_add import ScatterAddRunner
 from runtime.gpu.update_kernel import FusedUpdateRunner
 from runtime.segments import NativeGroup
 from runtime.variables import NATIVE_OFF
@@ -75,6 +77,8 @@ KERNELS = (
            unavailable=attention.unavailable),
     # The loss and its gradient fused (cross_entropy.py: a rewrite of the step graph, as above).
     Kernel("cross_entropy", CROSS_ENTROPY_DOMAIN, CrossEntropyRunner, in_session=True, between=False),
+    # An embedding's gradient, rows added by blocks (scatter_add.py: a rewrite of the step graph).
+    Kernel("scatter_add", SCATTER_ADD_DOMAIN, ScatterAddRunner, in_session=True, between=False),
 )
 RUNNERS = {kernel.domain: kernel.runner for kernel in KERNELS}
 IN_SESSION = "in_session"  # NATIVE_OFF's name for "run the kernels between sessions"
@@ -102,6 +106,10 @@ class NativePlan:
     @property
     def fuse_cross_entropy(self) -> bool:
         return CROSS_ENTROPY_DOMAIN in self.inside
+
+    @property
+    def fuse_scatter_add(self) -> bool:
+        return SCATTER_ADD_DOMAIN in self.inside
 
 
 def parse_off(text: str) -> frozenset[str]:
