@@ -26,6 +26,7 @@ from runtime.gpu.device import GpuDevice
 from runtime.gpu.elementwise_fusion import fuse_elementwise, fuse_relu_masks
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.host_io import HostIO
+from runtime.gpu.parameter_casts import batch_parameter_casts
 from runtime.gpu.program import GpuProgram
 from runtime.gpu.scatter_add import fuse_scatter_add
 from runtime.gpu.session import OrtCudaSegment, SessionPolicy
@@ -82,12 +83,15 @@ class GpuBackend(Backend):
 
     def prepare_step_graph(self, model):
         """The backend's own rewrites of the step graph into native nodes (cross_entropy.py,
-        scatter_add.py, elementwise_fusion.py)."""
+        scatter_add.py, parameter_casts.py, elementwise_fusion.py)."""
         if self.plan.fuse_cross_entropy:
             # First: the casts around the loss join its node, not an elementwise chain.
             model = fuse_cross_entropy(model)
         if self.plan.fuse_scatter_add:
             model = fuse_scatter_add(model)
+        if self.plan.batch_parameter_casts:
+            # Before the elementwise fusion, which would take a parameter's cast into a chain.
+            model = batch_parameter_casts(model)
         if self.plan.relu_masks:
             model = fuse_relu_masks(model, (self.plan.inside | self.plan.between) - {ELEMENTWISE_DOMAIN})
         if self.plan.fuse_elementwise:

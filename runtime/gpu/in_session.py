@@ -36,6 +36,7 @@ from runtime.errors import RunError
 from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.parameter_casts import DOMAIN as PARAMETER_CASTS_DOMAIN
 from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
 from runtime.gpu.session_collectives import DOMAIN as SESSION_COLLECTIVES_DOMAIN
 from runtime.ort_custom_ops import KernelContext, PythonOp
@@ -52,6 +53,7 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
                                 onnx.TensorProto.INT64),
          ATTENTION_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
          SCATTER_ADD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.INT64),
+         PARAMETER_CASTS_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
          # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl_types.nccl_dtype)
          SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
 

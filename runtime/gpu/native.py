@@ -46,6 +46,8 @@ from runtime.gpu.cross_entropy import CrossEntropyRunner
 from runtime.gpu.elementwise import ElementwiseRunner
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.layernorm import LayerNormRunner
+from runtime.gpu.parameter_casts import DOMAIN as PARAMETER_CASTS_DOMAIN
+from runtime.gpu.parameter_casts import ParameterCastRunner
 from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
 from runtime.gpu.scatter_add import ScatterAddRunner
 from runtime.gpu.update_kernel import FusedUpdateRunner
@@ -79,6 +81,8 @@ KERNELS = (
     Kernel("cross_entropy", CROSS_ENTROPY_DOMAIN, CrossEntropyRunner, in_session=True, between=False),
     # An embedding's gradient, rows added by blocks (scatter_add.py: a rewrite of the step graph).
     Kernel("scatter_add", SCATTER_ADD_DOMAIN, ScatterAddRunner, in_session=True, between=False),
+    # The parameters' casts to bfloat16 in one launch (parameter_casts.py: a rewrite, as above).
+    Kernel("parameter_casts", PARAMETER_CASTS_DOMAIN, ParameterCastRunner, in_session=True, between=False),
 )
 RUNNERS = {kernel.domain: kernel.runner for kernel in KERNELS}
 IN_SESSION = "in_session"  # NATIVE_OFF's name for "run the kernels between sessions"
@@ -110,6 +114,10 @@ class NativePlan:
     @property
     def fuse_scatter_add(self) -> bool:
         return SCATTER_ADD_DOMAIN in self.inside
+
+    @property
+    def batch_parameter_casts(self) -> bool:
+        return PARAMETER_CASTS_DOMAIN in self.inside
 
 
 def parse_off(text: str) -> frozenset[str]:
