@@ -107,6 +107,23 @@ def test_casts_are_made_once_per_value(model_dir):
     assert all(n.outputs[0].dtype == BF16 for n in casts)
 
 
+def test_casts_sit_before_the_moves_and_never_round_trip(model_dir):
+    """A float32 value that reaches the low-precision products only through moves (an attention's
+    query: the bias Add, Reshape, Transpose) is cast before the moves, next to the node that made
+    it; and no gradient is cast up and straight down again (the backward of such a cast)."""
+    job = build(model_dir("gpt") / "model.onnx", Options(precision="bf16"))
+    graph = job.single.step.graph
+    moves = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+    down = [n for n in graph if n.op_type == "Cast" and n.attributes["to"].as_int() == BF16]
+    assert not [n.name for n in down if (p := n.inputs[0].producer()) is not None and p.op_type in moves]
+    queries = [n for n in down if (p := n.inputs[0].producer()) is not None and p.op_type == "Add"
+               and any(u.node.op_type == "Reshape" for u in n.outputs[0].uses())]
+    assert len(queries) == 12  # Q, K and V of each of the 4 blocks
+    round_trips = [n.name for n in down if (p := n.inputs[0].producer()) is not None and p.op_type == "Cast"
+                   and p.inputs[0].dtype == BF16]
+    assert round_trips == []
+
+
 def test_master_weights_gradients_and_optimizer_state_stay_float32(model_dir):
     job = build(model_dir("gpt") / "model.onnx", Options(world_size=2, precision="bf16",
                                                         optimizer=OptimizerConfig("adamw", lr=1e-3)))

@@ -53,7 +53,8 @@ def test_the_rewrite_computes_what_the_scatter_computed():
     original = _model()
     expected = _run(original, feeds)
     fused = fuse_scatter_add(_model())
-    assert [n.domain for n in fused.graph.node if n.name == "wte/grad"] == [DOMAIN]
+    (node,) = [n for n in fused.graph.node if n.name == "wte/grad"]
+    assert node.domain == DOMAIN and [(a.name, a.i) for a in node.attribute] == [("zeros", 1)]
     onnx.checker.check_model(fused)
     np.testing.assert_array_equal(_run(fused, feeds), expected)
 
@@ -79,15 +80,15 @@ needs_gpu = pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("in_place", [False, True])
-def test_the_kernel_equals_numpy_add_at(in_place):
+@pytest.mark.parametrize("in_place, zeros", [(False, False), (True, False), (False, True)])
+def test_the_kernel_equals_numpy_add_at(in_place, zeros):
     import cupy as cp
 
     from runtime.gpu.device import GpuDevice
 
     rows, width = 300, 770  # a width no multiple of the block's threads
     rng = np.random.default_rng(3)
-    data = rng.standard_normal((rows, width)).astype(np.float32)
+    data = np.zeros((rows, width), np.float32) if zeros else rng.standard_normal((rows, width)).astype(np.float32)
     ids = rng.integers(-rows, rows, (4, 64)).astype(np.int64)
     ids[0, :10] = 7  # one row added ten times
     ids[1, 0], ids[1, 1] = rows, -rows - 1  # outside: nothing added
@@ -95,7 +96,8 @@ def test_the_kernel_equals_numpy_add_at(in_place):
     inside = (ids >= -rows) & (ids < rows)
     expected = data.copy()
     np.add.at(expected, ids[inside] % rows, updates[inside])
-    node = helper.make_node("ScatterAddRows_0", ["data", "ids", "updates"], ["out"], domain=DOMAIN, name="wte/grad")
+    node = helper.make_node("ScatterAddRows_0", ["data", "ids", "updates"], ["out"], domain=DOMAIN, name="wte/grad",
+                            **({"zeros": 1} if zeros else {}))
     device = GpuDevice(0, tf32=False)
     runner = ScatterAddRunner(NativeGroup(0, 0, 3, (node,), ("data", "ids", "updates"), ("out",)), "test", device)
     for call in range(3):  # the first call (allocate), then bound calls into the same buffers

@@ -101,6 +101,13 @@ def _cast(ctx: RuleContext, dy: ir.Value) -> ir.Value:
     # Only reached for float -> float casts: non-float values carry no gradient, so the backward
     # never asks for one through an int or bool cast.
     x = ctx.inputs[0]
+    # A float32 dy that is a bf16/fp16 value widened (the backward of a cast down, --precision):
+    # cast back to that dtype it is that value, exactly, so it is returned without the round trip.
+    source = dy.producer()
+    if (source is not None and source.op_type == "Cast" and source.domain in ("", "ai.onnx")
+            and dy.dtype == ir.DataType.FLOAT and source.inputs[0] is not None
+            and source.inputs[0].dtype == ctx.dtype(x) in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)):
+        return source.inputs[0]
     return ctx.op("Cast", [dy], {"to": ctx.dtype(x)}, like=x)
 
 
