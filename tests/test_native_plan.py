@@ -57,7 +57,7 @@ def test_without_custom_ops_the_kernels_worth_it_run_between_sessions_and_the_li
                             ELEMENTWISE_DOMAIN}
     assert plan.on == ("update", "conv_grad", "batchnorm", "relu_mask") and not plan.fuse_elementwise
     assert plan.line == ("update, conv_grad, batchnorm, relu_mask between the onnxruntime sessions; layernorm, "
-                         "elementwise, attention, cross_entropy, scatter_add, parameter_casts off (they pay only inside a session): no custom ops, no C compiler "
+                         "elementwise, attention, cross_entropy, scatter_add, parameter_casts, bias_grad off (they pay only inside a session): no custom ops, no C compiler "
                          "(cc not found; set CC)")
 
 
@@ -76,7 +76,7 @@ def test_with_custom_ops_every_kernel_runs_inside_but_the_update():
     plan = native.decide(ort)
     assert plan.on == tuple(k.name for k in native.KERNELS)
     assert plan.between == {FUSED_UPDATE_DOMAIN} and LAYERNORM_DOMAIN in plan.inside and ELEMENTWISE_DOMAIN in plan.inside
-    assert plan.line == ("conv_grad, batchnorm, layernorm, elementwise, relu_mask, attention, cross_entropy, scatter_add, parameter_casts inside the onnxruntime "
+    assert plan.line == ("conv_grad, batchnorm, layernorm, elementwise, relu_mask, attention, cross_entropy, scatter_add, parameter_casts, bias_grad inside the onnxruntime "
                          "sessions, update between them")
 
 

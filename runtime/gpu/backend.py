@@ -20,6 +20,7 @@ from runtime import variables
 from runtime.errors import RunError
 from runtime.executor import Backend
 from runtime.gpu import native, session_collectives
+from runtime.gpu.bias_grad import fuse_bias_grads
 from runtime.gpu.compile import default_passes
 from runtime.gpu.cross_entropy import fuse_cross_entropy
 from runtime.gpu.device import GpuDevice
@@ -83,12 +84,14 @@ class GpuBackend(Backend):
 
     def prepare_step_graph(self, model):
         """The backend's own rewrites of the step graph into native nodes (cross_entropy.py,
-        scatter_add.py, parameter_casts.py, elementwise_fusion.py)."""
+        scatter_add.py, bias_grad.py, parameter_casts.py, elementwise_fusion.py)."""
         if self.plan.fuse_cross_entropy:
             # First: the casts around the loss join its node, not an elementwise chain.
             model = fuse_cross_entropy(model)
         if self.plan.fuse_scatter_add:
             model = fuse_scatter_add(model)
+        if self.plan.fuse_bias_grads:
+            model = fuse_bias_grads(model)
         if self.plan.batch_parameter_casts:
             # Before the elementwise fusion, which would take a parameter's cast into a chain.
             model = batch_parameter_casts(model)

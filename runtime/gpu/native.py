@@ -40,6 +40,8 @@ from runtime.executor import SegmentRunner
 from runtime.gpu import attention
 from runtime.gpu.attention import AttentionRunner
 from runtime.gpu.batchnorm import BatchNormRunner
+from runtime.gpu.bias_grad import DOMAIN as BIAS_GRAD_DOMAIN
+from runtime.gpu.bias_grad import BiasGradRunner
 from runtime.gpu.conv_grad import ConvGradRunner
 from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.cross_entropy import CrossEntropyRunner
@@ -83,6 +85,8 @@ KERNELS = (
     Kernel("scatter_add", SCATTER_ADD_DOMAIN, ScatterAddRunner, in_session=True, between=False),
     # The parameters' casts to bfloat16 in one launch (parameter_casts.py: a rewrite, as above).
     Kernel("parameter_casts", PARAMETER_CASTS_DOMAIN, ParameterCastRunner, in_session=True, between=False),
+    # A bias gradient summed from bfloat16 values, no float32 copy (bias_grad.py: a rewrite, as above).
+    Kernel("bias_grad", BIAS_GRAD_DOMAIN, BiasGradRunner, in_session=True, between=False),
 )
 RUNNERS = {kernel.domain: kernel.runner for kernel in KERNELS}
 IN_SESSION = "in_session"  # NATIVE_OFF's name for "run the kernels between sessions"
@@ -118,6 +122,10 @@ class NativePlan:
     @property
     def batch_parameter_casts(self) -> bool:
         return PARAMETER_CASTS_DOMAIN in self.inside
+
+    @property
+    def fuse_bias_grads(self) -> bool:
+        return BIAS_GRAD_DOMAIN in self.inside
 
 
 def parse_off(text: str) -> frozenset[str]:

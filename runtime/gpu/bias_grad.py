@@ -1,0 +1,176 @@
+"""A bias gradient from a bfloat16 tensor in one pass on the GPU: ``ReduceSum`` over the leading
+axes of a ``Cast`` to float32 of a bfloat16 value (the Cast read by nothing else) becomes one node
+of ``DOMAIN``, run inside its onnxruntime session by two CuPy RawKernel launches that read the
+bfloat16 bits and sum in float32.
+
+Why: under ``--precision bf16`` the gradient of an attention's query, key and value arrives from
+the fused attention's backward in bfloat16, and the bias of each (float32, summed in float32:
+ReduceSum is on autocast's float32 list, docs/precision.md) is the column sum of its widening.
+onnxruntime runs a Cast (a float32 copy of the whole gradient) and then its reduction: 36 passes
+of each kind over 4,096 x 768 values per GPT-2-small step. Here the sum reads the bfloat16 values
+once, and nothing of the activation's size is written.
+
+Kernels (the input viewed as R rows of C, R the product of the summed axes):
+- ``bias_grad_partial``: the rows cut into runs (layernorm.row_parts: about 512 blocks); one block
+  of 32 x 8 threads per 32 columns and run, each thread summing every 8th row of the run in its
+  column, one row of threads then the 8 sums in order;
+- ``bias_grad_final``: one thread per column sums its runs' partial sums in order.
+Deterministic (the runs depend only on the shape); float32 sums in another order than
+onnxruntime's, so not its bits. The fused node carries a function (the Cast and the ReduceSum), so a
+session that cannot take it computes what the graph computed before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from runtime.errors import RunError
+from runtime.gpu.kernel_runner import RawKernelRunner
+from runtime.gpu.layernorm import PART_LANES, row_parts
+
+DOMAIN = "graph_transpiler.gpu.bias_grad"  # the runtime's own: the fused nodes of this rewrite
+OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepdims), attribute keepdims
+
+SOURCE = r"""
+#define PART_LANES 8
+extern "C" __global__ void bias_grad_partial(const unsigned short* __restrict__ x, float* __restrict__ partial,
+                                             long long R, int C, long long rows_per_part) {
+    __shared__ float s_sum[PART_LANES][33];
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    const long long first = blockIdx.y * rows_per_part;
+    const long long last = first + rows_per_part < R ? first + rows_per_part : R;
+    float a = 0.f;
+    if (col < C)
+        for (long long r = first + threadIdx.y; r < last; r += PART_LANES)
+            a += __uint_as_float(((unsigned int)x[r * C + col]) << 16);
+    s_sum[threadIdx.y][threadIdx.x] = a;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < C) {
+        float t = 0.f;
+        for (int k = 0; k < PART_LANES; ++k) t += s_sum[k][threadIdx.x];
+        partial[(long long)blockIdx.y * C + col] = t;
+    }
+}
+
+extern "C" __global__ void bias_grad_final(const float* __restrict__ partial, int parts, int C, float* __restrict__ out) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    float a = 0.f;
+    for (int p = 0; p < parts; ++p) a += partial[(long long)p * C + col];
+    out[col] = a;
+}
+"""
+
+
+def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each ReduceSum over leading axes (a constant ``axes`` input [0, .., k-1]) of a
+    Cast to float32 that only it reads made one ``DOMAIN`` node reading the Cast's input, in place;
+    returned. Whether that input is bfloat16 is in_session.TAKES' to decide (this domain takes
+    bfloat16 and float32: a Cast from float16 or double leaves the node to its function)."""
+    graph = model.graph
+    nodes = list(graph.node)
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output}
+    readers: dict[str, int] = {}
+    for n in nodes:
+        for name in n.input:
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    dropped, fused = set(), 0
+    for node in graph.node:
+        if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        c = producer.get(node.input[0])
+        cast = None if c is None else nodes[c]
+        if (cast is None or cast.op_type != "Cast" or readers.get(cast.output[0]) != 1 or cast.output[0] in outputs
+                or next((a.i for a in cast.attribute if a.name == "to"), None) != onnx.TensorProto.FLOAT
+                or not _leading(producer.get(node.input[1]), nodes)):
+            continue
+        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        op_type = f"{OP}_{fused}"
+        body = [helper.make_node("Cast", ["x"], ["wide"], to=onnx.TensorProto.FLOAT),
+                helper.make_node("ReduceSum", ["wide", "axes"], ["sum"], keepdims=keepdims)]
+        model.functions.append(helper.make_function(DOMAIN, op_type, ["x", "axes"], ["sum"], body, opsets))
+        node.input[0] = cast.input[0]
+        node.domain, node.op_type = DOMAIN, op_type
+        del node.attribute[:]
+        node.attribute.append(helper.make_attribute("keepdims", keepdims))
+        dropped.add(c)
+        fused += 1
+    if fused:
+        kept = [n for k, n in enumerate(nodes) if k not in dropped]
+        del graph.node[:]
+        graph.node.extend(kept)
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def _leading(k: int | None, nodes) -> bool:
+    """Whether node ``k`` is a Constant of axes [0, 1, .., n-1]."""
+    if k is None or nodes[k].op_type != "Constant":
+        return False
+    value = next((helper.get_attribute_value(a) for a in nodes[k].attribute if a.name == "value"), None)
+    axes = None if value is None else onnx.numpy_helper.to_array(value).reshape(-1).tolist()
+    return bool(axes) and axes == list(range(len(axes)))
+
+
+@dataclass
+class _Node:
+    name: str
+    inputs: list[str]  # x, axes
+    output: str
+
+    @classmethod
+    def from_node(cls, node, where: str) -> _Node:
+        if not node.op_type.startswith(OP) or len(node.input) != 2 or len(node.output) != 1:
+            raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused "
+                           f"{OP} node (2 inputs, 1 output)")
+        return cls(node.name, list(node.input), node.output[0])
+
+
+class BiasGradRunner(RawKernelRunner):
+    """One fused node's two launches (the module docstring); the partial sums live in a buffer the
+    runner keeps (a captured graph replays with its pointer)."""
+
+    SOURCE = SOURCE
+    KERNELS = ("bias_grad_partial", "bias_grad_final")
+    WHAT = "bias gradients"
+
+    def __init__(self, group, where: str, device):
+        super().__init__(group, where, device)
+        self.partial = None
+
+    def parse(self, node) -> _Node:
+        return _Node.from_node(node, self.where)
+
+    def launch(self, values, allocate: bool) -> None:
+        cp = self.cp
+        partial_sums, final_sums = self.functions()
+        with self.stream:
+            for op in self.ops:
+                x, axes = values[op.inputs[0]], values[op.inputs[1]]
+                lead = int(axes.size)
+                rows = int(np.prod(x.shape[:lead], dtype=np.int64))
+                width = int(np.prod(x.shape[lead:], dtype=np.int64))
+                parts = row_parts(rows, width)
+                if allocate:
+                    if x.dtype != np.uint16 or not x.flags.c_contiguous or lead > x.ndim:
+                        raise RunError(f"{self.where}: '{op.name}': x must be contiguous bfloat16 with at least "
+                                       f"{lead} axes, got {x.dtype} {tuple(x.shape)}")
+                    if op.output not in values:  # given where the node runs inside a session (in_session.py)
+                        values[op.output] = cp.empty(x.shape[lead:], np.float32)
+                    if values[op.output].size != width or values[op.output].dtype != np.float32:
+                        raise RunError(f"{self.where}: '{op.name}': the output must be float32 of {width} elements")
+                    if self.partial is None or self.partial.size < parts * width:
+                        self.partial = cp.empty(parts * width, dtype=np.float32)
+                try:
+                    partial_sums((-(-width // 32), parts), (32, PART_LANES),
+                                 (x, self.partial, np.int64(rows), np.int32(width), np.int64(-(-rows // parts))))
+                    final_sums((-(-width // 256),), (256,), (self.partial, np.int32(parts), np.int32(width),
+                                                             values[op.output]))
+                except Exception as exc:
+                    raise self.launch_error(op.name, exc) from None
