@@ -1,7 +1,7 @@
 """A bias gradient from a bfloat16 tensor in one pass on the GPU: ``ReduceSum`` over the leading
 axes of a ``Cast`` to float32 of a bfloat16 value (the Cast read by nothing else) becomes one node
-of ``DOMAIN``, run inside its onnxruntime session by two CuPy RawKernel launches that read the
-bfloat16 bits and sum in float32.
+of ``DOMAIN``, run inside its onnxruntime session by one CuPy RawKernel launch that reads the
+bfloat16 bits and sums in float32.
 
 Why: under ``--precision bf16`` the gradient of an attention's query, key and value arrives from
 the fused attention's backward in bfloat16, and the bias of each (float32, summed in float32:
@@ -10,11 +10,11 @@ onnxruntime runs a Cast (a float32 copy of the whole gradient) and then its redu
 of each kind over 4,096 x 768 values per GPT-2-small step. Here the sum reads the bfloat16 values
 once, and nothing of the activation's size is written.
 
-Kernels (the input viewed as R rows of C, R the product of the summed axes):
-- ``bias_grad_partial``: the rows cut into runs (layernorm.row_parts: about 512 blocks); one block
-  of 32 x 8 threads per 32 columns and run, each thread summing every 8th row of the run in its
-  column, one row of threads then the 8 sums in order;
-- ``bias_grad_final``: one thread per column sums its runs' partial sums in order.
+Kernel ``bias_grad`` (the input viewed as R rows of C, R the product of the summed axes): the
+rows cut into runs (layernorm.row_parts: about 512 blocks); one block of 32 x 8 threads per 32
+columns and run, each thread summing every 8th row of the run in its column, one row of threads
+then the 8 sums in order; the last block of each 32 columns to finish sums their runs' partial sums
+in order.
 Deterministic (the runs depend only on the shape); float32 sums in another order than
 onnxruntime's, so not its bits. The fused node carries a function (the Cast and the ReduceSum), so a
 session that cannot take it computes what the graph computed before.
@@ -37,31 +37,40 @@ OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepd
 
 SOURCE = r"""
 #define PART_LANES 8
-extern "C" __global__ void bias_grad_partial(const unsigned short* __restrict__ x, float* __restrict__ partial,
-                                             long long R, int C, long long rows_per_part) {
+// The runs of rows as layernorm.py's layer_norm_grad_params cuts them; the last block of a strip of
+// 32 columns to finish sums the strip's parts in order and sets its counter back to 0.
+extern "C" __global__ void bias_grad(const unsigned short* __restrict__ x, float* __restrict__ partial,
+                                     unsigned int* __restrict__ counters, float* __restrict__ out,
+                                     long long R, int C, long long rows_per_part) {
     __shared__ float s_sum[PART_LANES][33];
+    __shared__ bool last;
     const int col = blockIdx.x * 32 + threadIdx.x;
     const long long first = blockIdx.y * rows_per_part;
-    const long long last = first + rows_per_part < R ? first + rows_per_part : R;
+    const long long end = first + rows_per_part < R ? first + rows_per_part : R;
     float a = 0.f;
     if (col < C)
-        for (long long r = first + threadIdx.y; r < last; r += PART_LANES)
+        for (long long r = first + threadIdx.y; r < end; r += PART_LANES)
             a += __uint_as_float(((unsigned int)x[r * C + col]) << 16);
     s_sum[threadIdx.y][threadIdx.x] = a;
     __syncthreads();
+    const long long parts = gridDim.y;
     if (threadIdx.y == 0 && col < C) {
         float t = 0.f;
         for (int k = 0; k < PART_LANES; ++k) t += s_sum[k][threadIdx.x];
         partial[(long long)blockIdx.y * C + col] = t;
     }
-}
-
-extern "C" __global__ void bias_grad_final(const float* __restrict__ partial, int parts, int C, float* __restrict__ out) {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= C) return;
-    float a = 0.f;
-    for (int p = 0; p < parts; ++p) a += partial[(long long)p * C + col];
-    out[col] = a;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == parts - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.y == 0 && col < C) {
+        float t = 0.f;
+        for (long long p = 0; p < parts; ++p) t += __ldcg(partial + p * C + col);
+        out[col] = t;
+    }
+    if (threadIdx.x == 0 && threadIdx.y == 0) counters[blockIdx.x] = 0u;
 }
 """
 
@@ -133,23 +142,24 @@ class _Node:
 
 
 class BiasGradRunner(RawKernelRunner):
-    """One fused node's two launches (the module docstring); the partial sums live in a buffer the
-    runner keeps (a captured graph replays with its pointer)."""
+    """One fused node's launch (the module docstring); the partial sums and the strips' counters live
+    in buffers the runner keeps (a captured graph replays with their pointers)."""
 
     SOURCE = SOURCE
-    KERNELS = ("bias_grad_partial", "bias_grad_final")
+    KERNELS = ("bias_grad",)
     WHAT = "bias gradients"
 
     def __init__(self, group, where: str, device):
         super().__init__(group, where, device)
         self.partial = None
+        self.counters = None  # per strip of 32 columns: its blocks done (0 between launches)
 
     def parse(self, node) -> _Node:
         return _Node.from_node(node, self.where)
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        partial_sums, final_sums = self.functions()
+        (kernel,) = self.functions()
         with self.stream:
             for op in self.ops:
                 x, axes = values[op.inputs[0]], values[op.inputs[1]]
@@ -167,10 +177,11 @@ class BiasGradRunner(RawKernelRunner):
                         raise RunError(f"{self.where}: '{op.name}': the output must be float32 of {width} elements")
                     if self.partial is None or self.partial.size < parts * width:
                         self.partial = cp.empty(parts * width, dtype=np.float32)
+                    if self.counters is None or self.counters.size < -(-width // 32):
+                        self.counters = cp.zeros(-(-width // 32), dtype=np.uint32)
                 try:
-                    partial_sums((-(-width // 32), parts), (32, PART_LANES),
-                                 (x, self.partial, np.int64(rows), np.int32(width), np.int64(-(-rows // parts))))
-                    final_sums((-(-width // 256),), (256,), (self.partial, np.int32(parts), np.int32(width),
-                                                             values[op.output]))
+                    kernel((-(-width // 32), parts), (32, PART_LANES),
+                           (x, self.partial, self.counters, values[op.output], np.int64(rows), np.int32(width),
+                            np.int64(-(-rows // parts))))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None

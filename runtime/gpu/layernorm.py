@@ -1,5 +1,5 @@
 """The LayerNorm gradient on the GPU: ``graph_transpiler.layernorm::LayerNormGrad`` nodes
-(transpiler/layernorm_ops.py, docs/contracts.md) run as three CuPy RawKernel launches each.
+(transpiler/layernorm_ops.py, docs/contracts.md) run as two CuPy RawKernel launches each.
 
 Why: the node's function in standard ops is about 13 onnxruntime kernels, each a pass over the
 activation (onnxruntime fuses none of them); PyTorch runs two (``layer_norm_grad_input`` and
@@ -10,10 +10,10 @@ Kernels (float32, X viewed as R rows of C):
   the row (warp shuffles, then one warp over the warps' sums), a second writes
   dX = inv * (g - sum(g) / C - xhat * sum(g * xhat) / C), re-reading the row (from L1/L2); four
   consecutive elements per thread, as one 16-byte load where the width and pointers allow.
-- ``layer_norm_grad_params_partial``: the rows cut into ``row_parts`` runs; one block of 32 x 8
-  threads per 32 columns and run, each thread summing every 8th row of the run in its column, one
-  row of threads then the 8 sums in order, into a buffer of partial sums the runner keeps;
-  ``layer_norm_grad_params_final``: one thread per column sums its runs' partial sums in order.
+- ``layer_norm_grad_params``: the rows cut into ``row_parts`` runs; one block of 32 x 8 threads
+  per 32 columns and run, each thread summing every 8th row of the run in its column, one row of
+  threads then the 8 sums in order, into a buffer of partial sums the runner keeps; the last block
+  of each 32 columns to finish sums their runs' partial sums in order.
 Both are deterministic: the same inputs give the same bits on every run (the runs depend only on
 the shape).
 
@@ -88,22 +88,26 @@ extern "C" __global__ void layer_norm_grad_input(const float* __restrict__ dy, c
     }
 }
 
-// dscale and dbias in two launches: the rows cut into ``parts`` runs, each block (32 columns x
-// PART_LANES row lanes) sums its run into ``partial`` (parts x C for dscale, then for dbias); then
-// one thread per column sums its parts in order. One block per 32 columns over all rows (the
-// first form) kept 24 blocks busy on GPT-2-small's C = 768: 27 us a node on an H200.
+// dscale and dbias in one launch: the rows cut into ``parts`` runs, each block (32 columns x
+// PART_LANES row lanes) sums its run into ``partial`` (parts x C for dscale, then for dbias); the
+// last block of a column strip to finish (a counter per strip, the CUDA samples' threadfence
+// reduction) sums the strip's parts in order and sets its counter back to 0 for the next launch.
+// One block per 32 columns over all rows (the first form) kept 24 blocks busy on GPT-2-small's
+// C = 768: 27 us a node on an H200; a second launch for the sums cost 2.5 us more a node.
 #define PART_LANES 8
-extern "C" __global__ void layer_norm_grad_params_partial(const float* __restrict__ dy, const float* __restrict__ x,
-                                                          const float* __restrict__ mean, const float* __restrict__ inv,
-                                                          float* __restrict__ partial, long long R, int C,
-                                                          long long rows_per_part) {
+extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, const float* __restrict__ x,
+                                                  const float* __restrict__ mean, const float* __restrict__ inv,
+                                                  float* __restrict__ partial, unsigned int* __restrict__ counters,
+                                                  float* __restrict__ dscale, float* __restrict__ dbias,
+                                                  long long R, int C, long long rows_per_part) {
     __shared__ float s_scale[PART_LANES][33], s_bias[PART_LANES][33];
+    __shared__ bool last;
     const int col = blockIdx.x * 32 + threadIdx.x;
     const long long first = blockIdx.y * rows_per_part;
-    const long long last = first + rows_per_part < R ? first + rows_per_part : R;
+    const long long end = first + rows_per_part < R ? first + rows_per_part : R;
     float a = 0.f, b = 0.f;
     if (col < C) {
-        for (long long r = first + threadIdx.y; r < last; r += PART_LANES) {
+        for (long long r = first + threadIdx.y; r < end; r += PART_LANES) {
             const float d = dy[r * C + col];
             a += d * ((x[r * C + col] - mean[r]) * inv[r]);
             b += d;
@@ -112,22 +116,29 @@ extern "C" __global__ void layer_norm_grad_params_partial(const float* __restric
     s_scale[threadIdx.y][threadIdx.x] = a;
     s_bias[threadIdx.y][threadIdx.x] = b;
     __syncthreads();
+    const long long parts = gridDim.y;
     if (threadIdx.y == 0 && col < C) {
         float ta = 0.f, tb = 0.f;
         for (int k = 0; k < PART_LANES; ++k) { ta += s_scale[k][threadIdx.x]; tb += s_bias[k][threadIdx.x]; }
         partial[(long long)blockIdx.y * C + col] = ta;
-        partial[(long long)(gridDim.y + blockIdx.y) * C + col] = tb;
+        partial[(parts + blockIdx.y) * C + col] = tb;
     }
-}
-
-extern "C" __global__ void layer_norm_grad_params_final(const float* __restrict__ partial, int parts, int C,
-                                                        float* __restrict__ dscale, float* __restrict__ dbias) {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= C) return;
-    float a = 0.f, b = 0.f;
-    for (int p = 0; p < parts; ++p) { a += partial[(long long)p * C + col]; b += partial[(long long)(parts + p) * C + col]; }
-    dscale[col] = a;
-    dbias[col] = b;
+    __threadfence();  // this block's parts are visible to every block before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == parts - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.y == 0 && col < C) {
+        float ta = 0.f, tb = 0.f;
+        for (long long p = 0; p < parts; ++p) {  // in order: the same bits on every run
+            ta += __ldcg(partial + p * C + col);
+            tb += __ldcg(partial + (parts + p) * C + col);
+        }
+        dscale[col] = ta;
+        dbias[col] = tb;
+    }
+    if (threadIdx.x == 0 && threadIdx.y == 0) counters[blockIdx.x] = 0u;
 }
 """
 
@@ -168,12 +179,13 @@ class LayerNormRunner(RawKernelRunner):
     """A NativeGroup of LayerNormGrad nodes, run on the device's compute stream (the module docstring)."""
 
     SOURCE = SOURCE
-    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params_partial", "layer_norm_grad_params_final")
+    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params")
     WHAT = "LayerNorm gradients"
 
     def __init__(self, group, where: str, device):
         super().__init__(group, where, device)
         self.partial = None  # the partial sums of dscale and dbias (allocated by the first call)
+        self.counters = None  # per strip of 32 columns: its blocks done (0 between launches)
 
     def parse(self, node) -> _Node:
         return _Node.from_node(node, self.where)
@@ -199,7 +211,7 @@ class LayerNormRunner(RawKernelRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        grad_input, partial_sums, final_sums = self.functions()
+        grad_input, grad_params = self.functions()
         with self.stream:
             for op in self.ops:
                 x = values[op.inputs[1]]
@@ -215,6 +227,8 @@ class LayerNormRunner(RawKernelRunner):
                     # one stream, and a captured graph replays with its pointer.
                     if self.partial is None or self.partial.size < 2 * parts * width:
                         self.partial = cp.empty(2 * parts * width, dtype=np.float32)
+                    if self.counters is None or self.counters.size < -(-width // 32):
+                        self.counters = cp.zeros(-(-width // 32), dtype=np.uint32)
                 dy, _, scale, mean, inv = (values[name] for name in op.inputs)
                 dx, dscale, dbias = (values[name] for name in op.outputs)
                 # 16-byte loads where every row starts 16-byte aligned (onnxruntime's and CuPy's
@@ -222,9 +236,8 @@ class LayerNormRunner(RawKernelRunner):
                 vec = np.int32(width % 4 == 0 and all(a.data.ptr % 16 == 0 for a in (dy, x, scale, dx)))
                 try:
                     grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width), vec))
-                    partial_sums((-(-width // 32), parts), (32, PART_LANES),
-                                 (dy, x, mean, inv, self.partial, np.int64(rows), np.int32(width),
-                                  np.int64(-(-rows // parts))))
-                    final_sums((-(-width // 256),), (256,), (self.partial, np.int32(parts), np.int32(width), dscale, dbias))
+                    grad_params((-(-width // 32), parts), (32, PART_LANES),
+                                (dy, x, mean, inv, self.partial, self.counters, dscale, dbias, np.int64(rows),
+                                 np.int32(width), np.int64(-(-rows // parts))))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None
