@@ -20,16 +20,12 @@ from runtime import variables
 from runtime.errors import RunError
 from runtime.executor import Backend
 from runtime.gpu import native, session_collectives
-from runtime.gpu.bias_grad import fuse_bias_grads
 from runtime.gpu.compile import default_passes
-from runtime.gpu.cross_entropy import fuse_cross_entropy
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.elementwise_fusion import fuse_elementwise, fuse_relu_masks
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.host_io import HostIO
-from runtime.gpu.parameter_casts import batch_parameter_casts
 from runtime.gpu.program import GpuProgram
-from runtime.gpu.scatter_add import fuse_scatter_add
 from runtime.gpu.session import OrtCudaSegment, SessionPolicy
 from runtime.segments import NativeGroup
 
@@ -83,18 +79,11 @@ class GpuBackend(Backend):
         return self.plan.line
 
     def prepare_step_graph(self, model):
-        """The backend's own rewrites of the step graph into native nodes (cross_entropy.py,
-        scatter_add.py, bias_grad.py, parameter_casts.py, elementwise_fusion.py)."""
-        if self.plan.fuse_cross_entropy:
-            # First: the casts around the loss join its node, not an elementwise chain.
-            model = fuse_cross_entropy(model)
-        if self.plan.fuse_scatter_add:
-            model = fuse_scatter_add(model)
-        if self.plan.fuse_bias_grads:
-            model = fuse_bias_grads(model)
-        if self.plan.batch_parameter_casts:
-            # Before the elementwise fusion, which would take a parameter's cast into a chain.
-            model = batch_parameter_casts(model)
+        """The backend's own rewrites of the step graph into native nodes (the native table's, in
+        its order: cross_entropy.py, scatter_add.py, parameter_casts.py, bias_grad.py; then
+        elementwise_fusion.py's)."""
+        for rewrite in self.plan.rewrites:
+            model = rewrite(model)
         if self.plan.relu_masks:
             model = fuse_relu_masks(model, (self.plan.inside | self.plan.between) - {ELEMENTWISE_DOMAIN})
         if self.plan.fuse_elementwise:

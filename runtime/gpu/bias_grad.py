@@ -29,13 +29,13 @@ import onnx
 from onnx import helper
 
 from runtime.errors import RunError
-from runtime.gpu.kernel_runner import RawKernelRunner
+from runtime.gpu.kernel_runner import LAST_BLOCK, RawKernelRunner, refuse_unless
 from runtime.gpu.layernorm import PART_LANES, row_parts
 
 DOMAIN = "graph_transpiler.gpu.bias_grad"  # the runtime's own: the fused nodes of this rewrite
 OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepdims), attribute keepdims
 
-SOURCE = r"""
+SOURCE = LAST_BLOCK + r"""
 #define PART_LANES 8
 // The runs of rows as layernorm.py's layer_norm_grad_params cuts them; the last block of a strip of
 // 32 columns to finish sums the strip's parts in order and sets its counter back to 0.
@@ -43,7 +43,6 @@ extern "C" __global__ void bias_grad(const unsigned short* __restrict__ x, float
                                      unsigned int* __restrict__ counters, float* __restrict__ out,
                                      long long R, int C, long long rows_per_part) {
     __shared__ float s_sum[PART_LANES][33];
-    __shared__ bool last;
     const int col = blockIdx.x * 32 + threadIdx.x;
     const long long first = blockIdx.y * rows_per_part;
     const long long end = first + rows_per_part < R ? first + rows_per_part : R;
@@ -59,18 +58,12 @@ extern "C" __global__ void bias_grad(const unsigned short* __restrict__ x, float
         for (int k = 0; k < PART_LANES; ++k) t += s_sum[k][threadIdx.x];
         partial[(long long)blockIdx.y * C + col] = t;
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == parts - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!gt_last_block(counters)) return;
     if (threadIdx.y == 0 && col < C) {
         float t = 0.f;
         for (long long p = 0; p < parts; ++p) t += __ldcg(partial + p * C + col);
         out[col] = t;
     }
-    if (threadIdx.x == 0 && threadIdx.y == 0) counters[blockIdx.x] = 0u;
 }
 """
 
@@ -135,9 +128,7 @@ class _Node:
 
     @classmethod
     def from_node(cls, node, where: str) -> _Node:
-        if not node.op_type.startswith(OP) or len(node.input) != 2 or len(node.output) != 1:
-            raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused "
-                           f"{OP} node (2 inputs, 1 output)")
+        refuse_unless(node, where, OP, 2, 1)
         return cls(node.name, list(node.input), node.output[0])
 
 

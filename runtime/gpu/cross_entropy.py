@@ -47,7 +47,7 @@ from onnx import helper
 from contract.ops import CROSS_ENTROPY_GRAD, LOSS_DOMAIN, LOSS_VERSION, NO_IGNORED_LABEL
 from runtime.errors import RunError
 from runtime.gpu.elementwise_steps import PREAMBLE
-from runtime.gpu.kernel_runner import RawKernelRunner
+from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
 
 DOMAIN = "graph_transpiler.gpu.cross_entropy"  # the runtime's own: the fused nodes of this rewrite
 OP = "SoftmaxCrossEntropy"  # (scores, labels, dloss) -> (loss, dscores), attribute ignore_index
@@ -265,9 +265,7 @@ class _Node:
 
     @classmethod
     def from_node(cls, node, where: str) -> _Node:
-        if not node.op_type.startswith(OP) or len(node.input) != 3 or len(node.output) != 2:
-            raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused "
-                           f"{OP} node (3 inputs, 2 outputs)")
+        refuse_unless(node, where, OP, 3, 2)
         return cls(node.name, list(node.input), list(node.output),
                    int(_attribute(node, "ignore_index", NO_IGNORED_LABEL)))
 

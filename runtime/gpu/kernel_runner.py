@@ -15,6 +15,35 @@ from runtime.executor import LaunchRunner
 from runtime.gpu.cuda import compiled_module
 from runtime.segments import place
 
+# The end of a two-level column sum in one launch (layernorm.py, bias_grad.py): each block of a
+# grid (strips of columns, runs of rows) writes its partial sums, then ``gt_last_block`` says
+# whether it is the strip's last to finish (the CUDA samples' threadfence reduction: its partials
+# are visible device-wide before it is counted), and that block, which alone goes on, sums the
+# strip's partials in a fixed order. The strip's counter is set back to 0 for the next launch (a
+# captured graph replays it). Called by every thread of the block.
+LAST_BLOCK = r"""
+__device__ __forceinline__ bool gt_last_block(unsigned int* counters) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+        if (last) counters[blockIdx.x] = 0u;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+"""
+
+
+def refuse_unless(node, where: str, op: str, inputs: int, outputs: int) -> None:
+    """A RunError naming ``node`` where it is not a fused ``op`` node of that many inputs and
+    outputs (a runner's ``parse``)."""
+    if not node.op_type.startswith(op) or len(node.input) != inputs or len(node.output) != outputs:
+        raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused "
+                       f"{op} node ({inputs} inputs, {outputs} output{'s' if outputs != 1 else ''})")
+
 
 class RawKernelRunner(LaunchRunner):
     SOURCE: str  # the CUDA source of the kernels

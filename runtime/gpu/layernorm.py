@@ -29,9 +29,9 @@ import numpy as np
 
 from contract.ops import LAYERNORM_GRAD
 from runtime.errors import RunError
-from runtime.gpu.kernel_runner import RawKernelRunner
+from runtime.gpu.kernel_runner import LAST_BLOCK, RawKernelRunner
 
-SOURCE = r"""
+SOURCE = LAST_BLOCK + r"""
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;
@@ -101,7 +101,6 @@ extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, 
                                                   float* __restrict__ dscale, float* __restrict__ dbias,
                                                   long long R, int C, long long rows_per_part) {
     __shared__ float s_scale[PART_LANES][33], s_bias[PART_LANES][33];
-    __shared__ bool last;
     const int col = blockIdx.x * 32 + threadIdx.x;
     const long long first = blockIdx.y * rows_per_part;
     const long long end = first + rows_per_part < R ? first + rows_per_part : R;
@@ -123,12 +122,7 @@ extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, 
         partial[(long long)blockIdx.y * C + col] = ta;
         partial[(parts + blockIdx.y) * C + col] = tb;
     }
-    __threadfence();  // this block's parts are visible to every block before it is counted
-    __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == parts - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!gt_last_block(counters)) return;
     if (threadIdx.y == 0 && col < C) {
         float ta = 0.f, tb = 0.f;
         for (long long p = 0; p < parts; ++p) {  // in order: the same bits on every run
@@ -138,7 +132,6 @@ extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, 
         dscale[col] = ta;
         dbias[col] = tb;
     }
-    if (threadIdx.x == 0 && threadIdx.y == 0) counters[blockIdx.x] = 0u;
 }
 """
 

@@ -41,17 +41,17 @@ from runtime.gpu import attention
 from runtime.gpu.attention import AttentionRunner
 from runtime.gpu.batchnorm import BatchNormRunner
 from runtime.gpu.bias_grad import DOMAIN as BIAS_GRAD_DOMAIN
-from runtime.gpu.bias_grad import BiasGradRunner
+from runtime.gpu.bias_grad import BiasGradRunner, fuse_bias_grads
 from runtime.gpu.conv_grad import ConvGradRunner
 from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
-from runtime.gpu.cross_entropy import CrossEntropyRunner
+from runtime.gpu.cross_entropy import CrossEntropyRunner, fuse_cross_entropy
 from runtime.gpu.elementwise import ElementwiseRunner
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.layernorm import LayerNormRunner
 from runtime.gpu.parameter_casts import DOMAIN as PARAMETER_CASTS_DOMAIN
-from runtime.gpu.parameter_casts import ParameterCastRunner
+from runtime.gpu.parameter_casts import ParameterCastRunner, batch_parameter_casts
 from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
-from runtime.gpu.scatter_add import ScatterAddRunner
+from runtime.gpu.scatter_add import ScatterAddRunner, fuse_scatter_add
 from runtime.gpu.update_kernel import FusedUpdateRunner
 from runtime.segments import NativeGroup
 from runtime.variables import NATIVE_OFF
@@ -65,6 +65,10 @@ class Kernel:
     in_session: bool  # may run inside its segment's session (the fused update writes state in place: no)
     between: bool  # worth running between sessions where it cannot run inside (the module docstring)
     unavailable: Callable[[], str | None] = lambda: None  # why this process cannot run it (a missing package)
+    # The backend's rewrite of the step graph that writes its nodes (GpuBackend.prepare_step_graph
+    # runs those of the kernels inside the sessions in table order, before the elementwise fusion),
+    # None where the transpiler writes them.
+    rewrite: Callable | None = None
 
 
 KERNELS = (
@@ -80,13 +84,18 @@ KERNELS = (
     Kernel("attention", ATTENTION_DOMAIN, AttentionRunner, in_session=True, between=False,
            unavailable=attention.unavailable),
     # The loss and its gradient fused (cross_entropy.py: a rewrite of the step graph, as above).
-    Kernel("cross_entropy", CROSS_ENTROPY_DOMAIN, CrossEntropyRunner, in_session=True, between=False),
-    # An embedding's gradient, rows added by blocks (scatter_add.py: a rewrite of the step graph).
-    Kernel("scatter_add", SCATTER_ADD_DOMAIN, ScatterAddRunner, in_session=True, between=False),
-    # The parameters' casts to bfloat16 in one launch (parameter_casts.py: a rewrite, as above).
-    Kernel("parameter_casts", PARAMETER_CASTS_DOMAIN, ParameterCastRunner, in_session=True, between=False),
-    # A bias gradient summed from bfloat16 values, no float32 copy (bias_grad.py: a rewrite, as above).
-    Kernel("bias_grad", BIAS_GRAD_DOMAIN, BiasGradRunner, in_session=True, between=False),
+    # Before the elementwise fusion, so that the bf16 casts around the loss join its node.
+    Kernel("cross_entropy", CROSS_ENTROPY_DOMAIN, CrossEntropyRunner, in_session=True, between=False,
+           rewrite=fuse_cross_entropy),
+    # An embedding's gradient, rows added by blocks (scatter_add.py).
+    Kernel("scatter_add", SCATTER_ADD_DOMAIN, ScatterAddRunner, in_session=True, between=False,
+           rewrite=fuse_scatter_add),
+    # The parameters' casts to bfloat16 in one launch (parameter_casts.py), before the elementwise
+    # fusion would take one into a chain.
+    Kernel("parameter_casts", PARAMETER_CASTS_DOMAIN, ParameterCastRunner, in_session=True, between=False,
+           rewrite=batch_parameter_casts),
+    # A bias gradient summed from bfloat16 values, no float32 copy (bias_grad.py).
+    Kernel("bias_grad", BIAS_GRAD_DOMAIN, BiasGradRunner, in_session=True, between=False, rewrite=fuse_bias_grads),
 )
 RUNNERS = {kernel.domain: kernel.runner for kernel in KERNELS}
 IN_SESSION = "in_session"  # NATIVE_OFF's name for "run the kernels between sessions"
@@ -112,20 +121,9 @@ class NativePlan:
         return "relu_mask" in self.on
 
     @property
-    def fuse_cross_entropy(self) -> bool:
-        return CROSS_ENTROPY_DOMAIN in self.inside
-
-    @property
-    def fuse_scatter_add(self) -> bool:
-        return SCATTER_ADD_DOMAIN in self.inside
-
-    @property
-    def batch_parameter_casts(self) -> bool:
-        return PARAMETER_CASTS_DOMAIN in self.inside
-
-    @property
-    def fuse_bias_grads(self) -> bool:
-        return BIAS_GRAD_DOMAIN in self.inside
+    def rewrites(self) -> tuple[Callable, ...]:
+        """The step-graph rewrites of the kernels that run inside the sessions, in table order."""
+        return tuple(k.rewrite for k in KERNELS if k.rewrite is not None and k.domain in self.inside)
 
 
 def parse_off(text: str) -> frozenset[str]:

@@ -26,7 +26,7 @@ import onnx
 from onnx import helper
 
 from runtime.errors import RunError
-from runtime.gpu.kernel_runner import RawKernelRunner
+from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
 
 DOMAIN = "graph_transpiler.gpu.scatter_add"  # the runtime's own: the fused nodes of this rewrite
 OP = "ScatterAddRows"  # (data, indices, updates) -> output, ScatterND(reduction="add") over rows
@@ -108,9 +108,7 @@ class _Node:
 
     @classmethod
     def from_node(cls, node, where: str) -> _Node:
-        if not node.op_type.startswith(OP) or len(node.input) != 3 or len(node.output) != 1:
-            raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a fused "
-                           f"{OP} node (3 inputs, 1 output)")
+        refuse_unless(node, where, OP, 3, 1)
         zeros = any(a.name == "zeros" and a.i for a in node.attribute)
         return cls(node.name, list(node.input), node.output[0], zeros)
 
