@@ -16,7 +16,8 @@ from onnx import TensorProto, helper
 from contract.ops import LAYERNORM_DOMAIN, LAYERNORM_GRAD
 from runtime.errors import RunError
 from runtime.gpu import cuda_available, gpu_count
-from runtime.gpu.layernorm import LayerNormRunner, row_parts, row_threads
+from runtime.gpu.column_sums import row_parts
+from runtime.gpu.layernorm import LayerNormRunner, row_threads
 from runtime.segments import NativeGroup
 from transpiler.autodiff import build_gradients
 from transpiler.native_ops import add_op_functions

@@ -10,11 +10,9 @@ onnxruntime runs a Cast (a float32 copy of the whole gradient) and then its redu
 of each kind over 4,096 x 768 values per GPT-2-small step. Here the sum reads the bfloat16 values
 once, and nothing of the activation's size is written.
 
-Kernel ``bias_grad`` (the input viewed as R rows of C, R the product of the summed axes): the
-rows cut into runs (layernorm.row_parts: about 512 blocks); one block of 32 x 8 threads per 32
-columns and run, each thread summing every 8th row of the run in its column, one row of threads
-then the 8 sums in order; the last block of each 32 columns to finish sums their runs' partial sums
-in order.
+Kernel ``bias_grad`` (the input viewed as R rows of C, R the product of the summed axes):
+column_sums.py's layout, as layernorm.py's parameter gradients (runs of rows over about 512 blocks,
+each strip's last block summing its runs in order).
 Deterministic (the runs depend only on the shape); float32 sums in another order than
 onnxruntime's, so not its bits. The fused node carries a function (the Cast and the ReduceSum), so a
 session that cannot take it computes what the graph computed before.
@@ -29,16 +27,16 @@ import onnx
 from onnx import helper
 
 from runtime.errors import RunError
-from runtime.gpu.kernel_runner import LAST_BLOCK, RawKernelRunner, refuse_unless
-from runtime.gpu.layernorm import PART_LANES, row_parts
+from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
+from runtime.gpu.column_sums import ColumnSums
+from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
 
 DOMAIN = "graph_transpiler.gpu.bias_grad"  # the runtime's own: the fused nodes of this rewrite
 OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepdims), attribute keepdims
 
-SOURCE = LAST_BLOCK + r"""
-#define PART_LANES 8
-// The runs of rows as layernorm.py's layer_norm_grad_params cuts them; the last block of a strip of
-// 32 columns to finish sums the strip's parts in order and sets its counter back to 0.
+SOURCE = COLUMN_SUMS + r"""
+// column_sums.py's layout: each block sums its run of rows into ``partial``; its strip's last block
+// sums the runs.
 extern "C" __global__ void bias_grad(const unsigned short* __restrict__ x, float* __restrict__ partial,
                                      unsigned int* __restrict__ counters, float* __restrict__ out,
                                      long long R, int C, long long rows_per_part) {
@@ -142,8 +140,7 @@ class BiasGradRunner(RawKernelRunner):
 
     def __init__(self, group, where: str, device):
         super().__init__(group, where, device)
-        self.partial = None
-        self.counters = None  # per strip of 32 columns: its blocks done (0 between launches)
+        self.sums = ColumnSums(self.cp)
 
     def parse(self, node) -> _Node:
         return _Node.from_node(node, self.where)
@@ -157,7 +154,6 @@ class BiasGradRunner(RawKernelRunner):
                 lead = int(axes.size)
                 rows = int(np.prod(x.shape[:lead], dtype=np.int64))
                 width = int(np.prod(x.shape[lead:], dtype=np.int64))
-                parts = row_parts(rows, width)
                 if allocate:
                     if x.dtype != np.uint16 or not x.flags.c_contiguous or lead > x.ndim:
                         raise RunError(f"{self.where}: '{op.name}': x must be contiguous bfloat16 with at least "
@@ -166,13 +162,10 @@ class BiasGradRunner(RawKernelRunner):
                         values[op.output] = cp.empty(x.shape[lead:], np.float32)
                     if values[op.output].size != width or values[op.output].dtype != np.float32:
                         raise RunError(f"{self.where}: '{op.name}': the output must be float32 of {width} elements")
-                    if self.partial is None or self.partial.size < parts * width:
-                        self.partial = cp.empty(parts * width, dtype=np.float32)
-                    if self.counters is None or self.counters.size < -(-width // 32):
-                        self.counters = cp.zeros(-(-width // 32), dtype=np.uint32)
+                    self.sums.reserve(rows, width)
+                grid, block, per_run = self.sums.layout(rows, width)
                 try:
-                    kernel((-(-width // 32), parts), (32, PART_LANES),
-                           (x, self.partial, self.counters, values[op.output], np.int64(rows), np.int32(width),
-                            np.int64(-(-rows // parts))))
+                    kernel(grid, block, (x, self.sums.partial, self.sums.counters, values[op.output], np.int64(rows),
+                                         np.int32(width), per_run))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None

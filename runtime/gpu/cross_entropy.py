@@ -47,7 +47,7 @@ from onnx import helper
 from contract.ops import CROSS_ENTROPY_GRAD, LOSS_DOMAIN, LOSS_VERSION, NO_IGNORED_LABEL
 from runtime.errors import RunError
 from runtime.gpu.elementwise_steps import PREAMBLE
-from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
+from runtime.gpu.kernel_runner import RawKernelRunner, aligned, refuse_unless
 
 DOMAIN = "graph_transpiler.gpu.cross_entropy"  # the runtime's own: the fused nodes of this rewrite
 OP = "SoftmaxCrossEntropy"  # (scores, labels, dloss) -> (loss, dscores), attribute ignore_index
@@ -279,7 +279,7 @@ def _vectorized(scores, dscores) -> np.int32:
     """Whether ce_rows may move eight classes with one 16-byte access: every row starts 16-byte
     aligned (the classes a multiple of 8, the buffers aligned; onnxruntime's and CuPy's are at least
     256-byte aligned)."""
-    return np.int32(scores.shape[1] % 8 == 0 and scores.data.ptr % 16 == 0 and dscores.data.ptr % 16 == 0)
+    return np.int32(scores.shape[1] % 8 == 0 and aligned(scores, dscores))
 
 
 class CrossEntropyRunner(RawKernelRunner):

@@ -1,5 +1,6 @@
 """``RawKernelRunner``: the nodes of a NativeGroup run by the RawKernels of one CUDA source, on the
-device's compute stream (layernorm.py, cross_entropy.py).
+device's compute stream (layernorm.py, cross_entropy.py, scatter_add.py, parameter_casts.py,
+bias_grad.py).
 
 What such runners share: the group's nodes parsed once (a malformed node is refused naming it), the
 source compiled once per process and device (cuda.compiled_module) and its kernels looked up once,
@@ -15,26 +16,11 @@ from runtime.executor import LaunchRunner
 from runtime.gpu.cuda import compiled_module
 from runtime.segments import place
 
-# The end of a two-level column sum in one launch (layernorm.py, bias_grad.py): each block of a
-# grid (strips of columns, runs of rows) writes its partial sums, then ``gt_last_block`` says
-# whether it is the strip's last to finish (the CUDA samples' threadfence reduction: its partials
-# are visible device-wide before it is counted), and that block, which alone goes on, sums the
-# strip's partials in a fixed order. The strip's counter is set back to 0 for the next launch (a
-# captured graph replays it). Called by every thread of the block.
-LAST_BLOCK = r"""
-__device__ __forceinline__ bool gt_last_block(unsigned int* counters) {
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0) {
-        last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-        if (last) counters[blockIdx.x] = 0u;
-    }
-    __syncthreads();
-    if (last) __threadfence();
-    return last;
-}
-"""
+
+def aligned(*arrays, to: int = 16) -> bool:
+    """Whether every device array starts on a ``to``-byte boundary (a kernel's vector accesses;
+    onnxruntime's and CuPy's buffers are at least 256-byte aligned, a view into a bucket may not be)."""
+    return all(a.data.ptr % to == 0 for a in arrays)
 
 
 def refuse_unless(node, where: str, op: str, inputs: int, outputs: int) -> None:

@@ -10,10 +10,9 @@ Kernels (float32, X viewed as R rows of C):
   the row (warp shuffles, then one warp over the warps' sums), a second writes
   dX = inv * (g - sum(g) / C - xhat * sum(g * xhat) / C), re-reading the row (from L1/L2); four
   consecutive elements per thread, as one 16-byte load where the width and pointers allow.
-- ``layer_norm_grad_params``: the rows cut into ``row_parts`` runs; one block of 32 x 8 threads
-  per 32 columns and run, each thread summing every 8th row of the run in its column, one row of
-  threads then the 8 sums in order, into a buffer of partial sums the runner keeps; the last block
-  of each 32 columns to finish sums their runs' partial sums in order.
+- ``layer_norm_grad_params``: column_sums.py's layout (the rows cut into runs over about 512
+  blocks of 32 columns x 8 row lanes, each thread summing every 8th row of its run in its column,
+  the strip's last block summing the runs in order).
 Both are deterministic: the same inputs give the same bits on every run (the runs depend only on
 the shape).
 
@@ -29,9 +28,11 @@ import numpy as np
 
 from contract.ops import LAYERNORM_GRAD
 from runtime.errors import RunError
-from runtime.gpu.kernel_runner import LAST_BLOCK, RawKernelRunner
+from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
+from runtime.gpu.column_sums import ColumnSums
+from runtime.gpu.kernel_runner import RawKernelRunner, aligned
 
-SOURCE = LAST_BLOCK + r"""
+SOURCE = COLUMN_SUMS + r"""
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;
@@ -88,13 +89,8 @@ extern "C" __global__ void layer_norm_grad_input(const float* __restrict__ dy, c
     }
 }
 
-// dscale and dbias in one launch: the rows cut into ``parts`` runs, each block (32 columns x
-// PART_LANES row lanes) sums its run into ``partial`` (parts x C for dscale, then for dbias); the
-// last block of a column strip to finish (a counter per strip, the CUDA samples' threadfence
-// reduction) sums the strip's parts in order and sets its counter back to 0 for the next launch.
-// One block per 32 columns over all rows (the first form) kept 24 blocks busy on GPT-2-small's
-// C = 768: 27 us a node on an H200; a second launch for the sums cost 2.5 us more a node.
-#define PART_LANES 8
+// dscale and dbias in one launch, column_sums.py's layout: each block sums its run of rows into
+// ``partial`` (parts x C for dscale, then for dbias); its strip's last block sums the runs.
 extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, const float* __restrict__ x,
                                                   const float* __restrict__ mean, const float* __restrict__ inv,
                                                   float* __restrict__ partial, unsigned int* __restrict__ counters,
@@ -142,18 +138,6 @@ def row_threads(width: int) -> int:
     return min(512, max(32, -(-per_thread // 32) * 32))
 
 
-PART_LANES = 8  # the row lanes of a partial-sum block (the kernel's #define)
-PARTIAL_BLOCKS = 512  # about four blocks per SM of an H100/H200: enough to keep every SM reading
-MIN_PART_ROWS = 64  # a run shorter than this costs more in its partial sums than it spreads
-
-
-def row_parts(rows: int, width: int) -> int:
-    """How many runs ``layer_norm_grad_params_partial`` cuts the rows into: about PARTIAL_BLOCKS
-    blocks in all, no run shorter than MIN_PART_ROWS rows (so one run where the rows are few)."""
-    column_blocks = -(-width // 32)
-    return max(1, min(rows // MIN_PART_ROWS, -(-PARTIAL_BLOCKS // column_blocks)))
-
-
 @dataclass
 class _Node:
     name: str
@@ -177,8 +161,7 @@ class LayerNormRunner(RawKernelRunner):
 
     def __init__(self, group, where: str, device):
         super().__init__(group, where, device)
-        self.partial = None  # the partial sums of dscale and dbias (allocated by the first call)
-        self.counters = None  # per strip of 32 columns: its blocks done (0 between launches)
+        self.sums = ColumnSums(self.cp, sums=2)  # dscale's and dbias's partial sums
 
     def parse(self, node) -> _Node:
         return _Node.from_node(node, self.where)
@@ -210,27 +193,19 @@ class LayerNormRunner(RawKernelRunner):
                 x = values[op.inputs[1]]
                 width = int(x.shape[-1])
                 rows = x.size // width
-                parts = row_parts(rows, width)
                 if allocate:  # a first call: its shapes are every bound call's
                     self._check(op, values)
                     for name, shape in zip(op.outputs, [x.shape, (width,), (width,)]):
                         if name not in values:  # given where the node runs inside a session (in_session.py)
                             values[name] = cp.empty(shape, dtype=np.float32)
-                    # One buffer for every node's partial sums: the nodes run one after another on
-                    # one stream, and a captured graph replays with its pointer.
-                    if self.partial is None or self.partial.size < 2 * parts * width:
-                        self.partial = cp.empty(2 * parts * width, dtype=np.float32)
-                    if self.counters is None or self.counters.size < -(-width // 32):
-                        self.counters = cp.zeros(-(-width // 32), dtype=np.uint32)
+                    self.sums.reserve(rows, width)
                 dy, _, scale, mean, inv = (values[name] for name in op.inputs)
                 dx, dscale, dbias = (values[name] for name in op.outputs)
-                # 16-byte loads where every row starts 16-byte aligned (onnxruntime's and CuPy's
-                # buffers are at least 256-byte aligned; the check costs nothing per bound call).
-                vec = np.int32(width % 4 == 0 and all(a.data.ptr % 16 == 0 for a in (dy, x, scale, dx)))
+                vec = np.int32(width % 4 == 0 and aligned(dy, x, scale, dx))  # every row 16-byte aligned
+                grid, block, per_run = self.sums.layout(rows, width)
                 try:
                     grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width), vec))
-                    grad_params((-(-width // 32), parts), (32, PART_LANES),
-                                (dy, x, mean, inv, self.partial, self.counters, dscale, dbias, np.int64(rows),
-                                 np.int32(width), np.int64(-(-rows // parts))))
+                    grad_params(grid, block, (dy, x, mean, inv, self.sums.partial, self.sums.counters, dscale, dbias,
+                                              np.int64(rows), np.int32(width), per_run))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None
