@@ -30,6 +30,7 @@ from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
 from runtime.gpu.column_sums import ColumnSums
 from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
+from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value
 
 DOMAIN = "graph_transpiler.gpu.bias_grad"  # the runtime's own: the fused nodes of this rewrite
 OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepdims), attribute keepdims
@@ -79,7 +80,6 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
         for name in n.input:
             readers[name] = readers.get(name, 0) + 1
     outputs = {o.name for o in graph.output}
-    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     dropped, fused = set(), 0
     for node in graph.node:
         if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
@@ -87,14 +87,13 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
         c = producer.get(node.input[0])
         cast = None if c is None else nodes[c]
         if (cast is None or cast.op_type != "Cast" or readers.get(cast.output[0]) != 1 or cast.output[0] in outputs
-                or next((a.i for a in cast.attribute if a.name == "to"), None) != onnx.TensorProto.FLOAT
-                or not _leading(producer.get(node.input[1]), nodes)):
+                or attribute(cast, "to") != onnx.TensorProto.FLOAT or not _leading(producer.get(node.input[1]), nodes)):
             continue
-        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        keepdims = attribute(node, "keepdims", 1)
         op_type = f"{OP}_{fused}"
         body = [helper.make_node("Cast", ["x"], ["wide"], to=onnx.TensorProto.FLOAT),
                 helper.make_node("ReduceSum", ["wide", "axes"], ["sum"], keepdims=keepdims)]
-        model.functions.append(helper.make_function(DOMAIN, op_type, ["x", "axes"], ["sum"], body, opsets))
+        add_function(model, DOMAIN, op_type, ["x", "axes"], ["sum"], body)
         node.input[0] = cast.input[0]
         node.domain, node.op_type = DOMAIN, op_type
         del node.attribute[:]
@@ -105,16 +104,13 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
         kept = [n for k, n in enumerate(nodes) if k not in dropped]
         del graph.node[:]
         graph.node.extend(kept)
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
 
 
 def _leading(k: int | None, nodes) -> bool:
     """Whether node ``k`` is a Constant of axes [0, 1, .., n-1]."""
-    if k is None or nodes[k].op_type != "Constant":
-        return False
-    value = next((helper.get_attribute_value(a) for a in nodes[k].attribute if a.name == "value"), None)
-    axes = None if value is None else onnx.numpy_helper.to_array(value).reshape(-1).tolist()
+    value = constant_value(None if k is None else nodes[k])
+    axes = None if value is None else value.reshape(-1).tolist()
     return bool(axes) and axes == list(range(len(axes)))
 
 

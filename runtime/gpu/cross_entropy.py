@@ -48,6 +48,7 @@ from contract.ops import CROSS_ENTROPY_GRAD, LOSS_DOMAIN, LOSS_VERSION, NO_IGNOR
 from runtime.errors import RunError
 from runtime.gpu.elementwise_steps import PREAMBLE
 from runtime.gpu.kernel_runner import RawKernelRunner, aligned, refuse_unless
+from runtime.gpu.rewrite_nodes import add_function, attribute
 
 DOMAIN = "graph_transpiler.gpu.cross_entropy"  # the runtime's own: the fused nodes of this rewrite
 OP = "SoftmaxCrossEntropy"  # (scores, labels, dloss) -> (loss, dscores), attribute ignore_index
@@ -169,13 +170,6 @@ extern "C" __global__ void ce_loss(const float* row_loss, long long rows, const 
 # -- the rewrite --------------------------------------------------------------------------------
 
 
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
 def fuse_cross_entropy(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with each SoftmaxCrossEntropyLoss and its SoftmaxCrossEntropyGrad node fused (the
     module docstring says where), in place; returned."""
@@ -185,8 +179,6 @@ def fuse_cross_entropy(model: onnx.ModelProto) -> onnx.ModelProto:
     while (pair := _next_pair(list(graph.node), outputs)) is not None:
         _fuse(model, *pair, op_type=f"{OP}_{fused}")
         fused += 1
-    if fused and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
 
 
@@ -207,13 +199,13 @@ def _next_pair(nodes: list, outputs: set[str]) -> tuple[int, int, int | None, in
         if (forward is None or forward.op_type != "SoftmaxCrossEntropyLoss" or forward.domain not in ("", "ai.onnx")
                 or list(forward.input) != [scores, labels] or len(forward.output) < 2 or forward.output[1] != log_prob
                 or readers[log_prob] != [g] or log_prob in outputs
-                or _attribute(forward, "reduction", b"mean") not in (b"mean", "mean")
-                or _attribute(forward, "ignore_index", NO_IGNORED_LABEL) != _attribute(grad, "ignore_index", None)
+                or attribute(forward, "reduction", b"mean") not in (b"mean", "mean")
+                or attribute(forward, "ignore_index", NO_IGNORED_LABEL) != attribute(grad, "ignore_index", None)
                 or (producer.get(dloss, -1) > f and nodes[producer[dloss]].input)):
             continue
         w = producer.get(scores)
         if not (w is not None and nodes[w].op_type == "Cast"
-                and _attribute(nodes[w], "to", None) == onnx.TensorProto.FLOAT
+                and attribute(nodes[w], "to", None) == onnx.TensorProto.FLOAT
                 and set(readers[scores]) == {f, g} and scores not in outputs):
             w = None
         narrow = readers[grad.output[0]]
@@ -235,11 +227,9 @@ def _fuse(model, f: int, g: int, w: int | None, n: int | None, op_type: str) -> 
         copy = onnx.NodeProto()
         copy.CopyFrom(nodes[k])
         body.append(copy)
-    opsets = [helper.make_opsetid("", next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))),
-              helper.make_opsetid(LOSS_DOMAIN, LOSS_VERSION)]
-    model.functions.append(helper.make_function(DOMAIN, op_type, inputs, results, body, opsets))
+    add_function(model, DOMAIN, op_type, inputs, results, body, (helper.make_opsetid(LOSS_DOMAIN, LOSS_VERSION),))
     node = helper.make_node(op_type, inputs, results, name=f"{forward.name or 'loss'}/fused", domain=DOMAIN,
-                            ignore_index=int(_attribute(grad, "ignore_index", NO_IGNORED_LABEL)))
+                            ignore_index=int(attribute(grad, "ignore_index", NO_IGNORED_LABEL)))
     # The seed, where a node of no inputs (the autodiff's Constant 1) made it after the forward
     # node, moves to just before the fused node.
     seed = next((k for k, x in enumerate(nodes) if grad.input[0] in x.output and k > f), None)
@@ -267,7 +257,7 @@ class _Node:
     def from_node(cls, node, where: str) -> _Node:
         refuse_unless(node, where, OP, 3, 2)
         return cls(node.name, list(node.input), list(node.output),
-                   int(_attribute(node, "ignore_index", NO_IGNORED_LABEL)))
+                   int(attribute(node, "ignore_index", NO_IGNORED_LABEL)))
 
 
 # How each value arrives (in_session.VIEWS): float32, bfloat16 as its raw bits, int32/int64 labels.

@@ -28,6 +28,7 @@ from onnx import helper
 from runtime.errors import RunError
 from runtime.gpu.elementwise_steps import PREAMBLE
 from runtime.gpu.kernel_runner import RawKernelRunner
+from runtime.gpu.rewrite_nodes import add_function, attribute
 
 DOMAIN = "graph_transpiler.gpu.parameter_casts"  # the runtime's own: the fused node of this rewrite
 OP = "CastParameters"  # (p0, ..., pn-1) -> (c0, ..., cn-1), each ci = Cast(pi, to=BFLOAT16)
@@ -42,29 +43,23 @@ def batch_parameter_casts(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     inputs = {i.name for i in graph.input} - {i.name for i in graph.initializer}
     casts = [k for k, n in enumerate(graph.node) if n.op_type == "Cast" and n.domain in ("", "ai.onnx")
-             and n.input[0] in inputs and _to(n) == onnx.TensorProto.BFLOAT16]
+             and n.input[0] in inputs and attribute(n, "to") == onnx.TensorProto.BFLOAT16]
     if len(casts) < 2:
         return model
     nodes = list(graph.node)
-    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     fused = {}  # position of a group's first Cast -> the group's node
     for g, first in enumerate(range(0, len(casts), MOST)):
         group = casts[first:first + MOST]
         formal_in, formal_out = [f"p{i}" for i in range(len(group))], [f"c{i}" for i in range(len(group))]
         body = [helper.make_node("Cast", [p], [c], to=onnx.TensorProto.BFLOAT16) for p, c in zip(formal_in, formal_out)]
-        model.functions.append(helper.make_function(DOMAIN, f"{OP}_{g}", formal_in, formal_out, body, opsets))
+        add_function(model, DOMAIN, f"{OP}_{g}", formal_in, formal_out, body)
         fused[group[0]] = helper.make_node(f"{OP}_{g}", [nodes[k].input[0] for k in group],
                                            [nodes[k].output[0] for k in group], name=f"parameter_casts/{g}", domain=DOMAIN)
     taken = set(casts)
     kept = [fused.get(k, n) for k, n in enumerate(nodes) if k not in taken or k in fused]
     del graph.node[:]
     graph.node.extend(kept)
-    model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
-
-
-def _to(node) -> int | None:
-    return next((a.i for a in node.attribute if a.name == "to"), None)
 
 
 def kernel_source(sizes: list[int], name: str) -> str:

@@ -27,6 +27,7 @@ from onnx import helper
 
 from runtime.errors import RunError
 from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
+from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value
 
 DOMAIN = "graph_transpiler.gpu.scatter_add"  # the runtime's own: the fused nodes of this rewrite
 OP = "ScatterAddRows"  # (data, indices, updates) -> output, ScatterND(reduction="add") over rows
@@ -51,13 +52,11 @@ def fuse_scatter_add(model: onnx.ModelProto) -> onnx.ModelProto:
     place; returned. Which dtypes the kernel takes is in_session.TAKES' to decide (float32)."""
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
-    opsets = list(model.opset_import)
     fused = 0
     for node in graph.node:
         if node.op_type != "ScatterND" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
             continue
-        reduction = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "reduction"), b"none")
-        if reduction != b"add" or not _rows_of(producer.get(node.input[1]), producer):
+        if attribute(node, "reduction", b"none") != b"add" or not _rows_of(producer.get(node.input[1]), producer):
             continue
         op_type = f"{OP}_{fused}"
         body = onnx.NodeProto()
@@ -66,15 +65,12 @@ def fuse_scatter_add(model: onnx.ModelProto) -> onnx.ModelProto:
         body.input.extend(["data", "indices", "updates"])
         body.output.append("output")
         body.name = ""
-        model.functions.append(helper.make_function(DOMAIN, op_type, ["data", "indices", "updates"], ["output"],
-                                                    [body], [o for o in opsets if o.domain in ("", "ai.onnx")]))
+        add_function(model, DOMAIN, op_type, ["data", "indices", "updates"], ["output"], [body])
         node.domain, node.op_type = DOMAIN, op_type
         del node.attribute[:]
         if _zeros(producer.get(node.input[0])):
             node.attribute.append(helper.make_attribute("zeros", 1))
         fused += 1
-    if fused and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
 
 
@@ -83,20 +79,17 @@ def _zeros(node) -> bool:
     output (a memset) instead of copying a constant onnxruntime folded (GPT-2-small: 154 MB)."""
     if node is None or node.op_type != "ConstantOfShape":
         return False
-    value = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "value"), None)
+    value = attribute(node, "value")
     return value is None or not onnx.numpy_helper.to_array(value).any()
 
 
 def _rows_of(node, producer) -> bool:
     """Whether ``node`` (the indices' producer) is an Unsqueeze that adds the last axis: a
-    constant ``axes`` input of [-1], or of [rank] where it is known."""
+    constant ``axes`` input of [-1], as the autodiff writes an embedding's gradient."""
     if node is None or node.op_type != "Unsqueeze" or len(node.input) != 2:
         return False
-    axes = producer.get(node.input[1])
-    if axes is None or axes.op_type != "Constant":
-        return False
-    values = next((helper.get_attribute_value(a) for a in axes.attribute if a.name == "value"), None)
-    return values is not None and onnx.numpy_helper.to_array(values).reshape(-1).tolist() == [-1]
+    axes = constant_value(producer.get(node.input[1]))
+    return axes is not None and axes.reshape(-1).tolist() == [-1]
 
 
 @dataclass

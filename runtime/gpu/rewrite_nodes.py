@@ -1,0 +1,34 @@
+"""What the backend's rewrites of the step graph into native nodes share (cross_entropy.py,
+scatter_add.py, parameter_casts.py, bias_grad.py): reading a node's attribute or a Constant's
+value, and giving a fused node its ONNX function (the nodes it replaced, so that a session that
+cannot take it computes what the graph computed before) with its domain in the model's opsets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+def attribute(node: onnx.NodeProto, name: str, default=None):
+    """The value of ``node``'s attribute ``name``, ``default`` where it has none."""
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def constant_value(node: onnx.NodeProto | None) -> np.ndarray | None:
+    """The tensor of a Constant node's ``value``; None for any other node (or none)."""
+    if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        return None
+    value = attribute(node, "value")
+    return None if value is None else numpy_helper.to_array(value)
+
+
+def add_function(model: onnx.ModelProto, domain: str, op_type: str, inputs: list[str], outputs: list[str],
+                 body: list[onnx.NodeProto], extra_opsets: tuple = ()) -> None:
+    """Add the function ``domain::op_type`` of ``body`` (over the model's default-domain opset and
+    ``extra_opsets``) to ``model``, and ``domain`` to its opsets where it is not there yet."""
+    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")] + list(extra_opsets)
+    model.functions.append(helper.make_function(domain, op_type, inputs, outputs, body, opsets))
+    if not any(o.domain == domain for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(domain, 1))
