@@ -312,9 +312,9 @@ class CrossEntropyRunner(RawKernelRunner):
             for op in self.ops:
                 scores, labels, dloss = (values[name] for name in op.inputs)
                 if allocate:  # a first call: its shapes are every bound call's
-                    for name, like in zip(op.outputs, [cp.empty((), np.float32), scores]):
+                    for name, (shape, dtype) in zip(op.outputs, [((), np.float32), (scores.shape, scores.dtype)]):
                         if name not in values:  # given where the node runs inside a session (in_session.py)
-                            values[name] = cp.empty_like(like)
+                            values[name] = cp.empty(shape, dtype)
                     self._check(op, values)
                     self.scratch[op.name] = cp.empty(scores.shape[0] + 2, dtype=np.float32)
                 loss, dscores = (values[name] for name in op.outputs)
