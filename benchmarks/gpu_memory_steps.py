@@ -2,6 +2,7 @@
 from (the init graph, the first uncaptured steps, the CUDA-graph captures). docs/benchmarks.md.
 
     python benchmarks/gpu_memory_steps.py OUT DATA.npz ROWS [--steps 8] [--pretend-world]
+        [--profile K [--trace T.json]] [--ep-option prefer_nhwc=1]
 
 Prints one JSON line: device memory in use (cudaMemGetInfo, GiB, the whole device) before the
 runtime starts, after the init graph, after each step (synchronized), and at the end the parts
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.config import parse_ep_options
 from runtime.gpu import GpuBackend, NcclCommunicator
 from runtime.gpu.session import OrtCudaSegment
 from runtime.plan import load_plan
@@ -69,9 +71,12 @@ def main() -> None:
     parser.add_argument("--pretend-world", action="store_true", help="run rank 0 of an N-rank OUT alone (see above)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also record the kernels of STEPS steps (torch.profiler; bench_worker.kernel_profile)")
+    parser.add_argument("--trace", default=None, help="with --profile: write the Chrome trace here")
+    parser.add_argument("--ep-option", action="append", metavar="KEY=VALUE",
+                        help="an onnxruntime CUDA EP option, as `transpile run --ep-option` takes it")
     args = parser.parse_args()
     plan = load_plan(args.out)
-    backend = GpuBackend(0, tf32=True)
+    backend = GpuBackend(0, tf32=True, ep_options=parse_ep_options(args.ep_option))
     cp = backend.device.cp
 
     def used() -> float:
@@ -104,7 +109,8 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_worker imports its siblings by name
         from bench_worker import kernel_profile
 
-        profile = kernel_profile(lambda: trainer.step_async(data, args.lr), backend.device.compute.synchronize, args.profile)
+        profile = kernel_profile(lambda: trainer.step_async(data, args.lr), backend.device.compute.synchronize, args.profile,
+                                 trace=args.trace)
         result["profile"] = {k: v for k, v in profile.items() if not isinstance(v, list)}
         result["profile"]["top"] = [(k["name"][:60], k["per_step"], k["ms"]) for k in profile.get("top_kernels", [])[:12]]
     trainer.collect_losses()
