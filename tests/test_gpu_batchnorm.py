@@ -1,7 +1,9 @@
 """The training BatchNorm nodes (transpiler/batchnorm_ops.py): their functions, as the CPU backend
-runs them, equal PyTorch's training-mode batch_norm and its gradient (CPU); on the GPU, cuDNN's
+runs them, equal PyTorch's training-mode batch_norm and its gradient (CPU); on the GPU, the
 kernels (runtime/gpu/batchnorm.py) equal the functions, first call and bound runs, running
-statistics updated in place or into other buffers; a malformed node is refused naming it."""
+statistics updated in place or into other buffers, with four values an access and without, one
+part a channel and many; with bfloat16 X, Y, dY and dX (the nodes batchnorm_casts.py writes) they
+equal the functions on the widened values, rounded once; a malformed node is refused naming it."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from runtime.gpu.batchnorm import BatchNormRunner
 from runtime.segments import NativeGroup
 from transpiler.native_ops import add_op_functions
 
-SHAPES = [(16, 8, 12, 12), (4, 3, 5, 7)]
+SHAPES = [(16, 8, 12, 12), (3, 3, 5, 7)]
+GPU_SHAPES = SHAPES + [(64, 4, 32, 32)]  # 16 parts a channel
 EPSILON, MOMENTUM = 1e-5, 0.9
 FORWARD_IN = ["x", "scale", "bias", "running_mean", "running_var"]
 FORWARD_OUT = ["y", "mean_next", "var_next", "saved_mean", "saved_inv_std"]
@@ -90,8 +93,8 @@ def test_the_functions_equal_torch_training_batch_norm(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
-@pytest.mark.parametrize("shape", SHAPES)
-def test_cudnn_batchnorm_equals_the_functions(shape):
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_the_kernels_equal_the_functions(shape):
     import cupy as cp
 
     from runtime.gpu.device import GpuDevice
@@ -136,7 +139,7 @@ def test_a_malformed_node_is_refused_naming_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
-def test_a_per_channel_input_of_the_wrong_size_is_refused_before_cudnn_reads_past_it():
+def test_a_per_channel_input_of_the_wrong_size_is_refused_before_a_kernel_reads_past_it():
     import cupy as cp
 
     from runtime.gpu.device import GpuDevice
@@ -147,3 +150,35 @@ def test_a_per_channel_input_of_the_wrong_size_is_refused_before_cudnn_reads_pas
                              GpuDevice(0, tf32=False))
     with pytest.raises(RunError, match=r"segment 4 stage 1: 'bn': input 'scale' must be .* shape \(3,\), got float32 \(2,\)"):
         runner.run({name: cp.asarray(value) for name, value in arrays.items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_bfloat16_activations_equal_the_functions_on_the_widened_values(shape):
+    import cupy as cp
+
+    from runtime.gpu.batchnorm_casts import DOMAIN
+    from runtime.gpu.device import GpuDevice
+    from runtime.gpu.elementwise_steps import round_bf16_numpy, widen_bf16_numpy
+
+    arrays = _arrays(shape, 3)
+    bits = {name: round_bf16_numpy(arrays[name]) for name in ("x", "dy")}
+    expected = _functions({**arrays, **{name: widen_bf16_numpy(b) for name, b in bits.items()}})
+    device = GpuDevice(0, tf32=False)
+    forward, backward = _nodes()
+    for node in (forward, backward):  # as batchnorm_casts.py writes them
+        node.domain, node.op_type = DOMAIN, f"{node.op_type}_0"
+    runners = [BatchNormRunner(NativeGroup(0, 0, 1, (forward,), tuple(FORWARD_IN), tuple(FORWARD_OUT)), "test", device),
+               BatchNormRunner(NativeGroup(0, 0, 3, (backward,), tuple(GRAD_IN), tuple(GRAD_OUT)), "test", device)]
+    env = {name: cp.asarray(bits.get(name, value)) for name, value in arrays.items()}
+    for runner in runners:  # Y and dX given in bfloat16, as a session gives them
+        env.update({name: cp.empty(shape, dtype=cp.uint16) for name in runner.outputs if name in ("y", "dx")})
+        env.update(zip(runner.outputs, runner.run(env)))
+    device.compute.synchronize()
+    got = {k: cp.asnumpy(v) for k, v in env.items()}
+    for name in ("y", "dx"):  # one rounding of the float32 value: at most one bfloat16 unit apart
+        assert got[name].dtype == np.uint16
+        wide, exact = widen_bf16_numpy(got[name]).astype(np.float64), expected.pop(name).astype(np.float64)
+        assert np.all(np.abs(wide - exact) <= np.abs(exact) * 2.0**-8 + 1e-6), name
+    _assert_close({k: v for k, v in got.items() if k in expected}, expected, 1e-5)

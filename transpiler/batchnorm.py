@@ -11,7 +11,7 @@ Why decompose rather than differentiate the BatchNormalization op:
 The default ("node") form is ONE node, ``graph_transpiler.batchnorm::BatchNormTraining``, for the
 common case (rank-4 float32 input, running statistics present, statistics not synchronized, epsilon
 at least cuDNN's minimum); its rule emits one ``BatchNormTrainingGrad``. The GPU backend runs both
-as cuDNN's training kernels; their functions (transpiler/batchnorm_ops.py) compute the "fused" form
+as its own kernels (runtime/gpu/batchnorm.py); their functions (transpiler/batchnorm_ops.py) compute the "fused" form
 below everywhere else. Other BatchNorms fall back to the "fused" form.
 
 The "fused" form keeps the statistics as primitives (ReduceMean of x; ReduceMean of the

@@ -10,8 +10,8 @@ Why: in standard ops a training BatchNorm costs about 23 passes over its activat
 before its reduction, four elementwise passes for dX; onnxruntime fuses none of them), where
 cuDNN's training kernels read and write it about 8 times: ResNet-18 at batch 256 on one H100 spent
 ~7.6 ms per step in them against PyTorch's ~3.8 ms of cuDNN BatchNorm. As nodes, the GPU backend runs
-them as ``cudnnBatchNormalizationForwardTraining`` / ``cudnnBatchNormalizationBackward``
-(runtime/gpu/batchnorm.py), which is what PyTorch runs.
+them as kernels of its own, two passes each (runtime/gpu/batchnorm.py; first cuDNN's, which gave
+each channel one block).
 
 Semantics are PyTorch's ``train()`` BatchNorm2d: X is (N, C, H, W) float32; Y normalizes with the
 batch mean and biased variance; ``running = momentum * running + (1 - momentum) * batch`` (ONNX's

@@ -33,6 +33,7 @@ from onnx import helper
 
 from contract.ops import ATTENTION_DOMAIN
 from runtime.errors import RunError
+from runtime.gpu.batchnorm_casts import DOMAIN as BATCHNORM_CASTS_DOMAIN
 from runtime.gpu.bias_grad import DOMAIN as BIAS_GRAD_DOMAIN
 from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.elementwise_steps import CUPY_DTYPES
@@ -56,6 +57,7 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
          SCATTER_ADD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.INT64),
          PARAMETER_CASTS_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
          BIAS_GRAD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT64),
+         BATCHNORM_CASTS_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
          # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl_types.nccl_dtype)
          SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
 

@@ -40,6 +40,8 @@ from runtime.executor import SegmentRunner
 from runtime.gpu import attention
 from runtime.gpu.attention import AttentionRunner
 from runtime.gpu.batchnorm import BatchNormRunner
+from runtime.gpu.batchnorm_casts import DOMAIN as BATCHNORM_CASTS_DOMAIN
+from runtime.gpu.batchnorm_casts import fold_batchnorm_casts
 from runtime.gpu.bias_grad import DOMAIN as BIAS_GRAD_DOMAIN
 from runtime.gpu.bias_grad import BiasGradRunner, fuse_bias_grads
 from runtime.gpu.conv_grad import ConvGradRunner
@@ -75,6 +77,9 @@ KERNELS = (
     Kernel("update", FUSED_UPDATE_DOMAIN, FusedUpdateRunner, in_session=False, between=True),
     Kernel("conv_grad", CONV_GRAD_DOMAIN, ConvGradRunner, in_session=True, between=True),
     Kernel("batchnorm", BATCHNORM_DOMAIN, BatchNormRunner, in_session=True, between=True),
+    # BatchNorm reading and writing bfloat16, its casts folded in (batchnorm_casts.py).
+    Kernel("batchnorm_casts", BATCHNORM_CASTS_DOMAIN, BatchNormRunner, in_session=True, between=False,
+           rewrite=fold_batchnorm_casts),
     Kernel("layernorm", LAYERNORM_DOMAIN, LayerNormRunner, in_session=True, between=False),
     # Two rewrites of the step graph (elementwise_fusion.py) into nodes of one domain: chains of
     # elementwise nodes, and ReLU's backward where a native node reads it.
