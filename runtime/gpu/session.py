@@ -381,8 +381,14 @@ class OrtCudaSegment(SegmentRunner):
         if self.captured[parity] and changed:
             raise RunError(f"{self.where}: an input moved to another buffer after its CUDA graph was captured")
         if changed or self.runs[parity] < FIRST_CAPTURED_RUN:
+            # Only a parity's first bound run may shrink the arena: the runs after it, none shrunk,
+            # grow it back to what the step needs before any capture. A capture must find its
+            # intermediates in free chunks: an arena that grows during a capture fails it
+            # ("Failed to allocate memory", then CUDA error 901; the bf16 CNN of
+            # tests/test_batchnorm_casts.py, whose last uncaptured runs each shrank the shared arena).
+            first = not self.seen[parity]
             self.seen[parity] = True
-            self._run(io, self._uncaptured())
+            self._run(io, self._uncaptured() if first else self.policy.run_later)
             return
         self.captured[parity] = True
         if self.shared_arena:
