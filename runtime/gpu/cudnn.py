@@ -1,5 +1,5 @@
-"""cuDNN through ctypes: the few calls of its (legacy, still shipped in cuDNN 9) convolution and
-BatchNorm API the native nodes use, on the cuDNN library onnxruntime-gpu itself loads.
+"""cuDNN through ctypes: the few calls of its (legacy, still shipped in cuDNN 9) convolution API
+the native Conv gradients use, on the cuDNN library onnxruntime-gpu itself loads.
 
 Why ctypes: CuPy no longer wraps cuDNN, and the library is already in the process (onnxruntime's CUDA
 EP links it; ``onnxruntime.preload_dlls`` loads it from the nvidia-cudnn wheel), so binding the calls
@@ -24,8 +24,6 @@ DEFAULT_MATH = 0  # tensor cores allowed: TF32 for float32 data
 FMA_MATH = 3  # no tensor cores: exact float32 FMAs
 BWD_FILTER_ALGOS = 7  # cudnnConvolutionBwdFilterAlgo_t values 0..6
 STATUS_SUCCESS = 0
-BATCHNORM_SPATIAL = 1  # cudnnBatchNormMode_t: statistics per channel over (N, H, W); PyTorch's for NCHW
-BATCHNORM_MIN_EPSILON = 1e-5  # CUDNN_BN_MIN_EPSILON of cuDNN 7 (later headers may allow less); the nodes never ask less
 
 
 class BwdFilterAlgoPerf(ctypes.Structure):
@@ -54,7 +52,7 @@ def library() -> ctypes.CDLL:
             except OSError as exc:
                 errors.append(str(exc))
         else:
-            raise RunError("the GPU backend's native Conv gradients and BatchNorms need cuDNN 9 (libcudnn.so.9), which onnxruntime-gpu "
+            raise RunError("the GPU backend's native Conv gradients need cuDNN 9 (libcudnn.so.9), which onnxruntime-gpu "
                            f"uses too; not found ({errors[0] if errors else 'no candidates'})")
     return _LIBRARY
 
@@ -161,28 +159,6 @@ def backward_filter(handle: Handle, x_desc, x: int, dy_desc, dy: int, conv, algo
     call("cudnnConvolutionBackwardFilter", handle.ptr, ctypes.byref(_ONE), x_desc, ctypes.c_void_p(x), dy_desc,
          ctypes.c_void_p(dy), conv, algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
          ctypes.byref(_ZERO), dw_desc, ctypes.c_void_p(dw))
-
-
-def batchnorm_forward_training(handle: Handle, x_desc, x: int, y: int, stat_desc, scale: int, bias: int,
-                               factor: float, running_mean: int, running_var: int, epsilon: float,
-                               saved_mean: int, saved_inv_std: int) -> None:
-    """y = the batch-normalized x; the running statistics updated in place
-    (``running = (1 - factor) * running + factor * batch``, the variance unbiased); the batch mean
-    and 1/sqrt(var + epsilon) saved for the backward. Enqueued on the handle's stream."""
-    call("cudnnBatchNormalizationForwardTraining", handle.ptr, BATCHNORM_SPATIAL, ctypes.byref(_ONE),
-         ctypes.byref(_ZERO), x_desc, ctypes.c_void_p(x), x_desc, ctypes.c_void_p(y), stat_desc,
-         ctypes.c_void_p(scale), ctypes.c_void_p(bias), ctypes.c_double(factor), ctypes.c_void_p(running_mean),
-         ctypes.c_void_p(running_var), ctypes.c_double(epsilon), ctypes.c_void_p(saved_mean),
-         ctypes.c_void_p(saved_inv_std))
-
-
-def batchnorm_backward(handle: Handle, x_desc, x: int, dy: int, dx: int, stat_desc, scale: int, dscale: int,
-                       dbias: int, epsilon: float, saved_mean: int, saved_inv_std: int) -> None:
-    """dx, dscale, dbias of the training-mode BatchNorm (overwritten: beta 0), from the saved statistics."""
-    call("cudnnBatchNormalizationBackward", handle.ptr, BATCHNORM_SPATIAL, ctypes.byref(_ONE), ctypes.byref(_ZERO),
-         ctypes.byref(_ONE), ctypes.byref(_ZERO), x_desc, ctypes.c_void_p(x), x_desc, ctypes.c_void_p(dy), x_desc,
-         ctypes.c_void_p(dx), stat_desc, ctypes.c_void_p(scale), ctypes.c_void_p(dscale), ctypes.c_void_p(dbias),
-         ctypes.c_double(epsilon), ctypes.c_void_p(saved_mean), ctypes.c_void_p(saved_inv_std))
 
 
 class CudnnContext:

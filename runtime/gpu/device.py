@@ -34,7 +34,7 @@ class GpuDevice:
         self._cudnn: CudnnContext | None = None
 
     def cudnn(self) -> CudnnContext:
-        """The cuDNN handle and workspace every cuDNN kernel (Conv gradients, BatchNorms) shares, made on first use."""
+        """The cuDNN handle and workspace every cuDNN call (the Conv gradients) shares, made on first use."""
         if self._cudnn is None:
             self._cudnn = CudnnContext(self.cp, self.compute)
         return self._cudnn
