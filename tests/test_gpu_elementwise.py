@@ -214,6 +214,35 @@ def test_relu_s_backward_becomes_one_fused_node_where_a_native_node_reads_it():
     np.testing.assert_array_equal(evaluate_numpy(node, [values["y"], dy])[0], values["dx"])
 
 
+def test_a_bf16_relu_s_backward_becomes_one_fused_node_of_bf16_values():
+    """Under --precision bf16 the mask reads bf16 y and dy and writes bf16 (its zeros bf16
+    constants): one node whose function (run by onnxruntime) and NumPy form give Where(y > 0, dy, 0)
+    exactly."""
+    from runtime.gpu.elementwise_fusion import fuse_relu_masks
+    from runtime.gpu.elementwise_steps import round_bf16_numpy, widen_bf16_numpy
+
+    b, f = TensorProto.BFLOAT16, TensorProto.FLOAT
+    nodes = [helper.make_node("Cast", ["y32"], ["y"], to=b), helper.make_node("Cast", ["dy32"], ["dy"], to=b),
+             helper.make_node("Greater", ["y", "zero"], ["mask"], name="mask"),
+             helper.make_node("Where", ["mask", "dy", "zero"], ["dx"], name="relu_grad"),
+             helper.make_node("Cast", ["dx"], ["out"], to=f, name="reader")]
+    model = one_graph_model(nodes, [helper.make_tensor_value_info(n, f, [4, 8]) for n in ("y32", "dy32")],
+                            [helper.make_tensor_value_info("out", f, [4, 8])], [helper.make_tensor("zero", b, [], [0.0])])
+    model = onnx.shape_inference.infer_shapes(model)
+    fused = fuse_relu_masks(model, {""})  # the Cast reading it counted as a native node
+    node = fused.graph.node[2]
+    assert node.domain == DOMAIN and [n.op_type for n in fused.graph.node if n.domain == ""] == ["Cast", "Cast", "Cast"]
+    rng = np.random.default_rng(2)
+    y = np.maximum(rng.normal(size=(4, 8)), 0).astype(np.float32)
+    y[0, :3] = 0.0
+    dy = rng.normal(size=(4, 8)).astype(np.float32)
+    yb, dyb = (widen_bf16_numpy(round_bf16_numpy(a)) for a in (y, dy))  # onnxruntime's CPU has no bf16 Greater
+    want = np.where(yb > 0, dyb, np.float32(0))
+    np.testing.assert_array_equal(_session(fused, []).run(None, {"y32": y, "dy32": dy})[0], want)
+    bits = evaluate_numpy(node, [round_bf16_numpy(y), round_bf16_numpy(dy)])[0]
+    np.testing.assert_array_equal(bits, round_bf16_numpy(want))
+
+
 @pytest.mark.parametrize("case", ["no native reader", "mask read elsewhere", "else value not zero", "threshold not zero",
                                   "else value broadcasts to a higher rank"])
 def test_relu_s_backward_stays_with_onnxruntime_where_fusing_would_cut_or_change_it(case):

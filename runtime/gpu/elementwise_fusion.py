@@ -238,8 +238,11 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
     facts = _Facts(model)
     nodes = facts.nodes
 
-    def zero(name: str) -> bool:  # +0.0 exactly: the masked elements are written as it
-        value = facts.scalar(name)
+    def zero(name: str) -> bool:  # +0.0 exactly (float32 or bfloat16): the masked elements are written as it
+        value = facts.constants.get(name)
+        if value is None or value.size != 1 or str(value.dtype) not in ("float32", "bfloat16"):
+            return False
+        value = float(value.reshape(-1)[0])
         return value == 0.0 and not math.copysign(1.0, value) < 0
 
     fused: dict[int, onnx.NodeProto] = {}  # the Where's index -> its fused node
@@ -256,13 +259,20 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
                 or facts.readers.get(mask) != {i} or mask in facts.graph_outputs):
             continue
         y, out = greater.input[0], where.output[0]
+        kinds = {facts.dtype_of(name) for name in (y, dy, out)}
+        kind = kinds.pop() if len(kinds) == 1 else None
         # One shape for y, dy and the result: the kernel neither broadcasts nor reshapes.
-        if facts.shape_of(y) is None or not facts.shape_of(y) == facts.shape_of(dy) == facts.shape_of(out):
+        shape = facts.shape_of(y, kind) if kind in (FLOAT, BF16) else None
+        if shape is None or not shape == facts.shape_of(dy, kind) == facts.shape_of(out, kind):
             continue
         if not any(nodes[r].domain in native_domains for r in facts.readers.get(out, ())):
             continue
-        fused[i] = make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"],
-                               [(RELU_MASK, [("x", 0), ("x", 1)])], [0])
+        if kind == BF16:  # a bf16 step's mask: read widened, the result (dy or 0) rounded back exactly
+            fused[i] = make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"],
+                                   [(RELU_MASK, [("x", 0), ("x", 1)]), (ROUND, [("t", 0)])], [1], [BF16, BF16], [BF16])
+        else:
+            fused[i] = make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"],
+                                   [(RELU_MASK, [("x", 0), ("x", 1)])], [0])
         dropped.add(g)
     if not fused:
         return model
