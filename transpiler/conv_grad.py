@@ -10,9 +10,12 @@ the Conv formulation in standard ops, so onnx.checker, plain onnxruntime (which 
 and the CPU backend read and compute it like before.
 
 The node: inputs X (N, C, H, W) and dY (N, M, Ho, Wo) of a forward ``Y = Conv(X, W)`` with group 1
-and two spatial axes; output dW (M, C, kh, kw). Attributes, all present: ``kernel_shape`` (kh, kw),
-``strides``, ``dilations``, ``pads`` (begin..., end..., with auto_pad already resolved). The
-function is polymorphic (attribute references, no shapes), so one function serves every node.
+and two spatial axes; output dW (M, C, kh, kw), all three of one element type: float32, or
+bfloat16 or float16 under --precision (dW then rounded once from a float32 sum, as cuDNN's
+backward-filter with float accumulation gives it; the Cast rule casts it up to the float32
+parameter's gradient). Attributes, all present: ``kernel_shape`` (kh, kw), ``strides``,
+``dilations``, ``pads`` (begin..., end..., with auto_pad already resolved). The function is
+polymorphic (attribute references, no shapes, no types), so one function serves every node.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 - Conv input gradient: ConvTranspose of dY with the same weight. With static spatial dims the pads
   and ``output_padding`` make it land exactly on the input shape; otherwise the full transposed
   convolution is cropped with one Pad (negative pads crop) computed at run time.
-- Conv weight gradient: where it applies (group 1, 2 spatial axes, static sizes), one
-  ``ConvWeightGrad`` node (transpiler/conv_grad.py: cuDNN's backward-filter on the GPU, its function
-  elsewhere); otherwise inline, by the per-tap GEMMs or a Conv whose "batch" is the input channels
-  and whose "channels" are the batch (input transposed to (C/g, g*N, ...)), with dY transposed to
-  (M, N, ...) as the kernel, strides and dilations swapped, then cropped to the kernel size and
-  transposed back.
+- Conv weight gradient: where it applies (group 1, 2 spatial axes, static sizes; X float32, or
+  bfloat16/float16 under --precision), one ``ConvWeightGrad`` node (transpiler/conv_grad.py:
+  cuDNN's backward-filter on the GPU, its function elsewhere); otherwise inline, by the per-tap
+  GEMMs or a Conv whose "batch" is the input channels and whose "channels" are the batch (input
+  transposed to (C/g, g*N, ...)), with dY transposed to (M, N, ...) as the kernel, strides and
+  dilations swapped, then cropped to the kernel size and transposed back.
 - ConvTranspose: the adjoint of the above (input gradient = Conv, weight gradient = the same
   weight-gradient Conv with input and output roles swapped).
 - MaxPool: its Indices output (added when absent) + ScatterElements(reduction="add").
@@ -174,6 +174,8 @@ GEMM_MIN_OUTPUT_POSITIONS = 64
 # ConvWeightGrad node (transpiler/conv_grad.py), which the GPU backend runs as cuDNN's backward-filter
 # and everything else as its function (the Conv form). False: the standard-op forms above inline.
 WEIGHT_GRAD_NODE = True
+# X's (and dY's) element types the node is written for: those the GPU runner's cuDNN descriptors take.
+NODE_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16})
 
 
 def _weight_grad_node(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, window: _Window) -> ir.Value | None:
@@ -181,8 +183,11 @@ def _weight_grad_node(ctx: RuleContext, x: ir.Value, dy: ir.Value, w: ir.Value, 
     needs its function: whoever builds the backward calls ``native_ops.add_op_functions`` on the model."""
     begin, end = window.pads
     kernel = None if w.shape is None else _static(list(w.shape)[2:])
-    # float32 only: the GPU runner's cuDNN descriptors are float32 (other types keep the inline forms).
-    if window.group != 1 or kernel is None or len(kernel) != 2 or ctx.rank(x) != 4 or x.dtype != ir.DataType.FLOAT:
+    # The types cuDNN's backward-filter takes (runtime/gpu/conv_grad.py): float32, and bfloat16 and
+    # float16 (--precision: dW in X's dtype, accumulated in float32, then the Cast rule's cast back to
+    # the float32 parameter's gradient); others (double) keep the inline forms.
+    if (window.group != 1 or kernel is None or len(kernel) != 2 or ctx.rank(x) != 4
+            or x.dtype not in NODE_DTYPES or dy.dtype not in (None, x.dtype)):
         return None
     if not (isinstance(begin, list) and isinstance(end, list)):
         return None
