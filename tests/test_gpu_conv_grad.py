@@ -1,9 +1,12 @@
 """ConvWeightGrad on the GPU (cuDNN's backward-filter, runtime/gpu/conv_grad.py) equals the node's
 function as the CPU backend runs it (onnxruntime, the Conv form), first call and bound runs, TF32
-off; and the node's attributes are checked before anything runs (CPU)."""
+off; bfloat16 and float16 nodes give the exact gradient of their inputs rounded once, as the CPU
+backend's lowering of the function does; and the node's attributes and element types are checked
+before anything runs (CPU)."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -15,7 +18,9 @@ from contract.ops import CONV_GRAD_DOMAIN as DOMAIN
 from contract.ops import CONV_WEIGHT_GRAD as WEIGHT_GRAD
 from runtime.errors import RunError
 from runtime.gpu import cuda_available, gpu_count
-from runtime.gpu.conv_grad import ConvGradRunner
+from runtime.gpu import cudnn as cudnn_api
+from runtime.gpu.conv_grad import CUDNN_TYPES, ConvGradRunner
+from runtime.low_precision import lower
 from runtime.segments import NativeGroup
 from transpiler.native_ops import add_op_functions
 
@@ -68,15 +73,17 @@ def _assert_close(actual, x, dy, attrs, tolerance: float = 1e-5) -> None:
     assert np.all(np.abs(actual - exact) <= tolerance * scale), float(np.max(np.abs(actual - exact) / scale))
 
 
-def _expected(x, dy, kernel, strides, dilations, pads) -> np.ndarray:
-    """The node through its function, on onnxruntime's CPU provider."""
+def _expected(x, dy, kernel, strides, dilations, pads, elem: int = TensorProto.FLOAT) -> np.ndarray:
+    """The node through its function, on onnxruntime's CPU provider; with ``elem`` bfloat16 or
+    float16, X, dY and dW of that type, as the CPU backend runs it (runtime/low_precision.py: the
+    function's Conv in float32, rounded once; x and dy float32 holding low-precision numbers)."""
     node = _node(kernel, strides, dilations, pads)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
-                                            helper.make_tensor_value_info("dy", TensorProto.FLOAT, dy.shape)],
-                              [helper.make_tensor_value_info("dw", TensorProto.FLOAT, None)])
-    model = ir.serde.deserialize_model(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", elem, x.shape),
+                                            helper.make_tensor_value_info("dy", elem, dy.shape)],
+                              [helper.make_tensor_value_info("dw", elem, None)])
+    model = ir.serde.deserialize_model(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18 if elem == TensorProto.FLOAT else 22)]))
     assert add_op_functions(model)
-    proto = ir.serde.serialize_model(model)
+    proto = lower(ir.serde.serialize_model(model))
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {"x": x, "dy": dy})[0]
 
@@ -108,6 +115,83 @@ def test_cudnn_weight_gradient_equals_the_function(case):
         runner.run_bound(1, feeds)
         device.compute.synchronize()
         _assert_close(cp.asnumpy(out), x, dy * scale, attrs)
+
+
+# Each low-precision type: (ONNX type, NumPy's (ml_dtypes') type, how CuPy holds it, stored mantissa bits).
+LOW = {"bfloat16": (TensorProto.BFLOAT16, ml_dtypes.bfloat16, np.uint16, 7),
+       "float16": (TensorProto.FLOAT16, np.float16, np.float16, 10)}
+
+
+def _spacing(values: np.ndarray, mantissa: int) -> np.ndarray:
+    """The distance between neighbouring low-precision numbers at ``values`` (normal range)."""
+    _, exponent = np.frexp(np.abs(values).astype(np.float64))
+    return np.ldexp(1.0, exponent - 1 - mantissa)
+
+
+@pytest.mark.parametrize("dtype", sorted(LOW))
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
+def test_low_precision_weight_gradient_is_the_exact_one_rounded_once(case, dtype):
+    """bfloat16 / float16 X and dY (bfloat16 as raw bits), dW of the same type: cuDNN's pseudo
+    configuration sums the (exact) products in float32 and rounds once, so dW lies within half a
+    spacing of the exact (float64) gradient of the rounded inputs, plus float32 summation error
+    where that moves it across a rounding boundary; and within one spacing of what the CPU backend
+    computes from the node's function. First call and a bound run."""
+    import cupy as cp
+
+    from runtime.gpu.device import GpuDevice
+
+    elem, low, view, mantissa = LOW[dtype]
+    x, dy, attrs = _arrays(case, np.random.default_rng(case))
+    x, dy = (v.astype(low).astype(np.float32) for v in (x, dy))  # the low-precision numbers, held as float32
+    exact, scale = _float64(x, dy, *attrs), _float64(np.abs(x), np.abs(dy), *attrs)
+    cpu = _expected(x, dy, *attrs, elem=elem)
+
+    def check(raw) -> None:
+        dw = cp.asnumpy(raw).view(low).astype(np.float64) if view == np.uint16 else cp.asnumpy(raw).astype(np.float64)
+        assert raw.dtype == view and dw.shape == exact.shape
+        assert np.all(np.abs(dw - exact) <= 0.5 * _spacing(exact, mantissa) + 1e-5 * scale), float(
+            np.max(np.abs(dw - exact) / _spacing(exact, mantissa)))
+        assert np.all(np.abs(dw - cpu) <= _spacing(np.maximum(np.abs(dw), np.abs(cpu)), mantissa) + 1e-5 * scale)
+
+    device = GpuDevice(0, tf32=False)
+    runner = ConvGradRunner(NativeGroup(0, 0, 1, (_node(*attrs),), ("x", "dy"), ("dw",)), "test", device)
+    feeds = {"x": cp.asarray(x.astype(low).view(view)), "dy": cp.asarray(dy.astype(low).view(view))}
+    (first,) = runner.run(feeds)
+    device.compute.synchronize()
+    check(first)
+    out = cp.zeros(exact.shape, dtype=view)
+    runner.prepare(1, {"dw": out})
+    runner.run_bound(1, feeds)
+    device.compute.synchronize()
+    check(out)
+
+
+def test_the_element_types_map_to_cudnns_and_must_agree():
+    """cudnnDataType_t (cudnn_graph.h): FLOAT 0, HALF 2, BFLOAT16 9; bfloat16 arrives as uint16 raw
+    bits (in_session.VIEWS). X, dY and dW of one type, else the first call refuses them (CPU: the
+    checks read only dtypes and shapes)."""
+    from runtime.gpu.in_session import VIEWS
+
+    assert (cudnn_api.DATA_FLOAT, cudnn_api.DATA_HALF, cudnn_api.DATA_BFLOAT16) == (0, 2, 9)
+    assert {VIEWS[t]: CUDNN_TYPES[VIEWS[t]] for t in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)} \
+        == {np.dtype(np.float32): 0, np.dtype(np.float16): 2, np.dtype(np.uint16): 9}
+
+    class _Device:  # the runner reads these before touching the GPU
+        cp, tf32, compute = None, False, None
+
+    runner = ConvGradRunner(NativeGroup(0, 0, 1, (_node([3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),), ("x", "dy"), ("dw",)),
+                            "rank0.onnx", _Device())
+    (op,) = runner.ops
+    bits = np.zeros((2, 3, 5, 5), np.uint16)
+    runner._check(op, bits, np.zeros((2, 4, 5, 5), np.uint16), np.zeros((4, 3, 3, 3), np.uint16))
+    with pytest.raises(RunError, match="X is bfloat16 but dY is float16"):
+        runner._check(op, bits, np.zeros((2, 4, 5, 5), np.float16))
+    with pytest.raises(RunError, match="X is bfloat16 but dW is float32"):
+        runner._check(op, bits, np.zeros((2, 4, 5, 5), np.uint16), np.zeros((4, 3, 3, 3), np.float32))
+    with pytest.raises(RunError, match="X must be a contiguous float32, bfloat16 or float16 tensor"):
+        runner._check(op, np.zeros((2, 3, 5, 5)), np.zeros((2, 4, 5, 5)))
 
 
 def test_a_node_without_its_attributes_is_refused_naming_it():

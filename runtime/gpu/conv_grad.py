@@ -15,6 +15,14 @@ math allowed with ``tf32``, FMA-only math without it, as onnxruntime's ``use_tf3
 Convs), so the equality tests (TF32 off) compare exact float32 products; the summation order is
 cuDNN's, within the tests' 1e-5 of the CPU backend.
 
+Element types (--precision): X, dY and dW share one, float32, bfloat16 or float16
+(``CUDNN_TYPES``; bfloat16 arrives as its raw bits, uint16, as in_session.VIEWS has CuPy hold it).
+Half and bfloat16 run cuDNN's "pseudo" configurations: bf16/fp16 products summed in float32 on
+tensor cores, dW rounded once, which is what the node's function computes on the CPU backend
+(runtime/low_precision.py: its Conv in float32, rounded once), up to the summation order. Between
+sessions a bfloat16 value crosses as float32 (compile.py ``WidenBfloat16``), so there the node runs
+in float32 on the exactly widened values.
+
 Interface: OrtCudaSegment's (``run`` on the first call, allocating dW; then ``prepare`` per parity
 and ``run_bound``), so GpuProgram binds its outputs into buffers and collective slots like any
 segment's. Descriptors and algorithms are made in ``run`` (again only if its shapes changed), whose
@@ -35,6 +43,10 @@ from runtime.gpu import cudnn
 from runtime.segments import place
 
 WORKSPACE_LIMIT = 256 << 20  # bytes an algorithm may need; cuDNN's fastest ResNet ones need far less
+# How each element type arrives (CuPy has no bfloat16: its raw bits, uint16) -> cuDNN's data type.
+CUDNN_TYPES = {np.dtype(np.float32): cudnn.DATA_FLOAT, np.dtype(np.float16): cudnn.DATA_HALF,
+               np.dtype(np.uint16): cudnn.DATA_BFLOAT16}
+_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint16): "bfloat16"}
 
 
 @dataclass
@@ -49,7 +61,7 @@ class _WeightGrad:
     strides: list[int]
     dilations: list[int]
     pads: list[int]  # begin pads; the transpiler emits the node only where cuDNN's symmetric ones fit
-    shapes: tuple = ()  # (X's, dY's) of the call that made the descriptors
+    shapes: tuple = ()  # (X's shape, dY's shape, their dtype) of the call that made the descriptors
     descriptors: tuple = ()  # (x, dy, conv, dw)
     algo: int = 0
     workspace_bytes: int = 0
@@ -84,11 +96,15 @@ class ConvGradRunner(LaunchRunner):
         self.device = device
         self.context: cudnn.CudnnContext | None = None  # the device's, from the first call on
 
-    def _check(self, op: _WeightGrad, x, dy) -> None:
+    def _check(self, op: _WeightGrad, x, dy, dw=None) -> None:
         for label, value in (("X", x), ("dY", dy)):
-            if value.dtype != np.float32 or value.ndim != 2 + len(op.kernel) or not value.flags.c_contiguous:
-                raise RunError(f"{self.where}: '{op.name}': {label} must be a contiguous float32 tensor of rank "
-                               f"{2 + len(op.kernel)}, got {value.dtype} {tuple(value.shape)}")
+            if value.dtype not in CUDNN_TYPES or value.ndim != 2 + len(op.kernel) or not value.flags.c_contiguous:
+                raise RunError(f"{self.where}: '{op.name}': {label} must be a contiguous float32, bfloat16 or float16 "
+                               f"tensor of rank {2 + len(op.kernel)}, got {value.dtype} {tuple(value.shape)}")
+        for label, value in (("dY", dy), ("dW", dw)):
+            if value is not None and value.dtype != x.dtype:
+                raise RunError(f"{self.where}: '{op.name}': X is {_NAMES[x.dtype]} but {label} is "
+                               f"{_NAMES.get(value.dtype, value.dtype)}: X, dY and dW must share one element type")
 
     def _configure(self, op: _WeightGrad, x, dy, dw) -> None:
         """Descriptors for these shapes, and the fastest algorithm on these buffers."""
@@ -97,9 +113,10 @@ class ConvGradRunner(LaunchRunner):
         handle = self.context.handle
         if op.descriptors:
             cudnn.destroy(*op.descriptors)
-        x_desc, dy_desc = cudnn.tensor_descriptor(x.shape), cudnn.tensor_descriptor(dy.shape)
-        dw_desc = cudnn.filter_descriptor(dw.shape)
-        conv = cudnn.convolution_descriptor(op.pads, op.strides, op.dilations, tf32=self.tf32)
+        data_type = CUDNN_TYPES[x.dtype]
+        x_desc, dy_desc = cudnn.tensor_descriptor(x.shape, data_type), cudnn.tensor_descriptor(dy.shape, data_type)
+        dw_desc = cudnn.filter_descriptor(dw.shape, data_type)
+        conv = cudnn.convolution_descriptor(op.pads, op.strides, op.dilations, tf32=self.tf32, data_type=data_type)
         expected = cudnn.forward_output_dims(conv, x_desc, dw_desc, x.ndim)
         if expected != list(dy.shape):
             raise RunError(f"{self.where}: '{op.name}': dY is {tuple(dy.shape)}, but a Conv of X {tuple(x.shape)} "
@@ -111,12 +128,12 @@ class ConvGradRunner(LaunchRunner):
         found = cudnn.find_backward_filter(handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, dw_desc,
                                            dw.data.ptr, scratch.data.ptr, trial)
         if not found:
-            raise RunError(f"{self.where}: '{op.name}': cuDNN has no backward-filter algorithm for X {tuple(x.shape)}, "
-                           f"dY {tuple(dy.shape)} within {WORKSPACE_LIMIT >> 20} MiB of workspace")
+            raise RunError(f"{self.where}: '{op.name}': cuDNN has no backward-filter algorithm for {_NAMES[x.dtype]} "
+                           f"X {tuple(x.shape)}, dY {tuple(dy.shape)} within {WORKSPACE_LIMIT >> 20} MiB of workspace")
         best = found[0]
-        # The math type cuDNN timed the winner with (tensor-op math only where tf32 allowed it).
+        # The math type cuDNN timed the winner with (for float32, tensor-op math only where tf32 allowed it).
         cudnn.call("cudnnSetConvolutionMathType", conv, best.mathType)
-        op.shapes, op.descriptors = (x.shape, dy.shape), (x_desc, dy_desc, conv, dw_desc)
+        op.shapes, op.descriptors = (x.shape, dy.shape, x.dtype), (x_desc, dy_desc, conv, dw_desc)
         op.algo, op.workspace_bytes = int(best.algo), int(best.memory)
         del scratch
         self.context.reserve(op.workspace_bytes)
@@ -127,10 +144,10 @@ class ConvGradRunner(LaunchRunner):
             for op in self.ops:
                 x, dy = values[op.x], values[op.dy]
                 if allocate:  # a first call: its shapes are every bound call's (the module docstring)
-                    self._check(op, x, dy)
+                    self._check(op, x, dy, values.get(op.dw))
                     if op.dw not in values:  # given where the node runs inside a session (in_session.py)
-                        values[op.dw] = cp.empty((dy.shape[1], x.shape[1], *op.kernel), dtype=np.float32)
-                    if op.shapes != (x.shape, dy.shape):
+                        values[op.dw] = cp.empty((dy.shape[1], x.shape[1], *op.kernel), dtype=x.dtype)
+                    if op.shapes != (x.shape, dy.shape, x.dtype):
                         self._configure(op, x, dy, values[op.dw])
                 dw = values[op.dw]
                 x_desc, dy_desc, conv, dw_desc = op.descriptors

@@ -18,9 +18,12 @@ from runtime.errors import RunError
 
 # cudnnDataType_t, cudnnTensorFormat_t, cudnnConvolutionMode_t, cudnnMathType_t (cudnn_graph.h).
 DATA_FLOAT = 0
+DATA_HALF = 2
+DATA_BFLOAT16 = 9
 TENSOR_NCHW = 0
 CROSS_CORRELATION = 1
 DEFAULT_MATH = 0  # tensor cores allowed: TF32 for float32 data
+TENSOR_OP_MATH = 1  # tensor cores allowed: what half and bfloat16 data run on (float accumulation)
 FMA_MATH = 3  # no tensor cores: exact float32 FMAs
 BWD_FILTER_ALGOS = 7  # cudnnConvolutionBwdFilterAlgo_t values 0..6
 STATUS_SUCCESS = 0
@@ -81,31 +84,42 @@ class Handle:
         call("cudnnSetStream", self.ptr, ctypes.c_void_p(stream_ptr))
 
 
-def tensor_descriptor(dims) -> ctypes.c_void_p:
-    """A packed (C-contiguous) float32 tensor of ``dims`` (4 or 5 of them)."""
+def tensor_descriptor(dims, data_type: int = DATA_FLOAT) -> ctypes.c_void_p:
+    """A packed (C-contiguous) tensor of ``dims`` (4 or 5 of them) of ``data_type`` (float32 unless said)."""
     desc = ctypes.c_void_p()
     call("cudnnCreateTensorDescriptor", ctypes.byref(desc))
     strides, running = [], 1
     for dim in reversed(dims):
         strides.insert(0, running)
         running *= int(dim)
-    call("cudnnSetTensorNdDescriptor", desc, DATA_FLOAT, len(dims), _ints(dims), _ints(strides))
+    call("cudnnSetTensorNdDescriptor", desc, data_type, len(dims), _ints(dims), _ints(strides))
     return desc
 
 
-def filter_descriptor(dims) -> ctypes.c_void_p:
+def filter_descriptor(dims, data_type: int = DATA_FLOAT) -> ctypes.c_void_p:
     desc = ctypes.c_void_p()
     call("cudnnCreateFilterDescriptor", ctypes.byref(desc))
-    call("cudnnSetFilterNdDescriptor", desc, DATA_FLOAT, TENSOR_NCHW, len(dims), _ints(dims))
+    call("cudnnSetFilterNdDescriptor", desc, data_type, TENSOR_NCHW, len(dims), _ints(dims))
     return desc
 
 
-def convolution_descriptor(pads, strides, dilations, *, tf32: bool) -> ctypes.c_void_p:
+def convolution_descriptor(pads, strides, dilations, *, tf32: bool, data_type: int = DATA_FLOAT) -> ctypes.c_void_p:
+    """A cross-correlation over tensors of ``data_type``, its compute type float32 whatever that is:
+    half and bfloat16 data in cuDNN's "pseudo" configurations (products accumulated in float32, the
+    result rounded once; the compute type PyTorch's and onnxruntime's legacy-API Convs give half data)
+    with tensor-core math (as both set for half); float32 data in TF32 on tensor cores with ``tf32``,
+    else in exact float32 FMAs."""
     desc = ctypes.c_void_p()
     call("cudnnCreateConvolutionDescriptor", ctypes.byref(desc))
     call("cudnnSetConvolutionNdDescriptor", desc, len(pads), _ints(pads), _ints(strides), _ints(dilations),
          CROSS_CORRELATION, DATA_FLOAT)
-    call("cudnnSetConvolutionMathType", desc, DEFAULT_MATH if tf32 else FMA_MATH)
+    if data_type == DATA_FLOAT:
+        math = DEFAULT_MATH if tf32 else FMA_MATH
+    elif data_type in (DATA_HALF, DATA_BFLOAT16):
+        math = TENSOR_OP_MATH
+    else:
+        raise RunError(f"cuDNN convolution descriptor: data type {data_type} is none of float32, half, bfloat16")
+    call("cudnnSetConvolutionMathType", desc, math)
     return desc
 
 
@@ -149,6 +163,7 @@ def find_backward_filter(handle: Handle, x_desc, x: int, dy_desc, dy: int, conv,
     return [results[i] for i in range(returned.value) if results[i].status == STATUS_SUCCESS]
 
 
+# alpha and beta: float for every data type but double (float32, half and bfloat16 alike).
 _ONE = ctypes.c_float(1.0)
 _ZERO = ctypes.c_float(0.0)
 
