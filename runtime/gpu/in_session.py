@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from contract.ops import ATTENTION_DOMAIN
+from contract.ops import ATTENTION_DOMAIN, CONV_GRAD_DOMAIN
 from runtime.errors import RunError
 from runtime.gpu.batchnorm_casts import DOMAIN as BATCHNORM_CASTS_DOMAIN
 from runtime.gpu.bias_grad import DOMAIN as BIAS_GRAD_DOMAIN
@@ -47,7 +47,7 @@ from runtime.specialize import static_values
 
 DOMAIN = "graph_transpiler.in_session"  # the session-private domain of taken nodes
 # The element types each runner computes on (every other runner: float32 only, as the transpiler
-# writes its nodes only for float32); each is viewed in CuPy as VIEWS says.
+# and the rewrites write its nodes only for float32); each is viewed in CuPy as VIEWS says.
 VIEWS = {**CUPY_DTYPES, onnx.TensorProto.FLOAT16: np.dtype(np.float16), onnx.TensorProto.INT32: np.dtype(np.int32),
          onnx.TensorProto.INT64: np.dtype(np.int64)}
 TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
@@ -58,6 +58,8 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
          PARAMETER_CASTS_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
          BIAS_GRAD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT64),
          BATCHNORM_CASTS_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
+         # --precision bf16|fp16: a low-precision Conv's weight gradient (conv_grad.py: cuDNN in its dtype)
+         CONV_GRAD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
          # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl_types.nccl_dtype)
          SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
 
