@@ -26,11 +26,12 @@ DEFAULT_MATH = 0  # tensor cores allowed: TF32 for float32 data
 TENSOR_OP_MATH = 1  # tensor cores allowed: what half and bfloat16 data run on (float accumulation)
 FMA_MATH = 3  # no tensor cores: exact float32 FMAs
 BWD_FILTER_ALGOS = 7  # cudnnConvolutionBwdFilterAlgo_t values 0..6
+BWD_DATA_ALGOS = 6  # cudnnConvolutionBwdDataAlgo_t values 0..5
 STATUS_SUCCESS = 0
 
 
 class BwdFilterAlgoPerf(ctypes.Structure):
-    """cudnnConvolutionBwdFilterAlgoPerf_t."""
+    """cudnnConvolutionBwdFilterAlgoPerf_t, and cudnnConvolutionBwdDataAlgoPerf_t (the same fields)."""
 
     _fields_ = [("algo", ctypes.c_int), ("status", ctypes.c_int), ("time", ctypes.c_float),
                 ("memory", ctypes.c_size_t), ("determinism", ctypes.c_int), ("mathType", ctypes.c_int),
@@ -174,6 +175,35 @@ def backward_filter(handle: Handle, x_desc, x: int, dy_desc, dy: int, conv, algo
     call("cudnnConvolutionBackwardFilter", handle.ptr, ctypes.byref(_ONE), x_desc, ctypes.c_void_p(x), dy_desc,
          ctypes.c_void_p(dy), conv, algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
          ctypes.byref(_ZERO), dw_desc, ctypes.c_void_p(dw))
+
+
+def backward_data_workspace(handle: Handle, w_desc, dy_desc, conv, dx_desc, algo: int) -> int | None:
+    """Bytes of workspace backward-data ``algo`` needs here, or None where it does not support the case."""
+    size = ctypes.c_size_t()
+    status = library().cudnnGetConvolutionBackwardDataWorkspaceSize(handle.ptr, w_desc, dy_desc, conv, dx_desc, algo,
+                                                                     ctypes.byref(size))
+    return int(size.value) if status == STATUS_SUCCESS else None
+
+
+def find_backward_data(handle: Handle, w_desc, w: int, dy_desc, dy: int, conv, dx_desc, dx: int,
+                       workspace: int, workspace_bytes: int) -> list[BwdFilterAlgoPerf]:
+    """Every backward-data algorithm that ran within ``workspace_bytes``, fastest first (``dx`` is
+    overwritten)."""
+    results = (BwdFilterAlgoPerf * BWD_DATA_ALGOS)()
+    returned = ctypes.c_int()
+    call("cudnnFindConvolutionBackwardDataAlgorithmEx", handle.ptr, w_desc, ctypes.c_void_p(w), dy_desc,
+         ctypes.c_void_p(dy), conv, dx_desc, ctypes.c_void_p(dx), BWD_DATA_ALGOS, ctypes.byref(returned), results,
+         ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes))
+    return [results[i] for i in range(returned.value) if results[i].status == STATUS_SUCCESS]
+
+
+def backward_data(handle: Handle, w_desc, w: int, dy_desc, dy: int, conv, algo: int, workspace: int,
+                  workspace_bytes: int, dx_desc, dx: int) -> None:
+    """dx = the data gradient of a Conv with weight w (a ConvTranspose of dy), overwritten, enqueued
+    on the handle's stream."""
+    call("cudnnConvolutionBackwardData", handle.ptr, ctypes.byref(_ONE), w_desc, ctypes.c_void_p(w), dy_desc,
+         ctypes.c_void_p(dy), conv, algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
+         ctypes.byref(_ZERO), dx_desc, ctypes.c_void_p(dx))
 
 
 class CudnnContext:

@@ -35,6 +35,7 @@ from contract.ops import ATTENTION_DOMAIN, CONV_GRAD_DOMAIN
 from runtime.errors import RunError
 from runtime.gpu.batchnorm_casts import DOMAIN as BATCHNORM_CASTS_DOMAIN
 from runtime.gpu.bias_grad import DOMAIN as BIAS_GRAD_DOMAIN
+from runtime.gpu.conv_data_grad import DOMAIN as CONV_DATA_GRAD_DOMAIN
 from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
@@ -60,6 +61,7 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
          BATCHNORM_CASTS_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
          # --precision bf16|fp16: a low-precision Conv's weight gradient (conv_grad.py: cuDNN in its dtype)
          CONV_GRAD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
+         CONV_DATA_GRAD_DOMAIN: (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
          # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl_types.nccl_dtype)
          SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
 

@@ -44,6 +44,8 @@ from runtime.gpu.batchnorm_casts import DOMAIN as BATCHNORM_CASTS_DOMAIN
 from runtime.gpu.batchnorm_casts import fold_batchnorm_casts
 from runtime.gpu.bias_grad import DOMAIN as BIAS_GRAD_DOMAIN
 from runtime.gpu.bias_grad import BiasGradRunner, fuse_bias_grads
+from runtime.gpu.conv_data_grad import DOMAIN as CONV_DATA_GRAD_DOMAIN
+from runtime.gpu.conv_data_grad import ConvDataGradRunner, fuse_conv_data_grads
 from runtime.gpu.conv_grad import ConvGradRunner
 from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.cross_entropy import CrossEntropyRunner, fuse_cross_entropy
@@ -77,6 +79,9 @@ KERNELS = (
     Kernel("update", FUSED_UPDATE_DOMAIN, FusedUpdateRunner, in_session=False, between=True),
     Kernel("conv_grad", CONV_GRAD_DOMAIN, ConvGradRunner, in_session=True, between=True),
     Kernel("batchnorm", BATCHNORM_DOMAIN, BatchNormRunner, in_session=True, between=True),
+    # A bf16/fp16 Conv's data gradient (its ConvTranspose) by cuDNN's backward-data (conv_data_grad.py).
+    Kernel("conv_data_grad", CONV_DATA_GRAD_DOMAIN, ConvDataGradRunner, in_session=True, between=False,
+           rewrite=fuse_conv_data_grads),
     # BatchNorm reading and writing bfloat16, its casts folded in (batchnorm_casts.py).
     Kernel("batchnorm_casts", BATCHNORM_CASTS_DOMAIN, BatchNormRunner, in_session=True, between=False,
            rewrite=fold_batchnorm_casts),
