@@ -94,6 +94,19 @@ def gpt_train(tmp_path_factory):
     return model, {i.name: feeds[i.name] for i in model.graph.input}
 
 
+def cpu_and_gpu_losses(out, data: Path, *, batch: int, steps: int) -> dict[str, np.ndarray]:
+    """Per-step losses of ``steps`` steps of OUT on the CPU backend and on one GPU (TF32 off)."""
+    from graph_transpiler import train
+
+    losses = {}
+    for backend in ("cpu", "nccl"):
+        seen: list = []
+        train(out, data, batch=batch, steps=steps, log_every=1, backend=backend, no_tf32=True, callback=seen.append,
+              verbose=False)
+        losses[backend] = np.array([r["loss"] for r in seen])
+    return losses
+
+
 def one_graph_model(nodes, inputs, outputs, inits=(), opset: int = 18):
     """A model of one graph (the default domain at ``opset``, IR version 8 as onnxruntime reads it)."""
     from onnx import helper

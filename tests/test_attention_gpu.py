@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import cpu_and_gpu_losses
 from onnx import helper
 
 from contract.ops import ATTENTION, ATTENTION_DOMAIN, ATTENTION_GRAD
@@ -90,16 +91,11 @@ def test_cudnn_equals_the_functions_arithmetic_and_repeats_its_bits(dtype, causa
 
 
 def test_the_bf16_gpt_trains_on_the_gpu_as_on_the_cpu_backend(model_dir, tmp_path):
-    from graph_transpiler import train, transpile
+    from graph_transpiler import transpile
 
     out = transpile(model_dir("gpt") / "model.onnx", tmp_path / "out", gpus=1, optimizer="adamw", lr=1e-3,
                     precision="bf16", verbose=False)
-    losses = {}
-    for backend in ("cpu", "nccl"):
-        seen = []
-        train(out, model_dir("gpt") / "data.npz", batch=8, steps=6, log_every=1, backend=backend, no_tf32=True,
-              callback=seen.append, verbose=False)
-        losses[backend] = np.array([r["loss"] for r in seen])
+    losses = cpu_and_gpu_losses(out, model_dir("gpt") / "data.npz", batch=8, steps=6)
     # The GPU runs cuDNN's fused attention and onnxruntime's bf16 kernels, the CPU backend the functions
     # in float32 with the same roundings: summation order apart, the same step.
     assert np.max(np.abs(losses["nccl"] - losses["cpu"])) <= 2e-3 * float(losses["cpu"][0]), losses

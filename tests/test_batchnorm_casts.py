@@ -13,6 +13,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from conftest import cpu_and_gpu_losses
 from onnx import TensorProto, helper
 
 from commands.main import main
@@ -104,16 +105,11 @@ def test_the_bf16_resnet_step_reads_and_writes_its_batchnorms_in_bf16(model_dir,
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
 def test_the_bf16_cnn_trains_on_the_gpu_as_on_the_cpu_backend(model_dir, tmp_path):
-    from graph_transpiler import train, transpile
+    from graph_transpiler import transpile
 
     out = transpile(model_dir("cnn_small") / "model.onnx", tmp_path / "out", gpus=1, lr=0.01, precision="bf16",
                     verbose=False)
-    losses = {}
-    for backend in ("cpu", "nccl"):
-        seen = []
-        train(out, model_dir("cnn_small") / "data.npz", batch=32, steps=6, log_every=1, backend=backend, no_tf32=True,
-              callback=seen.append, verbose=False)
-        losses[backend] = np.array([r["loss"] for r in seen])
+    losses = cpu_and_gpu_losses(out, model_dir("cnn_small") / "data.npz", batch=32, steps=6)
     # The GPU's BatchNorms read and write bf16 (the fused nodes), the CPU backend's cast around the
     # functions: the same roundings, summation order apart.
     assert np.max(np.abs(losses["nccl"] - losses["cpu"])) <= 2e-3 * float(losses["cpu"][0]), losses

@@ -21,6 +21,7 @@ import onnxruntime as ort
 import pytest
 from conftest import load_data
 from onnx import TensorProto, helper, numpy_helper
+from test_gpu_conv_grad import _float64  # dW in float64: the exact gradient of the rounded inputs
 
 from contract.ops import CONV_WEIGHT_GRAD
 from runtime import simulate
@@ -160,20 +161,6 @@ def _one_conv(tmp_path, case: int, m: int = 6):
     return path, w, feeds, (kernel, strides, dilations, pads)
 
 
-def _exact(x, dy, kernel, strides, dilations, pads) -> np.ndarray:
-    """dW[m, c, t] = sum over (n, p) of dY[n, m, p] * Xpad[n, c, p*s + t*d], in float64."""
-    x = np.pad(x.astype(np.float64), [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])])
-    outs = dy.shape[2:]
-    dw = np.zeros((dy.shape[1], x.shape[1], *kernel))
-    for i in range(kernel[0]):
-        for j in range(kernel[1]):
-            top, left = i * dilations[0], j * dilations[1]
-            window = x[:, :, top:top + (outs[0] - 1) * strides[0] + 1:strides[0],
-                       left:left + (outs[1] - 1) * strides[1] + 1:strides[1]]
-            dw[:, :, i, j] = np.einsum("nmhw,nchw->mc", dy.astype(np.float64), window)
-    return dw
-
-
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_the_bf16_node_is_the_exact_gradient_rounded_once_and_torch_bf16s(case, tmp_path):
     path, w, feeds, attrs = _one_conv(tmp_path, case)
@@ -182,8 +169,8 @@ def test_the_bf16_node_is_the_exact_gradient_rounded_once_and_torch_bf16s(case, 
     ours = _gradients(path, "bf16", feeds)["w"]
     # The Conv reads X in bf16 and its output's gradient is c rounded to bf16 (the Mul is float32).
     low = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in feeds.items()}
-    exact = _exact(low["x"], low["c"], *attrs)
-    scale = _exact(np.abs(low["x"]), np.abs(low["c"]), *attrs)
+    exact = _float64(low["x"], low["c"], *attrs)
+    scale = _float64(np.abs(low["x"]), np.abs(low["c"]), *attrs)
     # Rounded to nearest from a float32 sum: within half a spacing of the exact sum, plus the float32
     # summation error (where that moves it across a boundary).
     assert np.all(np.abs(ours - exact) <= 0.5 * _ulp(exact, "bf16") + 1e-6 * scale)

@@ -17,7 +17,7 @@ strides and dilations for an X of its output's shape: the runner checks that thi
 shape (cuDNN's ``GetConvolutionNdForwardOutputDim``) and refuses the node naming it otherwise.
 
 Algorithm: chosen once per node on its first call by ``cudnnFindConvolutionBackwardDataAlgorithmEx``
-among those within conv_grad.WORKSPACE_LIMIT, as conv_grad.py chooses the weight gradient's; the
+among those within cudnn.WORKSPACE_LIMIT, as conv_grad.py chooses the weight gradient's; the
 device's cuDNN handle and workspace are shared with it.
 """
 
@@ -25,16 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 from onnx import helper
 
 from runtime.errors import RunError
-from runtime.executor import LaunchRunner
 from runtime.gpu import cudnn
-from runtime.gpu.conv_grad import CUDNN_TYPES, WORKSPACE_LIMIT
+from runtime.gpu.conv_grad import CUDNN_TYPES, CudnnConvRunner
 from runtime.gpu.rewrite_nodes import add_function, attribute
-from runtime.segments import place
 
 DOMAIN = "graph_transpiler.gpu.conv_data_grad"  # the runtime's own: the nodes of this rewrite
 OP = "ConvDataGrad"  # (dY, W) -> dX: ConvTranspose(dY, W) as cuDNN's backward-data
@@ -110,18 +107,13 @@ class _DataGrad:
         return (dy.shape[0], w.shape[1], *spatial)
 
 
-class ConvDataGradRunner(LaunchRunner):
+class ConvDataGradRunner(CudnnConvRunner):
     """A NativeGroup of ConvDataGrad nodes, run by cuDNN on the device's compute stream."""
 
-    def __init__(self, group, where: str, device):
-        super().__init__(group.outputs)
-        self.cp = device.cp
-        self.tf32 = device.tf32
-        self.stream = device.compute
-        self.where = f"{where}: Conv data gradients in {place(group)}"
-        self.ops = [_DataGrad.from_node(node, self.where) for node in group.nodes]
-        self.device = device
-        self.context: cudnn.CudnnContext | None = None  # the device's, from the first call on
+    WHAT = "Conv data gradients"
+
+    def parse(self, node) -> _DataGrad:
+        return _DataGrad.from_node(node, self.where)
 
     def _check(self, op: _DataGrad, dy, w, dx) -> None:
         for label, value in (("dY", dy), ("W", w), ("dX", dx)):
@@ -134,9 +126,7 @@ class ConvDataGradRunner(LaunchRunner):
 
     def _configure(self, op: _DataGrad, dy, w, dx) -> None:
         """Descriptors for these shapes, and the fastest algorithm on these buffers."""
-        if self.context is None:
-            self.context = self.device.cudnn()
-        handle = self.context.handle
+        handle = self.handle()
         if op.descriptors:
             w_desc, dy_desc, conv, dx_desc = op.descriptors
             cudnn.destroy(dx_desc, dy_desc, conv, w_desc)
@@ -148,20 +138,16 @@ class ConvDataGradRunner(LaunchRunner):
         if expected != list(dy.shape):
             raise RunError(f"{self.where}: '{op.name}': a Conv of X {tuple(dx.shape)} and W {tuple(w.shape)} with these "
                            f"attributes gives {tuple(expected)}, not dY's {tuple(dy.shape)}: not its data gradient")
-        sizes = [cudnn.backward_data_workspace(handle, w_desc, dy_desc, conv, dx_desc, algo)
-                 for algo in range(cudnn.BWD_DATA_ALGOS)]
-        trial = max([size for size in sizes if size is not None and size <= WORKSPACE_LIMIT], default=0)
-        scratch = self.cp.empty(max(trial, 1), dtype=np.uint8)
-        found = cudnn.find_backward_data(handle, w_desc, w.data.ptr, dy_desc, dy.data.ptr, conv, dx_desc, dx.data.ptr,
-                                         scratch.data.ptr, trial)
-        if not found:
+        best = cudnn.fastest(
+            self.cp, lambda algo: cudnn.backward_data_workspace(handle, w_desc, dy_desc, conv, dx_desc, algo),
+            cudnn.BWD_DATA_ALGOS, lambda scratch, size: cudnn.find_backward_data(
+                handle, w_desc, w.data.ptr, dy_desc, dy.data.ptr, conv, dx_desc, dx.data.ptr, scratch, size))
+        if best is None:
             raise RunError(f"{self.where}: '{op.name}': cuDNN has no backward-data algorithm for dY {tuple(dy.shape)}, "
-                           f"W {tuple(w.shape)} ({dy.dtype}) within {WORKSPACE_LIMIT >> 20} MiB of workspace")
-        best = found[0]
+                           f"W {tuple(w.shape)} ({dy.dtype}) within {cudnn.WORKSPACE_LIMIT >> 20} MiB of workspace")
         cudnn.call("cudnnSetConvolutionMathType", conv, best.mathType)  # the math cuDNN timed the winner with
         op.key, op.descriptors = (dy.shape, w.shape, dx.shape, dy.dtype), (w_desc, dy_desc, conv, dx_desc)
         op.algo, op.workspace_bytes = int(best.algo), int(best.memory)
-        del scratch
         self.context.reserve(op.workspace_bytes)
 
     def launch(self, values, allocate: bool) -> None:

@@ -7,7 +7,7 @@ batch 256, one H100: ~8.7 against ~1.9 ms per step), which is what PyTorch runs.
 
 Algorithm: chosen once per node on its first call by ``cudnnFindConvolutionBackwardFilterAlgorithmEx``
 (cuDNN times every algorithm on the real buffers, as onnxruntime's default EXHAUSTIVE search and
-``torch.backends.cudnn.benchmark`` do), among those needing at most WORKSPACE_LIMIT bytes. Every
+``torch.backends.cudnn.benchmark`` do), among those needing at most cudnn.WORKSPACE_LIMIT bytes. Every
 runner of a device shares one cuDNN handle and one workspace (``CudnnContext``): they all run in
 turn on the device's compute stream. The workspace only grows, and each launch reads its current
 pointer, so a node's chosen algorithm always fits it. TF32 follows the device (tensor-core
@@ -42,7 +42,6 @@ from runtime.executor import LaunchRunner
 from runtime.gpu import cudnn
 from runtime.segments import place
 
-WORKSPACE_LIMIT = 256 << 20  # bytes an algorithm may need; cuDNN's fastest ResNet ones need far less
 # How each element type arrives (CuPy has no bfloat16: its raw bits, uint16) -> cuDNN's data type.
 CUDNN_TYPES = {np.dtype(np.float32): cudnn.DATA_FLOAT, np.dtype(np.float16): cudnn.DATA_HALF,
                np.dtype(np.uint16): cudnn.DATA_BFLOAT16}
@@ -83,18 +82,39 @@ class _WeightGrad:
                    attrs["strides"], attrs["dilations"], attrs["pads"][:k])
 
 
-class ConvGradRunner(LaunchRunner):
-    """A NativeGroup of ConvWeightGrad nodes, run by cuDNN on the device's compute stream."""
+class CudnnConvRunner(LaunchRunner):
+    """What the cuDNN Conv-gradient runners share (this one, conv_data_grad.py's): the device's compute
+    stream and TF32 choice, the group's nodes parsed, and the device's cuDNN context from the first
+    call on (one handle and workspace for all of them)."""
+
+    WHAT: str  # the nodes, in errors
 
     def __init__(self, group, where: str, device):
         super().__init__(group.outputs)
         self.cp = device.cp
         self.tf32 = device.tf32
         self.stream = device.compute
-        self.where = f"{where}: Conv weight gradients in {place(group)}"
-        self.ops = [_WeightGrad.from_node(node, self.where) for node in group.nodes]
         self.device = device
-        self.context: cudnn.CudnnContext | None = None  # the device's, from the first call on
+        self.where = f"{where}: {self.WHAT} in {place(group)}"
+        self.ops = [self.parse(node) for node in group.nodes]
+        self.context: cudnn.CudnnContext | None = None
+
+    def parse(self, node):
+        raise NotImplementedError
+
+    def handle(self) -> cudnn.Handle:
+        if self.context is None:
+            self.context = self.device.cudnn()
+        return self.context.handle
+
+
+class ConvGradRunner(CudnnConvRunner):
+    """A NativeGroup of ConvWeightGrad nodes, run by cuDNN on the device's compute stream."""
+
+    WHAT = "Conv weight gradients"
+
+    def parse(self, node) -> _WeightGrad:
+        return _WeightGrad.from_node(node, self.where)
 
     def _check(self, op: _WeightGrad, x, dy, dw=None) -> None:
         for label, value in (("X", x), ("dY", dy)):
@@ -108,9 +128,7 @@ class ConvGradRunner(LaunchRunner):
 
     def _configure(self, op: _WeightGrad, x, dy, dw) -> None:
         """Descriptors for these shapes, and the fastest algorithm on these buffers."""
-        if self.context is None:
-            self.context = self.device.cudnn()
-        handle = self.context.handle
+        handle = self.handle()
         if op.descriptors:
             cudnn.destroy(*op.descriptors)
         data_type = CUDNN_TYPES[x.dtype]
@@ -121,21 +139,17 @@ class ConvGradRunner(LaunchRunner):
         if expected != list(dy.shape):
             raise RunError(f"{self.where}: '{op.name}': dY is {tuple(dy.shape)}, but a Conv of X {tuple(x.shape)} "
                            f"with these attributes gives {tuple(expected)}")
-        sizes = [cudnn.backward_filter_workspace(handle, x_desc, dy_desc, conv, dw_desc, algo)
-                 for algo in range(cudnn.BWD_FILTER_ALGOS)]
-        trial = max([size for size in sizes if size is not None and size <= WORKSPACE_LIMIT], default=0)
-        scratch = self.cp.empty(max(trial, 1), dtype=np.uint8)
-        found = cudnn.find_backward_filter(handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, dw_desc,
-                                           dw.data.ptr, scratch.data.ptr, trial)
-        if not found:
+        best = cudnn.fastest(
+            self.cp, lambda algo: cudnn.backward_filter_workspace(handle, x_desc, dy_desc, conv, dw_desc, algo),
+            cudnn.BWD_FILTER_ALGOS, lambda scratch, size: cudnn.find_backward_filter(
+                handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, dw_desc, dw.data.ptr, scratch, size))
+        if best is None:
             raise RunError(f"{self.where}: '{op.name}': cuDNN has no backward-filter algorithm for {_NAMES[x.dtype]} "
-                           f"X {tuple(x.shape)}, dY {tuple(dy.shape)} within {WORKSPACE_LIMIT >> 20} MiB of workspace")
-        best = found[0]
+                           f"X {tuple(x.shape)}, dY {tuple(dy.shape)} within {cudnn.WORKSPACE_LIMIT >> 20} MiB of workspace")
         # The math type cuDNN timed the winner with (for float32, tensor-op math only where tf32 allowed it).
         cudnn.call("cudnnSetConvolutionMathType", conv, best.mathType)
         op.shapes, op.descriptors = (x.shape, dy.shape, x.dtype), (x_desc, dy_desc, conv, dw_desc)
         op.algo, op.workspace_bytes = int(best.algo), int(best.memory)
-        del scratch
         self.context.reserve(op.workspace_bytes)
 
     def launch(self, values, allocate: bool) -> None:

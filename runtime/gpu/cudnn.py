@@ -27,6 +27,7 @@ TENSOR_OP_MATH = 1  # tensor cores allowed: what half and bfloat16 data run on (
 FMA_MATH = 3  # no tensor cores: exact float32 FMAs
 BWD_FILTER_ALGOS = 7  # cudnnConvolutionBwdFilterAlgo_t values 0..6
 BWD_DATA_ALGOS = 6  # cudnnConvolutionBwdDataAlgo_t values 0..5
+WORKSPACE_LIMIT = 256 << 20  # bytes an algorithm may need; cuDNN's fastest ResNet ones need far less
 STATUS_SUCCESS = 0
 
 
@@ -152,16 +153,23 @@ def backward_filter_workspace(handle: Handle, x_desc, dy_desc, conv, dw_desc, al
     return int(size.value) if status == STATUS_SUCCESS else None
 
 
+def _found(name: str, algorithms: int, handle: Handle, *args) -> list[BwdFilterAlgoPerf]:
+    """cuDNN's ``name`` (a Find...AlgorithmEx over ``args`` then the workspace): every algorithm that
+    ran, fastest first."""
+    results = (BwdFilterAlgoPerf * algorithms)()
+    returned = ctypes.c_int()
+    *tensors, workspace, workspace_bytes = args
+    call(name, handle.ptr, *tensors, algorithms, ctypes.byref(returned), results, ctypes.c_void_p(workspace),
+         ctypes.c_size_t(workspace_bytes))
+    return [results[i] for i in range(returned.value) if results[i].status == STATUS_SUCCESS]
+
+
 def find_backward_filter(handle: Handle, x_desc, x: int, dy_desc, dy: int, conv, dw_desc, dw: int,
                          workspace: int, workspace_bytes: int) -> list[BwdFilterAlgoPerf]:
     """Every algorithm that ran within ``workspace_bytes``, fastest first (cuDNN times them on these
     buffers; ``dw`` is overwritten)."""
-    results = (BwdFilterAlgoPerf * BWD_FILTER_ALGOS)()
-    returned = ctypes.c_int()
-    call("cudnnFindConvolutionBackwardFilterAlgorithmEx", handle.ptr, x_desc, ctypes.c_void_p(x), dy_desc,
-         ctypes.c_void_p(dy), conv, dw_desc, ctypes.c_void_p(dw), BWD_FILTER_ALGOS, ctypes.byref(returned), results,
-         ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes))
-    return [results[i] for i in range(returned.value) if results[i].status == STATUS_SUCCESS]
+    return _found("cudnnFindConvolutionBackwardFilterAlgorithmEx", BWD_FILTER_ALGOS, handle, x_desc, ctypes.c_void_p(x),
+                  dy_desc, ctypes.c_void_p(dy), conv, dw_desc, ctypes.c_void_p(dw), workspace, workspace_bytes)
 
 
 # alpha and beta: float for every data type but double (float32, half and bfloat16 alike).
@@ -189,12 +197,19 @@ def find_backward_data(handle: Handle, w_desc, w: int, dy_desc, dy: int, conv, d
                        workspace: int, workspace_bytes: int) -> list[BwdFilterAlgoPerf]:
     """Every backward-data algorithm that ran within ``workspace_bytes``, fastest first (``dx`` is
     overwritten)."""
-    results = (BwdFilterAlgoPerf * BWD_DATA_ALGOS)()
-    returned = ctypes.c_int()
-    call("cudnnFindConvolutionBackwardDataAlgorithmEx", handle.ptr, w_desc, ctypes.c_void_p(w), dy_desc,
-         ctypes.c_void_p(dy), conv, dx_desc, ctypes.c_void_p(dx), BWD_DATA_ALGOS, ctypes.byref(returned), results,
-         ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes))
-    return [results[i] for i in range(returned.value) if results[i].status == STATUS_SUCCESS]
+    return _found("cudnnFindConvolutionBackwardDataAlgorithmEx", BWD_DATA_ALGOS, handle, w_desc, ctypes.c_void_p(w),
+                  dy_desc, ctypes.c_void_p(dy), conv, dx_desc, ctypes.c_void_p(dx), workspace, workspace_bytes)
+
+
+def fastest(cp, workspace_of, algorithms: int, find) -> BwdFilterAlgoPerf | None:
+    """The fastest of ``algorithms`` that cuDNN's Find times within WORKSPACE_LIMIT bytes, or None:
+    ``workspace_of(algo)`` is an algorithm's need (None where it does not apply), ``find(scratch,
+    bytes)`` the Find call on a scratch workspace as large as the largest need that fits."""
+    sizes = [workspace_of(algo) for algo in range(algorithms)]
+    trial = max([size for size in sizes if size is not None and size <= WORKSPACE_LIMIT], default=0)
+    scratch = cp.empty(max(trial, 1), dtype="uint8")
+    found = find(scratch.data.ptr, trial)
+    return found[0] if found else None
 
 
 def backward_data(handle: Handle, w_desc, w: int, dy_desc, dy: int, conv, algo: int, workspace: int,
