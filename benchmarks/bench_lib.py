@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 # The keys every record has (extra keys are allowed).
+STEP_RANGE = "bench_step"  # the host range bench_worker.kernel_profile puts around each recorded step
 RECORD_KEYS = ("run", "date", "host", "system", "variant", "model", "gpus", "step_ms", "p90_ms",
                "kernels_per_step", "gpu_kernel_ms", "peak_mem_gib")
 SYSTEMS = ("pytorch", "graph-transpiler")

@@ -214,7 +214,9 @@ def kernel_profile(step, sync, steps: int, trace: str | None = None) -> dict:
     def keep(prof):
         if trace:
             prof.export_chrome_trace(trace)
-        kept.extend(e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        # The device events, less the GPU-side copy of each ``bench_step`` range (a user annotation,
+        # not a kernel: counted, it added a kernel and its span to every step).
+        kept.extend(e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.name != bench_lib.STEP_RANGE)
 
     step()
     sync()
@@ -224,7 +226,7 @@ def kernel_profile(step, sync, steps: int, trace: str | None = None) -> dict:
         sync()
         prof.step()  # the warm-up step ends: the recorded ones begin (one profiler step for all of them)
         for _ in range(steps):
-            with torch.profiler.record_function("bench_step"):  # trace_steps.py splits the trace at these
+            with torch.profiler.record_function(bench_lib.STEP_RANGE):  # trace_steps.py splits the trace at these
                 step()
         sync()
         prof.step()  # the recorded steps end: keep() runs
