@@ -138,17 +138,11 @@ class ConvDataGradRunner(CudnnConvRunner):
         if expected != list(dy.shape):
             raise RunError(f"{self.where}: '{op.name}': a Conv of X {tuple(dx.shape)} and W {tuple(w.shape)} with these "
                            f"attributes gives {tuple(expected)}, not dY's {tuple(dy.shape)}: not its data gradient")
-        best = cudnn.fastest(
-            self.cp, lambda algo: cudnn.backward_data_workspace(handle, w_desc, dy_desc, conv, dx_desc, algo),
-            cudnn.BWD_DATA_ALGOS, lambda scratch, size: cudnn.find_backward_data(
-                handle, w_desc, w.data.ptr, dy_desc, dy.data.ptr, conv, dx_desc, dx.data.ptr, scratch, size))
-        if best is None:
-            raise RunError(f"{self.where}: '{op.name}': cuDNN has no backward-data algorithm for dY {tuple(dy.shape)}, "
-                           f"W {tuple(w.shape)} ({dy.dtype}) within {cudnn.WORKSPACE_LIMIT >> 20} MiB of workspace")
-        cudnn.call("cudnnSetConvolutionMathType", conv, best.mathType)  # the math cuDNN timed the winner with
         op.key, op.descriptors = (dy.shape, w.shape, dx.shape, dy.dtype), (w_desc, dy_desc, conv, dx_desc)
-        op.algo, op.workspace_bytes = int(best.algo), int(best.memory)
-        self.context.reserve(op.workspace_bytes)
+        self.choose(op, conv, lambda algo: cudnn.backward_data_workspace(handle, w_desc, dy_desc, conv, dx_desc, algo),
+                    cudnn.BWD_DATA_ALGOS, lambda scratch, size: cudnn.find_backward_data(
+                        handle, w_desc, w.data.ptr, dy_desc, dy.data.ptr, conv, dx_desc, dx.data.ptr, scratch, size),
+                    f"backward-data algorithm for dY {tuple(dy.shape)}, W {tuple(w.shape)} ({dy.dtype})")
 
     def launch(self, values, allocate: bool) -> None:
         with self.stream:

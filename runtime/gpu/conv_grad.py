@@ -32,6 +32,7 @@ enqueues the cuDNN calls.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,13 +100,27 @@ class CudnnConvRunner(LaunchRunner):
         self.ops = [self.parse(node) for node in group.nodes]
         self.context: cudnn.CudnnContext | None = None
 
+    @abstractmethod
     def parse(self, node):
-        raise NotImplementedError
+        """The node as the runner keeps it; a RunError naming it where it is not the runner's op."""
 
     def handle(self) -> cudnn.Handle:
         if self.context is None:
             self.context = self.device.cudnn()
         return self.context.handle
+
+    def choose(self, op, conv, workspace_of, algorithms: int, find, what: str) -> None:
+        """``op``'s algorithm: the fastest cuDNN's Find times on these buffers within
+        cudnn.WORKSPACE_LIMIT (``cudnn.fastest``), kept with its workspace need and the math type it
+        was timed with (for float32, tensor-op math only where tf32 allowed it); a RunError naming
+        the node where none fits (``what``: the call and the shapes)."""
+        best = cudnn.fastest(self.cp, workspace_of, algorithms, find)
+        if best is None:
+            raise RunError(f"{self.where}: '{op.name}': cuDNN has no {what} within "
+                           f"{cudnn.WORKSPACE_LIMIT >> 20} MiB of workspace")
+        cudnn.call("cudnnSetConvolutionMathType", conv, best.mathType)
+        op.algo, op.workspace_bytes = int(best.algo), int(best.memory)
+        self.context.reserve(op.workspace_bytes)
 
 
 class ConvGradRunner(CudnnConvRunner):
@@ -139,18 +154,11 @@ class ConvGradRunner(CudnnConvRunner):
         if expected != list(dy.shape):
             raise RunError(f"{self.where}: '{op.name}': dY is {tuple(dy.shape)}, but a Conv of X {tuple(x.shape)} "
                            f"with these attributes gives {tuple(expected)}")
-        best = cudnn.fastest(
-            self.cp, lambda algo: cudnn.backward_filter_workspace(handle, x_desc, dy_desc, conv, dw_desc, algo),
-            cudnn.BWD_FILTER_ALGOS, lambda scratch, size: cudnn.find_backward_filter(
-                handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, dw_desc, dw.data.ptr, scratch, size))
-        if best is None:
-            raise RunError(f"{self.where}: '{op.name}': cuDNN has no backward-filter algorithm for {_NAMES[x.dtype]} "
-                           f"X {tuple(x.shape)}, dY {tuple(dy.shape)} within {cudnn.WORKSPACE_LIMIT >> 20} MiB of workspace")
-        # The math type cuDNN timed the winner with (for float32, tensor-op math only where tf32 allowed it).
-        cudnn.call("cudnnSetConvolutionMathType", conv, best.mathType)
         op.shapes, op.descriptors = (x.shape, dy.shape, x.dtype), (x_desc, dy_desc, conv, dw_desc)
-        op.algo, op.workspace_bytes = int(best.algo), int(best.memory)
-        self.context.reserve(op.workspace_bytes)
+        self.choose(op, conv, lambda algo: cudnn.backward_filter_workspace(handle, x_desc, dy_desc, conv, dw_desc, algo),
+                    cudnn.BWD_FILTER_ALGOS, lambda scratch, size: cudnn.find_backward_filter(
+                        handle, x_desc, x.data.ptr, dy_desc, dy.data.ptr, conv, dw_desc, dw.data.ptr, scratch, size),
+                    f"backward-filter algorithm for {_NAMES[x.dtype]} X {tuple(x.shape)}, dY {tuple(dy.shape)}")
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
