@@ -107,6 +107,18 @@ def cpu_and_gpu_losses(out, data: Path, *, batch: int, steps: int) -> dict[str, 
     return losses
 
 
+def first_and_bound_run(runner, feeds: dict, device) -> tuple:
+    """A one-output GPU runner's output from its first call, then from a bound run (parity 1) into a
+    zeroed buffer of its own: a test checks both."""
+    (first,) = runner.run(feeds)
+    device.compute.synchronize()
+    out = device.cp.zeros(first.shape, dtype=first.dtype)
+    runner.prepare(1, {runner.outputs[0]: out})
+    runner.run_bound(1, feeds)
+    device.compute.synchronize()
+    return first, out
+
+
 def one_graph_model(nodes, inputs, outputs, inits=(), opset: int = 18):
     """A model of one graph (the default domain at ``opset``, IR version 8 as onnxruntime reads it)."""
     from onnx import helper

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import first_and_bound_run
 from onnx import TensorProto, helper
 
 from commands.main import main
@@ -114,11 +115,5 @@ def test_low_precision_data_gradient_is_the_exact_one_rounded_once(case, dtype):
     runner = ConvDataGradRunner(NativeGroup(0, 0, 1, (_node(strides, pads, extra, dilations),), ("dy", "w"), ("dx",)),
                                 "test", device)
     feeds = {"dy": cp.asarray(dy.astype(low).view(view)), "w": cp.asarray(w.astype(low).view(view))}
-    (first,) = runner.run(feeds)
-    device.compute.synchronize()
-    check(first)
-    out = cp.zeros(exact.shape, dtype=view)
-    runner.prepare(1, {"dx": out})
-    runner.run_bound(1, feeds)
-    device.compute.synchronize()
-    check(out)
+    for result in first_and_bound_run(runner, feeds, device):
+        check(result)

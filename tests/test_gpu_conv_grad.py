@@ -12,6 +12,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from conftest import first_and_bound_run
 from onnx import TensorProto, helper
 
 from contract.ops import CONV_GRAD_DOMAIN as DOMAIN
@@ -158,14 +159,8 @@ def test_low_precision_weight_gradient_is_the_exact_one_rounded_once(case, dtype
     device = GpuDevice(0, tf32=False)
     runner = ConvGradRunner(NativeGroup(0, 0, 1, (_node(*attrs),), ("x", "dy"), ("dw",)), "test", device)
     feeds = {"x": cp.asarray(x.astype(low).view(view)), "dy": cp.asarray(dy.astype(low).view(view))}
-    (first,) = runner.run(feeds)
-    device.compute.synchronize()
-    check(first)
-    out = cp.zeros(exact.shape, dtype=view)
-    runner.prepare(1, {"dw": out})
-    runner.run_bound(1, feeds)
-    device.compute.synchronize()
-    check(out)
+    for result in first_and_bound_run(runner, feeds, device):
+        check(result)
 
 
 def test_the_element_types_map_to_cudnns_and_must_agree():
