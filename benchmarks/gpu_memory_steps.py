@@ -12,11 +12,11 @@ step program's sessions and whether they share one arena, and the mean step time
 steps (host enqueue included, not synchronized per step); with ``--profile K`` the kernels of K
 steps (torch.profiler, as `benchmarks compare` records them).
 
-``--pretend-world``: OUT was transpiled for N > 1 ranks; run its rank 0 alone on this one GPU with
-a communicator that launches no collective (every bucket keeps its own values). The program is the
-N-rank one, so its buffers, sessions, arenas and captures are the ones rank 0 would have; what is
-missing is NCCL's own memory and the communication. This measures the N-rank footprint on a
-one-GPU machine. GRAPH_TRANSPILER_NATIVE_OFF applies (docs/cli.md).
+``--pretend-world``: OUT was transpiled for N > 1 ranks; run its rank 0 (``--rank R``: rank R) alone
+on this one GPU with a communicator that launches no collective (every bucket keeps its own
+values). The program is the N-rank one, so its buffers, sessions, arenas and captures are the ones
+that rank would have; what is missing is NCCL's own memory and the communication. This measures
+the N-rank footprint on a one-GPU machine. GRAPH_TRANSPILER_NATIVE_OFF applies (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ GIB = 2**30
 
 
 class PretendWorld(NcclCommunicator):
-    """Rank 0 of a world of ``size`` with no peers: connects to none and launches no collective;
+    """Rank ``rank`` of a world of ``size`` with no peers: connects to none and launches no collective;
     the list calls (init graphs, first step) return the caller's values or fresh buffers."""
 
-    def __init__(self, size: int, device: int):
+    def __init__(self, size: int, device: int, rank: int = 0):
         super().__init__(None, device)
-        self.size = size
+        self.size, self.rank = size, rank
 
     def connect(self) -> None:
         import threading
@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--timed-steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--pretend-world", action="store_true", help="run rank 0 of an N-rank OUT alone (see above)")
+    parser.add_argument("--rank", type=int, default=0, help="with --pretend-world: run this rank instead of rank 0 "
+                        "(under `sharded` the ranks hold different state)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also record the kernels of STEPS steps (torch.profiler; bench_worker.kernel_profile)")
     parser.add_argument("--trace", default=None, help="with --profile: write the Chrome trace here")
@@ -83,11 +85,13 @@ def main() -> None:
         free, total = cp.cuda.runtime.memGetInfo()
         return round((total - free) / GIB, 3)
 
-    result = {"out": args.out, "world": plan.world_size, "before": used()}
+    result = {"out": args.out, "world": plan.world_size, "rank": args.rank, "before": used()}
     if plan.world_size > 1 and not args.pretend_world:
         parser.error(f"{args.out} is transpiled for {plan.world_size} ranks: pass --pretend-world")
-    comm = PretendWorld(plan.world_size, 0) if plan.world_size > 1 else _world_one(0)
-    trainer = Trainer(plan, comm, rank=0 if plan.world_size > 1 else None, backend=backend)
+    if not 0 <= args.rank < plan.world_size:
+        parser.error(f"--rank {args.rank}: {args.out} has ranks 0..{plan.world_size - 1}")
+    comm = PretendWorld(plan.world_size, 0, args.rank) if plan.world_size > 1 else _world_one(0)
+    trainer = Trainer(plan, comm, rank=args.rank if plan.world_size > 1 else None, backend=backend)
     comm.connect()
     trainer.initialize()
     backend.device.compute.synchronize()
@@ -113,13 +117,14 @@ def main() -> None:
                                  trace=args.trace)
         result["profile"] = {k: v for k, v in profile.items() if not isinstance(v, list)}
         result["profile"]["top"] = [(k["name"][:60], k["per_step"], k["ms"]) for k in profile.get("top_kernels", [])[:12]]
-    trainer.collect_losses()
+    losses = trainer.collect_losses()
     program = trainer.step_program
     sessions = [r for _, r in program.steps if isinstance(r, OrtCudaSegment)]
     state = sum(int(v.nbytes) for v in trainer.state.values())
     slots = sum(int(b.nbytes) for s in program.slots.values() for b in s.buffers)
     registry = program.session_collectives  # the in-session collectives' flat buckets (ReduceScatter, AllGather)
-    buckets = sum(int(b.flat.nbytes) for b in registry.buckets.values() if b.flat is not None) if registry else 0
+    buckets = sum(int(b.flat.nbytes) for b in registry.buckets.values() if b.flat is not None and not b.staged) \
+        if registry else 0  # a staged bucket (a ReduceScatter's) is onnxruntime's, counted in not_cupy
     result.update({
         "end": used(),
         "cupy_pool_used": round(pool.used_bytes() / GIB, 3),
@@ -133,6 +138,7 @@ def main() -> None:
         "captured": sum(all(r.captured) for r in sessions),
         "shared_arena": any(r.shared_arena for r in sessions),
         "items": len(program.steps),
+        "losses": [float(x) for x in (*losses[:4], *losses[-1:])],  # an A/B of two trees must agree (pretend-world too)
     })
     print(json.dumps(result), flush=True)
 
