@@ -22,7 +22,7 @@ from runtime import ort_custom_ops
 from runtime.collectives import COLLECTIVE_DOMAIN, LocalGroup
 from runtime.executor import CpuBackend
 from runtime.gpu.compile import SessionCollectives, Specialize, compile_segment
-from runtime.gpu.session_collectives import DIRECT, DOMAIN, FINISH, START, Registry
+from runtime.gpu.session_collectives import DIRECT, DOMAIN, FINISH, FLAT, STAGED_FLAT, START, Registry
 from runtime.plan import load_plan
 from runtime.segments import cut_graph
 from runtime.simulate import run_threads
@@ -87,7 +87,9 @@ def _session(compiled, registry: Registry, comm, shared: list | None = None):
                 results[k] = bucket.op.run(comm, values) or []
                 ctx.output_ptr(0, outs[0][1])  # the token exists once asked for (as _NodeKernel asks for every output)
                 for j, (_, s, d) in enumerate(outs[1:]):  # direct: the staged outputs, which NCCL writes on a GPU
-                    _array(ctx.output_ptr(1 + j, s), s, d)[...] = results[k][j]
+                    out = _array(ctx.output_ptr(1 + j, s), s, d)
+                    if direct:  # else the staged bucket (STAGED_FLAT), scratch of the GPU's copies
+                        out[...] = results[k][j]
             elif direct:
                 for j, (_, s, d) in enumerate(outs):
                     staged, out = ctx.input_ptr(1 + j), ctx.output_ptr(j, s)
@@ -154,6 +156,7 @@ def test_starts_come_after_their_inputs_and_finishes_before_their_readers(out):
     feeds.update({i.name: np.zeros([d.dim_value for d in i.type.tensor_type.shape.dim], np.float32)
                   for i in model.graph.input if i.name not in feeds})
     registry = Registry()
+    registry.comm = LocalGroup(WORLD).communicator(0)
     _, compiled = _rewritten(path, 0, feeds, registry)
     nodes = list(compiled.model.graph.node)
     assert not any(n.domain == COLLECTIVE_DOMAIN for n in nodes)
@@ -173,6 +176,17 @@ def test_starts_come_after_their_inputs_and_finishes_before_their_readers(out):
         first = [readers[o] for o in nodes[i].output if o in readers]
         if first:
             assert all(nodes[j].domain == DOMAIN for j in range(i + 1, min(first)))
+    known = static_values(compiled.model.graph)
+    bucket_of = {i: next(a.i for a in nodes[i].attribute if a.name == "bucket") for i in starts + finishes}
+    finish_of = {bucket_of[j]: nodes[j] for j in finishes}
+    for i in starts:  # a ReduceScatter's bucket is its start's output, read by its finish, N times its slice
+        original = registry.nodes[bucket_of[i]]
+        flat = [o for o in nodes[i].output if o.endswith(FLAT)]
+        assert (original.op_type in STAGED_FLAT) == bool(flat), nodes[i].name
+        if flat:
+            (slice_,) = original.output
+            assert flat[0] in finish_of[bucket_of[i]].input
+            assert np.prod(known[flat[0]][0]) == WORLD * np.prod(known[slice_][0])
     tokens = [nodes[i].output[0] for i in starts]
     for previous, i in zip(tokens, starts[1:]):
         assert nodes[i].input[0] == previous  # every rank's NCCL calls in one order

@@ -124,7 +124,7 @@ class SessionCollectives(SegmentPass):
         Specialize().ensures(state)
 
     def call(self, state):
-        state.model, originals = session_collectives.rewrite(state.model, state.where,
+        state.model, originals = session_collectives.rewrite(state.model, state.where, world=self.registry.comm.size,
                                                              early=self.registry.record_external is not None)
         self.registry.record(state.model, originals)
 

@@ -20,6 +20,13 @@ each of them two nodes of ``DOMAIN``, which TakeNativeNodes then runs as custom 
   and copies the results out of the bucket.
 
 Those two copies cost GPT-2-small 0.6 to 1.0 ms a step on 4 H100s (about 1 GB of traffic each way).
+A ReduceScatter's bucket (``STAGED_FLAT``) is scratch: its inputs are copied in, its slice copied
+out. So it is an output of the start that onnxruntime allocates from the session's arena and
+frees after the finish, in memory the backward's freed activations leave, instead of a buffer held
+for the whole run (`zero`'s gradient buckets: 0.61 GiB on GPT-2-small at 4 ranks). Its padding
+tail is zeroed at each start (its sum lands in the last rank's slice). An AllGather's bucket stays
+the program's: it holds the parameters (the program binds them to their views in it).
+
 AllReduce, Reduce and Broadcast (``DIRECT``) run without them: the start also outputs one staged
 buffer per output of the collective on this rank (none for a Reduce off its root), which
 onnxruntime allocates and NCCL writes, out of place from the inputs (none for a Broadcast off its
@@ -76,16 +83,21 @@ TOKEN_SHAPE = (1,)
 # module docstring). The others go through a flat bucket, with a copy in and a copy out.
 DIRECT = frozenset({"AllReduce", "Reduce", "Broadcast"})
 STAGED = ".staged"  # suffix of a direct collective's staged output names
+# Collectives whose flat bucket is scratch, an output of the start (the module docstring).
+STAGED_FLAT = frozenset({"ReduceScatter"})
+FLAT = ".flat"  # suffix of a staged bucket's name
 # The element types an early finish may read besides its own inputs (those its custom op is made for).
 EARLY_INPUT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
 
 
-def rewrite(model: onnx.ModelProto, where: str, *, early: bool = False) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
+def rewrite(model: onnx.ModelProto, where: str, *, world: int, early: bool = False
+            ) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
     """``model`` (a specialized segment) with each collective node replaced by its start and finish
     (the module docstring), the nodes reordered for the PRIORITY_BASED order, each token with its
     value_info; and the collective nodes replaced, by ``order``. The start and finish carry
     ``bucket`` (the collective's order); the start ``chained`` (whether its first input is the
-    previous start's token). ``early`` (variables.EARLY_UPDATE): one finish marked for the early
+    previous start's token); both ``flat`` where the bucket is the start's output (``STAGED_FLAT``,
+    ``world`` times its one output's elements). ``early`` (variables.EARLY_UPDATE): one finish marked for the early
     update (``_mark_early_finish``); without it the session is what it was before that experiment."""
     graph = model.graph
     nodes = list(graph.node)
@@ -103,6 +115,7 @@ def rewrite(model: onnx.ModelProto, where: str, *, early: bool = False) -> tuple
         k = _order(node)
         token = f"{DOMAIN}.token{k}"
         direct = node.op_type in DIRECT
+        flat = [f"{node.output[0]}{FLAT}"] if node.op_type in STAGED_FLAT else []
         # Direct: the start's outputs are what NCCL writes: a staged buffer for each output a node
         # of the segment reads (the finish hands it on, so no reader runs before NCCL is done), the
         # output itself for one only the segment's caller reads (the finish, before the session
@@ -113,12 +126,18 @@ def rewrite(model: onnx.ModelProto, where: str, *, early: bool = False) -> tuple
         staged_for = [o for o in node.output if o in read_here] if direct else []
         staged = [f"{o}{STAGED}" for o in staged_for]
         written = [f"{o}{STAGED}" if o in staged_for else o for o in node.output] if direct else []
-        starts[k] = helper.make_node(START, ([previous] if previous else []) + list(node.input), [token, *written],
-                                     domain=DOMAIN, name=f"{node.name or node.op_type}.start{k}", bucket=k,
-                                     chained=int(previous is not None), direct=int(direct))
-        finishes[k] = helper.make_node(FINISH, [token, *staged, *(node.input if direct else [])],
+        starts[k] = helper.make_node(START, ([previous] if previous else []) + list(node.input),
+                                     [token, *written, *flat], domain=DOMAIN, name=f"{node.name or node.op_type}.start{k}",
+                                     bucket=k, chained=int(previous is not None), direct=int(direct), flat=int(bool(flat)))
+        finishes[k] = helper.make_node(FINISH, [token, *staged, *flat, *(node.input if direct else [])],
                                        staged_for if direct else list(node.output), domain=DOMAIN,
-                                       name=f"{node.name or node.op_type}.finish{k}", bucket=k, direct=int(direct))
+                                       name=f"{node.name or node.op_type}.finish{k}", bucket=k, direct=int(direct),
+                                       flat=int(bool(flat)))
+        if flat:
+            if node.output[0] not in known:
+                raise RunError(f"{where}: collective '{node.name}': output '{node.output[0]}' has no static shape")
+            shape, dtype = known[node.output[0]]
+            staged_info.append(helper.make_tensor_value_info(flat[0], dtype, [world * int(np.prod(shape, dtype=np.int64))]))
         for name, out in zip(staged, staged_for):
             if out not in known:
                 raise RunError(f"{where}: collective '{node.name}': output '{out}' has no static shape")
@@ -226,6 +245,8 @@ class Bucket:
 
     op: CollectiveOp
     flat: Any = None
+    staged: bool = False  # ``flat`` is the start's output (STAGED_FLAT), onnxruntime's, one run long
+    layout: Any = None  # the flat buffer's FlatLayout
     inputs: dict[str, Any] = field(default_factory=dict)  # input name -> its view of ``flat``
     outputs: dict[str, Any] = field(default_factory=dict)
     mean_view: Any = None
@@ -274,9 +295,9 @@ class Registry:
 
     def output_view(self, name: str) -> Any:
         """The view of collective output ``name`` in its bucket's flat buffer (one buffer, used by
-        every step), or None: a direct collective has no bucket, and a bucket exists from its
-        start's first launch on."""
-        return next((b.outputs[name] for b in self.buckets.values() if name in b.outputs), None)
+        every step), or None: a direct collective has no bucket, a staged one lives for one run, and
+        a bucket exists from its start's first launch on."""
+        return next((b.outputs[name] for b in self.buckets.values() if name in b.outputs and not b.staged), None)
 
 
 def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
@@ -296,6 +317,7 @@ class StartRunner:
         self.names = list(node.input[1:] if _attr(node, "chained") else node.input)
         self.written = list(node.output[1:])  # direct: where NCCL writes (staged buffers, or the outputs)
         self.direct = bool(_attr(node, "direct"))
+        self.staged = bool(_attr(node, "flat", 0))  # then ``written`` is the bucket, [N*S]
         self.bucket: Bucket | None = None
 
     def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
@@ -305,6 +327,8 @@ class StartRunner:
         bucket = self.bucket
         if not self.direct:
             with compute:  # the copies in order with the session's kernels, whichever thread calls
+                if self.staged:
+                    self._stage(bucket, values[self.written[0]])
                 for name in self.names:
                     bucket.inputs[name][...] = values[name]
         bucket.ready.record(compute)
@@ -324,14 +348,29 @@ class StartRunner:
         bucket.ready = cp.cuda.Event(disable_timing=True)
         bucket.done = cp.cuda.Event(disable_timing=True)
         if not self.direct:
-            op = bucket.op
-            layout = op.flat_layout([tuple(values[n].shape) for n in self.names], comm.size, comm.rank)
-            bucket.flat = cp.zeros(layout.total, dtype=np.dtype(values[self.names[0]].dtype) if self.names
-                                   else np.dtype(op.output_specs[0].dtype))
-            bucket.inputs = op.flat_inputs(layout, bucket.flat)
-            bucket.outputs = op.flat_outputs(layout, bucket.flat)
-            bucket.mean_view = op.flat_mean_view(layout, bucket.flat)
+            bucket.layout = bucket.op.flat_layout([tuple(values[n].shape) for n in self.names], comm.size, comm.rank)
+            bucket.staged = self.staged
+            if not self.staged:
+                _views(bucket, cp.zeros(bucket.layout.total, dtype=np.dtype(values[self.names[0]].dtype) if self.names
+                                        else np.dtype(bucket.op.output_specs[0].dtype)))
         return bucket
+
+    @staticmethod
+    def _stage(bucket: Bucket, flat) -> None:
+        """The views of a staged bucket in this run's buffer (onnxruntime's, so it may move between
+        uncaptured runs), and its padding tail zeroed: that buffer held other values before."""
+        if bucket.flat is None or bucket.flat.data.ptr != flat.data.ptr:
+            _views(bucket, flat)
+        filled = sum(int(np.prod(s, dtype=np.int64)) for s in bucket.layout.in_shapes)
+        if filled < bucket.layout.total:
+            flat[filled:] = 0
+
+
+def _views(bucket: Bucket, flat) -> None:
+    bucket.flat = flat
+    bucket.inputs = bucket.op.flat_inputs(bucket.layout, flat)
+    bucket.outputs = bucket.op.flat_outputs(bucket.layout, flat)
+    bucket.mean_view = bucket.op.flat_mean_view(bucket.layout, flat)
 
 
 class FinishRunner:
