@@ -216,7 +216,7 @@ def test_sharded_reduce_and_broadcast_per_bucket(outs):
     rep = build_report(outs["gpt4"], [1], segments=False)
     ops = [c["op"] for c in rep["ranks"][0]["collectives"]]
     n = len(plan["buckets"])
-    assert n > 4, "a small bucket cap must give the tiny GPT several buckets"
+    assert n >= 4, "a small bucket cap must give the tiny GPT a bucket per root at least"
     assert ops == ["Reduce"] * n + ["Broadcast"] * n
     assert [c["root"] for c in rep["ranks"][0]["collectives"][:n]] == [b["root"] for b in plan["buckets"]]
 
@@ -249,7 +249,7 @@ def test_text_states_the_same_facts(outs):
     for rk in rep["ranks"]:
         assert f"sends {rk['sent_bytes_per_step']:,} bytes and receives {rk['recv_bytes_per_step']:,} bytes" in text
         assert f"optimizer state kept: {rk['optimizer_state_bytes']:,} bytes" in text
-    assert f"hash {plan['placement']['imbalance']:.3f} (used)" in text
+    assert f"{plan['placement']['method']} {plan['placement']['imbalance']:.3f} (used)" in text
 
 
 def test_rich_on_a_terminal(outs):

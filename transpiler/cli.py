@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="; ".join(
         f"{name}: {STRATEGIES[name].summary}" + (" (default)" if name == DEFAULT_STRATEGY else "")
         for name in user_strategies()))
-    p.add_argument("--placement", default="hash", help="root of each parameter: hash (crc32 of the name, default) or balanced (greedy by bytes)")
+    p.add_argument("--placement", default="balanced", help="root of each parameter: balanced (greedy by bytes, default) or hash (crc32 of the name)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (default 25)")
     p.add_argument("--loss", help="the graph output to minimize (default: the only scalar float output)")
     p.add_argument("--freeze", metavar="REGEX", help="initializers whose name matches are not trained")

@@ -69,7 +69,7 @@ class LossScale:
 class Options:
     world_size: int = 1
     strategy: str = DEFAULT_STRATEGY
-    placement: str = "hash"
+    placement: str = "balanced"
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd"))
     bucket_mb: float = 25.0
     sync_bn: bool = False  # BatchNormalization statistics all-reduced across ranks

@@ -7,8 +7,11 @@ Broadcasts the new value.
 - ``hash``: crc32 of the parameter's name modulo the world size. Stable across processes and
   machines (Python's ``hash()`` is salted per process and would make ranks disagree and hang).
   Balances parameter *counts* on average, but not bytes: one large embedding dominates its root.
-- ``balanced``: parameters sorted by bytes (largest first), each given to the rank holding the
-  fewest bytes so far (greedy longest-processing-time; Paddle's later assignment, MXNet sorts too).
+- ``balanced`` (the default): parameters sorted by bytes (largest first), each given to the rank
+  holding the fewest bytes so far (greedy longest-processing-time; Paddle's later assignment, MXNet
+  sorts too). Also deterministic (ties broken by name). GPT-2-small at 4 ranks: imbalance 1.003
+  against hash's 1.733, so `sharded`'s heaviest root keeps the optimizer state of 156 MiB of
+  parameters instead of 269 (that root sets the step's peak memory and runs its longest update).
 """
 
 from __future__ import annotations
