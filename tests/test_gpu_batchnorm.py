@@ -23,7 +23,11 @@ from runtime.segments import NativeGroup
 from transpiler.native_ops import add_op_functions
 
 SHAPES = [(16, 8, 12, 12), (3, 3, 5, 7)]
-GPU_SHAPES = SHAPES + [(64, 4, 32, 32)]  # 16 parts a channel
+# (64, 4, 32, 32): 16 parts a channel. Then more values than one grid pass of the elementwise (on a 132-SM GPU)
+# kernels covers (their walk carries the channel and offset over the grid stride): a stride of
+# 3754 rows of 576 and 384 values, each thread of the statistics three accesses wrapping rows;
+# and 4 x 4 planes (ResNet-18's last stage), the stride a whole number of rows.
+GPU_SHAPES = SHAPES + [(64, 4, 32, 32), (120, 40, 24, 24), (300, 512, 4, 4)]
 EPSILON, MOMENTUM = 1e-5, 0.9
 FORWARD_IN = ["x", "scale", "bias", "running_mean", "running_var"]
 FORWARD_OUT = ["y", "mean_next", "var_next", "saved_mean", "saved_inv_std"]

@@ -12,7 +12,8 @@ input for the backward; these kernels read and write bfloat16 where the fused no
 float32 statistics and arithmetic (what torch.autocast runs).
 
 Kernels, X viewed as (N, C, HW), M = N x HW values a channel (each tensor float32 or bfloat16 by
-a flag; four values an access where HW is a multiple of four and the buffers allow it):
+a flag; eight values an access (16 bytes of bfloat16) where HW is a multiple of eight and the
+buffers are 16-byte aligned, ``vec``; else one value an access):
 - ``bn_stats`` (grid C x parts): each block the Welford (count, mean, M2) of its part, merged
   across the block in a fixed tree; the channel's last block (column_sums.gt_last_block) merges the
   parts in order and writes the saved mean and 1/sqrt(var + epsilon) and the running statistics
@@ -25,6 +26,14 @@ a flag; four values an access where HW is a multiple of four and the buffers all
   transpiler/batchnorm_ops.py).
 Deterministic: the parts depend only on the shape and every merge is in a fixed order. The
 epsilon is the node's own (cuDNN needed at least 1e-5).
+
+Cost per value, which made the first form compute-bound at about a fifth of the H200's bandwidth
+(ResNet-18 bf16: 1.23 ms of BatchNorm a step, run h200-s45): an integer division for the index of
+every access of four and a true division in every Welford merge. Now a thread walks its accesses
+with the row and offset (or channel and offset) carried from one to the next (the stride's
+quotient and remainder come from the host), and merges each access of eight into its running
+triple with a fast reciprocal (``gt_merge8``); the merges across threads and parts keep the exact
+division.
 
 Interface: OrtCudaSegment's (``run`` allocates the outputs on the first call; then ``prepare`` and
 ``run_bound``); inside a session (in_session.py) the outputs are onnxruntime's.
@@ -43,8 +52,9 @@ from runtime.gpu.kernel_runner import RawKernelRunner, aligned
 
 _ARITY = {BATCHNORM_TRAINING: (5, 5), BATCHNORM_TRAINING_GRAD: (5, 3)}  # op -> (inputs, outputs)
 THREADS = 256
+VALUES = 8  # values an access where ``vec`` (16 bytes of bfloat16)
 PARTIAL_BLOCKS = 512  # blocks of a statistics launch: about four an SM of an H100/H200
-MIN_PART = 4 * 4 * THREADS  # values of a part: each thread takes at least four accesses of four
+MIN_PART = 2 * 8 * THREADS  # values of a part: each thread takes at least two accesses of eight
 _FLOAT, _BF16 = np.dtype(np.float32), np.dtype(np.uint16)  # bfloat16 is viewed as its raw bits
 
 SOURCE = LAST_BLOCK + r"""
@@ -60,34 +70,51 @@ __device__ __forceinline__ unsigned int gt_bf16(float f) {  // round to nearest 
 __device__ __forceinline__ void gt_st(void* p, unsigned int i, int bf16, float v) {
     if (bf16) ((unsigned short*)p)[i] = (unsigned short)gt_bf16(v); else ((float*)p)[i] = v;
 }
-// Four consecutive values from i (a multiple of 4, in one row when vec).
-__device__ __forceinline__ void gt_ld4(const void* p, unsigned int i, int bf16, int vec, float v[4]) {
-    if (vec && bf16) {
-        uint2 w = *(const uint2*)((const unsigned short*)p + i);
-        v[0] = __uint_as_float(w.x << 16); v[1] = __uint_as_float(w.x & 0xffff0000u);
-        v[2] = __uint_as_float(w.y << 16); v[3] = __uint_as_float(w.y & 0xffff0000u);
-    } else if (vec) {
-        float4 f = *(const float4*)((const float*)p + i);
-        v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+// Eight consecutive values from i (a multiple of 8; the buffer 16-byte aligned).
+__device__ __forceinline__ void gt_ld8(const void* p, unsigned int i, int bf16, float v[8]) {
+    if (bf16) {
+        const uint4 w = *(const uint4*)((const unsigned short*)p + i);
+        const unsigned int u[4] = {w.x, w.y, w.z, w.w};
+        for (int k = 0; k < 4; ++k) { v[2 * k] = __uint_as_float(u[k] << 16); v[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u); }
     } else {
-        for (int k = 0; k < 4; ++k) v[k] = gt_ld(p, i + k, bf16);
+        const float4 a = *(const float4*)((const float*)p + i), b = *(const float4*)((const float*)p + i + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
     }
 }
-__device__ __forceinline__ void gt_st4(void* p, unsigned int i, int bf16, int vec, const float v[4]) {
-    if (vec && bf16) {
-        uint2 w;
+__device__ __forceinline__ void gt_st8(void* p, unsigned int i, int bf16, const float v[8]) {
+    if (bf16) {
+        uint4 w;
         w.x = gt_bf16(v[0]) | (gt_bf16(v[1]) << 16); w.y = gt_bf16(v[2]) | (gt_bf16(v[3]) << 16);
-        *(uint2*)((unsigned short*)p + i) = w;
-    } else if (vec) {
-        *(float4*)((float*)p + i) = make_float4(v[0], v[1], v[2], v[3]);
+        w.z = gt_bf16(v[4]) | (gt_bf16(v[5]) << 16); w.w = gt_bf16(v[6]) | (gt_bf16(v[7]) << 16);
+        *(uint4*)((unsigned short*)p + i) = w;
     } else {
-        for (int k = 0; k < 4; ++k) gt_st(p, i + k, bf16, v[k]);
+        *(float4*)((float*)p + i) = make_float4(v[0], v[1], v[2], v[3]);
+        *(float4*)((float*)p + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
     }
+}
+// (row, offset) = divmod(index, HW) carried over a stride of step_rows * HW + step_rem values.
+__device__ __forceinline__ void gt_advance(unsigned int& row, unsigned int& r, unsigned int step_rows,
+                                           unsigned int step_rem, unsigned int HW) {
+    row += step_rows; r += step_rem;
+    if (r >= HW) { r -= HW; ++row; }
 }
 // Chan's merge of the Welford triple (n, mean, m2) with (nb, mb, m2b).
 __device__ __forceinline__ void gt_merge(float& n, float& mean, float& m2, float nb, float mb, float m2b) {
     if (nb == 0.f) return;
     const float total = n + nb, delta = mb - mean, w = nb / total;
+    mean += delta * w;
+    m2 += m2b + delta * delta * n * w;
+    n = total;
+}
+// An access of eight values (their mean mb, their m2b) into a thread's running triple, the (n+8)-th
+// weight by a fast reciprocal: the cross-thread merges (gt_merge) keep the exact division.
+__device__ __forceinline__ void gt_merge8(float& n, float& mean, float& m2, const float v[8]) {
+    float sum = 0.f;
+    for (int q = 0; q < 8; ++q) sum += v[q];
+    const float mb = sum * 0.125f;
+    float m2b = 0.f;
+    for (int q = 0; q < 8; ++q) m2b += (v[q] - mb) * (v[q] - mb);
+    const float total = n + 8.f, delta = mb - mean, w = __fdividef(8.f, total);
     mean += delta * w;
     m2 += m2b + delta * delta * n * w;
     n = total;
@@ -108,7 +135,8 @@ __device__ __forceinline__ float gt_block_sum(float a, float* s) {
 }
 
 extern "C" __global__ void bn_stats(const void* x, int x_bf16, int vec, int C, int HW, unsigned int M,
-                                    unsigned int per_part, float* partial, unsigned int* counters,
+                                    unsigned int per_part, unsigned int step_rows, unsigned int step_rem,
+                                    float* partial, unsigned int* counters,
                                     const float* running_mean, const float* running_var, float* mean_next,
                                     float* var_next, float* saved_mean, float* saved_inv_std, float momentum,
                                     float epsilon) {
@@ -116,17 +144,18 @@ extern "C" __global__ void bn_stats(const void* x, int x_bf16, int vec, int C, i
     const int c = blockIdx.x;
     const unsigned int first = blockIdx.y * per_part, end = min(first + per_part, M);
     float n = 0.f, mean = 0.f, m2 = 0.f;
-    for (unsigned int j = first + threadIdx.x * 4; j < end; j += THREADS * 4) {
-        float v[4];
-        const int k = min(4u, end - j);
-        if (k == 4 && vec) gt_ld4(x, gt_at(j, c, C, HW), x_bf16, 1, v);
-        else for (int q = 0; q < k; ++q) v[q] = gt_ld(x, gt_at(j + q, c, C, HW), x_bf16);
-        float sum = 0.f;
-        for (int q = 0; q < k; ++q) sum += v[q];
-        const float mb = sum / k;
-        float m2b = 0.f;
-        for (int q = 0; q < k; ++q) m2b += (v[q] - mb) * (v[q] - mb);
-        gt_merge(n, mean, m2, (float)k, mb, m2b);
+    if (vec) {  // HW, first and per_part multiples of 8: whole accesses, each in one row
+        unsigned int j = first + threadIdx.x * 8, row = j / HW, r = j - row * HW;
+#pragma unroll 4
+        for (; j < end; j += THREADS * 8) {
+            float v[8];
+            gt_ld8(x, (row * C + c) * HW + r, x_bf16, v);
+            gt_merge8(n, mean, m2, v);
+            gt_advance(row, r, step_rows, step_rem, HW);
+        }
+    } else {
+        for (unsigned int j = first + threadIdx.x; j < end; j += THREADS)
+            gt_merge(n, mean, m2, 1.f, gt_ld(x, gt_at(j, c, C, HW), x_bf16), 0.f);
     }
     for (int o = 16; o > 0; o >>= 1) {
         const float nb = __shfl_down_sync(0xffffffffu, n, o), mb = __shfl_down_sync(0xffffffffu, mean, o);
@@ -156,26 +185,46 @@ extern "C" __global__ void bn_stats(const void* x, int x_bf16, int vec, int C, i
     }
 }
 
+// The elementwise passes walk i over a grid stride of step_rows * HW + step_rem values, carrying
+// the channel c = (i / HW) % C and the offset r = i % HW (step_c = step_rows % C).
+__device__ __forceinline__ void gt_walk_start(unsigned int i, int C, int HW, unsigned int& r, unsigned int& c) {
+    const unsigned int row = i / HW;
+    r = i - row * HW;
+    c = row % C;
+}
+__device__ __forceinline__ void gt_walk_next(unsigned int& r, unsigned int& c, unsigned int step_c,
+                                             unsigned int step_rem, int C, int HW) {
+    r += step_rem; c += step_c;
+    if (r >= (unsigned int)HW) { r -= HW; ++c; }
+    if (c >= (unsigned int)C) c -= C;
+}
+
 extern "C" __global__ void bn_apply(const void* x, int x_bf16, void* y, int y_bf16, int vec, int C, int HW,
-                                    unsigned int total, const float* mean, const float* inv_std,
-                                    const float* scale, const float* bias) {
-    for (unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * 4; i < total; i += gridDim.x * THREADS * 4) {
-        float v[4];
-        const int k = min(4u, total - i);
-        if (k == 4) gt_ld4(x, i, x_bf16, vec, v);
-        else for (int q = 0; q < k; ++q) v[q] = gt_ld(x, i + q, x_bf16);
-        const int c0 = (i / HW) % C;  // the channel of all four where vec (rows of a multiple of four)
-        for (int q = 0; q < k; ++q) {
-            const int c = vec ? c0 : ((i + q) / HW) % C;
-            v[q] = (v[q] - mean[c]) * (scale[c] * inv_std[c]) + bias[c];
+                                    unsigned int total, unsigned int step_c, unsigned int step_rem,
+                                    const float* mean, const float* inv_std, const float* scale, const float* bias) {
+    if (vec) {
+        unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * 8, r, c;
+        gt_walk_start(i, C, HW, r, c);
+#pragma unroll 2
+        for (; i < total; i += gridDim.x * THREADS * 8) {
+            float v[8];
+            gt_ld8(x, i, x_bf16, v);
+            const float k = scale[c] * inv_std[c], mu = mean[c], b = bias[c];
+            for (int q = 0; q < 8; ++q) v[q] = (v[q] - mu) * k + b;
+            gt_st8(y, i, y_bf16, v);
+            gt_walk_next(r, c, step_c, step_rem, C, HW);
         }
-        if (k == 4) gt_st4(y, i, y_bf16, vec, v);
-        else for (int q = 0; q < k; ++q) gt_st(y, i + q, y_bf16, v[q]);
+    } else {
+        for (unsigned int i = blockIdx.x * THREADS + threadIdx.x; i < total; i += gridDim.x * THREADS) {
+            const unsigned int c = (i / HW) % C;
+            gt_st(y, i, y_bf16, (gt_ld(x, i, x_bf16) - mean[c]) * (scale[c] * inv_std[c]) + bias[c]);
+        }
     }
 }
 
 extern "C" __global__ void bn_grad_sums(const void* dy, int dy_bf16, const void* x, int x_bf16, int vec, int C,
-                                        int HW, unsigned int M, unsigned int per_part, const float* mean,
+                                        int HW, unsigned int M, unsigned int per_part, unsigned int step_rows,
+                                        unsigned int step_rem, const float* mean,
                                         const float* inv_std, const float* scale, float* partial,
                                         unsigned int* counters, float* dscale, float* dbias, float* coef) {
     __shared__ float s[THREADS / 32];
@@ -183,21 +232,23 @@ extern "C" __global__ void bn_grad_sums(const void* dy, int dy_bf16, const void*
     const float mu = mean[c];
     const unsigned int first = blockIdx.y * per_part, end = min(first + per_part, M);
     float s1 = 0.f, s2 = 0.f;
-    for (unsigned int j = first + threadIdx.x * 4; j < end; j += THREADS * 4) {
-        float g[4], v[4];
-        const int k = min(4u, end - j);
-        if (k == 4 && vec) {
-            const unsigned int at = gt_at(j, c, C, HW);
-            gt_ld4(dy, at, dy_bf16, 1, g);
-            gt_ld4(x, at, x_bf16, 1, v);
-        } else {
-            for (int q = 0; q < k; ++q) {
-                const unsigned int at = gt_at(j + q, c, C, HW);
-                g[q] = gt_ld(dy, at, dy_bf16);
-                v[q] = gt_ld(x, at, x_bf16);
-            }
+    if (vec) {
+        unsigned int j = first + threadIdx.x * 8, row = j / HW, r = j - row * HW;
+#pragma unroll 4
+        for (; j < end; j += THREADS * 8) {
+            float g[8], v[8];
+            const unsigned int at = (row * C + c) * HW + r;
+            gt_ld8(dy, at, dy_bf16, g);
+            gt_ld8(x, at, x_bf16, v);
+            for (int q = 0; q < 8; ++q) { s1 += g[q]; s2 += g[q] * (v[q] - mu); }
+            gt_advance(row, r, step_rows, step_rem, HW);
         }
-        for (int q = 0; q < k; ++q) { s1 += g[q]; s2 += g[q] * (v[q] - mu); }
+    } else {
+        for (unsigned int j = first + threadIdx.x; j < end; j += THREADS) {
+            const unsigned int at = gt_at(j, c, C, HW);
+            const float g = gt_ld(dy, at, dy_bf16);
+            s1 += g; s2 += g * (gt_ld(x, at, x_bf16) - mu);
+        }
     }
     s1 = gt_block_sum(s1, s);
     s2 = gt_block_sum(s2, s);
@@ -223,19 +274,27 @@ extern "C" __global__ void bn_grad_sums(const void* dy, int dy_bf16, const void*
 
 extern "C" __global__ void bn_grad_apply(const void* dy, int dy_bf16, const void* x, int x_bf16, void* dx,
                                          int dx_bf16, int vec, int C, int HW, unsigned int total,
-                                         const float* mean, const float* coef) {
-    for (unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * 4; i < total; i += gridDim.x * THREADS * 4) {
-        float g[4], v[4];
-        const int k = min(4u, total - i);
-        if (k == 4) { gt_ld4(dy, i, dy_bf16, vec, g); gt_ld4(x, i, x_bf16, vec, v); }
-        else for (int q = 0; q < k; ++q) { g[q] = gt_ld(dy, i + q, dy_bf16); v[q] = gt_ld(x, i + q, x_bf16); }
-        const int c0 = (i / HW) % C;
-        for (int q = 0; q < k; ++q) {
-            const int c = vec ? c0 : ((i + q) / HW) % C;
-            v[q] = (g[q] * coef[3 * c] - coef[3 * c + 1]) - (v[q] - mean[c]) * coef[3 * c + 2];
+                                         unsigned int step_c, unsigned int step_rem, const float* mean,
+                                         const float* coef) {
+    if (vec) {
+        unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * 8, r, c;
+        gt_walk_start(i, C, HW, r, c);
+#pragma unroll 2
+        for (; i < total; i += gridDim.x * THREADS * 8) {
+            float g[8], v[8];
+            gt_ld8(dy, i, dy_bf16, g);
+            gt_ld8(x, i, x_bf16, v);
+            const float k1 = coef[3 * c], k3 = coef[3 * c + 1], k2 = coef[3 * c + 2], mu = mean[c];
+            for (int q = 0; q < 8; ++q) v[q] = (g[q] * k1 - k3) - (v[q] - mu) * k2;
+            gt_st8(dx, i, dx_bf16, v);
+            gt_walk_next(r, c, step_c, step_rem, C, HW);
         }
-        if (k == 4) gt_st4(dx, i, dx_bf16, vec, v);
-        else for (int q = 0; q < k; ++q) gt_st(dx, i + q, dx_bf16, v[q]);
+    } else {
+        for (unsigned int i = blockIdx.x * THREADS + threadIdx.x; i < total; i += gridDim.x * THREADS) {
+            const unsigned int c = (i / HW) % C;
+            const float g = gt_ld(dy, i, dy_bf16), v = gt_ld(x, i, x_bf16);
+            gt_st(dx, i, dx_bf16, (g * coef[3 * c] - coef[3 * c + 1]) - (v - mean[c]) * coef[3 * c + 2]);
+        }
     }
 }
 """
@@ -243,10 +302,10 @@ extern "C" __global__ void bn_grad_apply(const void* dy, int dy_bf16, const void
 
 def parts(channels: int, per_channel: int) -> tuple[int, int]:
     """(parts, values a part) of a statistics launch: about PARTIAL_BLOCKS blocks in all, no part
-    under MIN_PART values (so one part where a channel is small), a part a multiple of four."""
+    under MIN_PART values (so one part where a channel is small), a part a multiple of eight."""
     count = max(1, min(-(-PARTIAL_BLOCKS // channels), per_channel // MIN_PART))
     per_part = -(-per_channel // count)
-    per_part += -per_part % 4
+    per_part += -per_part % 8
     return -(-per_channel // per_part), per_part
 
 
@@ -339,25 +398,29 @@ class BatchNormRunner(RawKernelRunner):
                 hw, total = h * w, x.size
                 count, per_part = parts(c, n * hw)
                 big = [values[op.outputs[0]], *(values[name] for name in op.inputs[:1 if op.forward else 2])]
-                vec = np.int32(hw % 4 == 0 and aligned(*big))
+                vec = hw % VALUES == 0 and aligned(*big)
                 flags = [np.int32(a.dtype == _BF16) for a in big]  # (out, in...) as bfloat16
                 inp, out = [values[k] for k in op.inputs], [values[k] for k in op.outputs]
-                sizes = (np.int32(c), np.int32(hw))
-                grid = (min(self.blocks, -(-total // (4 * THREADS))),)
+                sizes = (np.int32(vec), np.int32(c), np.int32(hw))
+                # A statistics thread's stride, and an elementwise grid's, as (rows, remainder) of HW.
+                parts_step = [np.uint32(v) for v in divmod(THREADS * (VALUES if vec else 1), hw)]
+                grid = min(self.blocks, -(-total // (THREADS * (VALUES if vec else 1))))
+                rows, rem = divmod(grid * THREADS * (VALUES if vec else 1), hw)
+                walk_step = (np.uint32(rows % c), np.uint32(rem))
                 try:
                     if op.forward:
-                        stats((c, count), (THREADS,), (inp[0], flags[1], vec, *sizes, np.uint32(n * hw),
-                                                       np.uint32(per_part), self.partial, self.counters, inp[3],
-                                                       inp[4], out[1], out[2], out[3], out[4],
+                        stats((c, count), (THREADS,), (inp[0], flags[1], *sizes, np.uint32(n * hw),
+                                                       np.uint32(per_part), *parts_step, self.partial, self.counters,
+                                                       inp[3], inp[4], out[1], out[2], out[3], out[4],
                                                        np.float32(op.momentum), np.float32(op.epsilon)))
-                        apply(grid, (THREADS,), (inp[0], flags[1], out[0], flags[0], vec, *sizes, np.uint32(total),
-                                                 out[3], out[4], inp[1], inp[2]))
+                        apply((grid,), (THREADS,), (inp[0], flags[1], out[0], flags[0], *sizes, np.uint32(total),
+                                                    *walk_step, out[3], out[4], inp[1], inp[2]))
                     else:
-                        grad_sums((c, count), (THREADS,), (inp[0], flags[1], inp[1], flags[2], vec, *sizes,
-                                                           np.uint32(n * hw), np.uint32(per_part), inp[3], inp[4],
-                                                           inp[2], self.partial, self.counters, out[1], out[2],
-                                                           self.coef))
-                        grad_apply(grid, (THREADS,), (inp[0], flags[1], inp[1], flags[2], out[0], flags[0], vec,
-                                                      *sizes, np.uint32(total), inp[3], self.coef))
+                        grad_sums((c, count), (THREADS,), (inp[0], flags[1], inp[1], flags[2], *sizes,
+                                                           np.uint32(n * hw), np.uint32(per_part), *parts_step,
+                                                           inp[3], inp[4], inp[2], self.partial, self.counters,
+                                                           out[1], out[2], self.coef))
+                        grad_apply((grid,), (THREADS,), (inp[0], flags[1], inp[1], flags[2], out[0], flags[0],
+                                                         *sizes, np.uint32(total), *walk_step, inp[3], self.coef))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None
