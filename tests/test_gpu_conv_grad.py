@@ -189,23 +189,6 @@ def test_the_element_types_map_to_cudnns_and_must_agree():
         runner._check(op, np.zeros((2, 3, 5, 5)), np.zeros((2, 4, 5, 5)))
 
 
-def test_of_algorithms_about_as_fast_the_one_with_the_least_workspace_wins():
-    """cudnn.least_workspace over Find's results (fastest first): within AS_FAST of the fastest the
-    smallest workspace, the faster on a tie; a slower one never, however small its need (CPU)."""
-    def perf(algo, time, memory):
-        p = cudnn_api.BwdFilterAlgoPerf()
-        p.algo, p.time, p.memory = algo, time, memory
-        return p
-
-    fast = 1.0
-    close = fast * (1 + cudnn_api.AS_FAST / 2)
-    far = fast * (1 + 2 * cudnn_api.AS_FAST)
-    assert cudnn_api.least_workspace([]) is None
-    assert cudnn_api.least_workspace([perf(1, fast, 64 << 20), perf(5, close, 1 << 20), perf(0, far, 0)]).algo == 5
-    assert cudnn_api.least_workspace([perf(1, fast, 1 << 20), perf(5, close, 1 << 20)]).algo == 1
-    assert cudnn_api.least_workspace([perf(1, fast, 8 << 20), perf(0, far, 0)]).algo == 1
-
-
 def test_a_node_without_its_attributes_is_refused_naming_it():
     node = helper.make_node(WEIGHT_GRAD, ["x", "dy"], ["dw"], name="layer1/wgrad", domain=DOMAIN,
                             kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])

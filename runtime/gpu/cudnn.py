@@ -28,10 +28,6 @@ FMA_MATH = 3  # no tensor cores: exact float32 FMAs
 BWD_FILTER_ALGOS = 7  # cudnnConvolutionBwdFilterAlgo_t values 0..6
 BWD_DATA_ALGOS = 6  # cudnnConvolutionBwdDataAlgo_t values 0..5
 WORKSPACE_LIMIT = 256 << 20  # bytes an algorithm may need; cuDNN's fastest ResNet ones need far less
-# Find's timings of algorithms this close (relative) to the fastest are noise: among them the one with
-# the smallest workspace wins, so the shared workspace (the largest need of any node) does not grow
-# by a winner of noise (ResNet-18 bf16 on one H200: 0.07 to 0.15 GiB from run to run).
-AS_FAST = 0.05
 STATUS_SUCCESS = 0
 
 
@@ -206,24 +202,14 @@ def find_backward_data(handle: Handle, w_desc, w: int, dy_desc, dy: int, conv, d
 
 
 def fastest(cp, workspace_of, algorithms: int, find) -> BwdFilterAlgoPerf | None:
-    """The fastest of ``algorithms`` that cuDNN's Find times within WORKSPACE_LIMIT bytes (of those
-    within AS_FAST of it, the one needing the least workspace), or None: ``workspace_of(algo)`` is an
-    algorithm's need (None where it does not apply), ``find(scratch, bytes)`` the Find call on a
-    scratch workspace as large as the largest need that fits."""
+    """The fastest of ``algorithms`` that cuDNN's Find times within WORKSPACE_LIMIT bytes, or None:
+    ``workspace_of(algo)`` is an algorithm's need (None where it does not apply), ``find(scratch,
+    bytes)`` the Find call on a scratch workspace as large as the largest need that fits."""
     sizes = [workspace_of(algo) for algo in range(algorithms)]
     trial = max([size for size in sizes if size is not None and size <= WORKSPACE_LIMIT], default=0)
     scratch = cp.empty(max(trial, 1), dtype="uint8")
     found = find(scratch.data.ptr, trial)
-    return least_workspace(found)
-
-
-def least_workspace(found: list[BwdFilterAlgoPerf]) -> BwdFilterAlgoPerf | None:
-    """Of Find's results (fastest first), the one needing the least workspace among those within
-    AS_FAST of the fastest; the faster on a tie."""
-    if not found:
-        return None
-    close = [p for p in found if p.time <= found[0].time * (1 + AS_FAST)]
-    return min(close, key=lambda p: (p.memory, p.time))
+    return found[0] if found else None
 
 
 def backward_data(handle: Handle, w_desc, w: int, dy_desc, dy: int, conv, algo: int, workspace: int,

@@ -116,11 +116,8 @@ class GpuProgram(ProgramBase):
             if self.session_collectives is not None:  # every rank at its call 2, before any capture
                 agree_on_graphs(self.steps, self.comm, self.cut.where)
             feeds = self._allocate(feeds)
-        elif self.calls in (3, 4):
+        elif self.calls == 3:
             # The first call's outputs (GPT-2-small: 1.8 GiB) were last read by call 2: given back.
-            # Call 3 is the other parity's first bound run: its native nodes' first calls (cuDNN's
-            # Find, on scratch as large as the largest workspace) left blocks in the pool, which
-            # call 4 gives back (ResNet-18 bf16 on one H200: 0.07 GiB).
             self._release_pool()
         return self._run_bound(feeds, self.calls % 2)
 
