@@ -124,7 +124,9 @@ class SessionCollectives(SegmentPass):
         Specialize().ensures(state)
 
     def call(self, state):
-        state.model, originals = session_collectives.rewrite(state.model, state.where, world=self.registry.comm.size,
+        comm = self.registry.comm  # None where no communicator is joined (a segment of no collectives)
+        state.model, originals = session_collectives.rewrite(state.model, state.where,
+                                                             world=None if comm is None else comm.size,
                                                              early=self.registry.record_external is not None)
         self.registry.record(state.model, originals)
 

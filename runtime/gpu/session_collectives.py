@@ -90,7 +90,7 @@ FLAT = ".flat"  # suffix of a staged bucket's name
 EARLY_INPUT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
 
 
-def rewrite(model: onnx.ModelProto, where: str, *, world: int, early: bool = False
+def rewrite(model: onnx.ModelProto, where: str, *, world: int | None, early: bool = False
             ) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
     """``model`` (a specialized segment) with each collective node replaced by its start and finish
     (the module docstring), the nodes reordered for the PRIORITY_BASED order, each token with its
@@ -134,6 +134,8 @@ def rewrite(model: onnx.ModelProto, where: str, *, world: int, early: bool = Fal
                                        name=f"{node.name or node.op_type}.finish{k}", bucket=k, direct=int(direct),
                                        flat=int(bool(flat)))
         if flat:
+            if world is None:
+                raise RunError(f"{where}: collective '{node.name}' ({node.op_type}): no communicator to size its bucket by")
             if node.output[0] not in known:
                 raise RunError(f"{where}: collective '{node.name}': output '{node.output[0]}' has no static shape")
             shape, dtype = known[node.output[0]]
