@@ -12,8 +12,8 @@ input for the backward; these kernels read and write bfloat16 where the fused no
 float32 statistics and arithmetic (what torch.autocast runs).
 
 Kernels, X viewed as (N, C, HW), M = N x HW values a channel (each tensor float32 or bfloat16 by
-a flag; eight values an access (16 bytes of bfloat16) where HW is a multiple of eight and the
-buffers are 16-byte aligned, ``vec``; else one value an access):
+a flag; one 16-byte access of eight bfloat16 or four float32 values where HW is a multiple of
+that and the buffers are 16-byte aligned, ``vec``; else one value an access):
 - ``bn_stats`` (grid C x parts): each block the Welford (count, mean, M2) of its part, merged
   across the block in a fixed tree; the channel's last block (column_sums.gt_last_block) merges the
   parts in order and writes the saved mean and 1/sqrt(var + epsilon) and the running statistics
@@ -32,8 +32,9 @@ Cost per value, which made the first form compute-bound at about a fifth of the 
 every access of four and a true division in every Welford merge. Now a thread walks its accesses
 with the row and offset (or channel and offset) carried from one to the next (the stride's
 quotient and remainder come from the host), and merges each access of eight into its running
-triple with a fast reciprocal (``gt_merge8``); the merges across threads and parts keep the exact
-division.
+triple with a fast reciprocal (``gt_mergev``); the merges across threads and parts keep the exact
+division. ResNet-18 bf16 on one H200 (run h200-s46): 1.23 -> 0.84 ms of BatchNorm a step, the step
+6.84 -> 6.39 ms.
 
 Interface: OrtCudaSegment's (``run`` allocates the outputs on the first call; then ``prepare`` and
 ``run_bound``); inside a session (in_session.py) the outputs are onnxruntime's.
@@ -52,9 +53,11 @@ from runtime.gpu.kernel_runner import RawKernelRunner, aligned
 
 _ARITY = {BATCHNORM_TRAINING: (5, 5), BATCHNORM_TRAINING_GRAD: (5, 3)}  # op -> (inputs, outputs)
 THREADS = 256
-VALUES = 8  # values an access where ``vec`` (16 bytes of bfloat16)
+# Values an access where ``vec``: 16 bytes, so 8 where every X-shaped tensor of the node is
+# bfloat16, else 4 (float32 took its 8 in two accesses: bn_apply 0.30 -> 0.38 ms a ResNet-18 step).
+WIDTHS = (4, 8)
 PARTIAL_BLOCKS = 512  # blocks of a statistics launch: about four an SM of an H100/H200
-MIN_PART = 2 * 8 * THREADS  # values of a part: each thread takes at least two accesses of eight
+MIN_PART = 2 * 8 * THREADS  # values of a part: each thread takes at least two accesses of eight (four of four)
 _FLOAT, _BF16 = np.dtype(np.float32), np.dtype(np.uint16)  # bfloat16 is viewed as its raw bits
 
 SOURCE = LAST_BLOCK + r"""
@@ -70,26 +73,29 @@ __device__ __forceinline__ unsigned int gt_bf16(float f) {  // round to nearest 
 __device__ __forceinline__ void gt_st(void* p, unsigned int i, int bf16, float v) {
     if (bf16) ((unsigned short*)p)[i] = (unsigned short)gt_bf16(v); else ((float*)p)[i] = v;
 }
-// Eight consecutive values from i (a multiple of 8; the buffer 16-byte aligned).
-__device__ __forceinline__ void gt_ld8(const void* p, unsigned int i, int bf16, float v[8]) {
+// W consecutive values from i (a multiple of W; the buffer aligned to the access): W = 8 takes
+// bfloat16 in one 16-byte access (float32 in two), W = 4 float32 in one (bfloat16 in 8 bytes).
+template <int W> __device__ __forceinline__ void gt_ldv(const void* p, unsigned int i, int bf16, float v[W]) {
     if (bf16) {
-        const uint4 w = *(const uint4*)((const unsigned short*)p + i);
-        const unsigned int u[4] = {w.x, w.y, w.z, w.w};
-        for (int k = 0; k < 4; ++k) { v[2 * k] = __uint_as_float(u[k] << 16); v[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u); }
+        unsigned int u[W / 2];
+        if (W == 8) { const uint4 w = *(const uint4*)((const unsigned short*)p + i); u[0] = w.x; u[1] = w.y; u[2] = w.z; u[3] = w.w; }
+        else { const uint2 w = *(const uint2*)((const unsigned short*)p + i); u[0] = w.x; u[1] = w.y; }
+        for (int k = 0; k < W / 2; ++k) { v[2 * k] = __uint_as_float(u[k] << 16); v[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u); }
     } else {
-        const float4 a = *(const float4*)((const float*)p + i), b = *(const float4*)((const float*)p + i + 4);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        for (int k = 0; k < W; k += 4) {
+            const float4 a = *(const float4*)((const float*)p + i + k);
+            v[k] = a.x; v[k + 1] = a.y; v[k + 2] = a.z; v[k + 3] = a.w;
+        }
     }
 }
-__device__ __forceinline__ void gt_st8(void* p, unsigned int i, int bf16, const float v[8]) {
+template <int W> __device__ __forceinline__ void gt_stv(void* p, unsigned int i, int bf16, const float v[W]) {
     if (bf16) {
-        uint4 w;
-        w.x = gt_bf16(v[0]) | (gt_bf16(v[1]) << 16); w.y = gt_bf16(v[2]) | (gt_bf16(v[3]) << 16);
-        w.z = gt_bf16(v[4]) | (gt_bf16(v[5]) << 16); w.w = gt_bf16(v[6]) | (gt_bf16(v[7]) << 16);
-        *(uint4*)((unsigned short*)p + i) = w;
+        unsigned int u[W / 2];
+        for (int k = 0; k < W / 2; ++k) u[k] = gt_bf16(v[2 * k]) | (gt_bf16(v[2 * k + 1]) << 16);
+        if (W == 8) *(uint4*)((unsigned short*)p + i) = make_uint4(u[0], u[1], u[2], u[3]);
+        else *(uint2*)((unsigned short*)p + i) = make_uint2(u[0], u[1]);
     } else {
-        *(float4*)((float*)p + i) = make_float4(v[0], v[1], v[2], v[3]);
-        *(float4*)((float*)p + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
+        for (int k = 0; k < W; k += 4) *(float4*)((float*)p + i + k) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
     }
 }
 // (row, offset) = divmod(index, HW) carried over a stride of step_rows * HW + step_rem values.
@@ -106,15 +112,15 @@ __device__ __forceinline__ void gt_merge(float& n, float& mean, float& m2, float
     m2 += m2b + delta * delta * n * w;
     n = total;
 }
-// An access of eight values (their mean mb, their m2b) into a thread's running triple, the (n+8)-th
-// weight by a fast reciprocal: the cross-thread merges (gt_merge) keep the exact division.
-__device__ __forceinline__ void gt_merge8(float& n, float& mean, float& m2, const float v[8]) {
+// An access of W values (their mean mb, their m2b) into a thread's running triple, its weight by a
+// fast reciprocal: the cross-thread merges (gt_merge) keep the exact division.
+template <int W> __device__ __forceinline__ void gt_mergev(float& n, float& mean, float& m2, const float v[W]) {
     float sum = 0.f;
-    for (int q = 0; q < 8; ++q) sum += v[q];
-    const float mb = sum * 0.125f;
+    for (int q = 0; q < W; ++q) sum += v[q];
+    const float mb = sum * (1.f / W);
     float m2b = 0.f;
-    for (int q = 0; q < 8; ++q) m2b += (v[q] - mb) * (v[q] - mb);
-    const float total = n + 8.f, delta = mb - mean, w = __fdividef(8.f, total);
+    for (int q = 0; q < W; ++q) m2b += (v[q] - mb) * (v[q] - mb);
+    const float total = n + (float)W, delta = mb - mean, w = __fdividef((float)W, total);
     mean += delta * w;
     m2 += m2b + delta * delta * n * w;
     n = total;
@@ -134,7 +140,7 @@ __device__ __forceinline__ float gt_block_sum(float a, float* s) {
     return a;
 }
 
-extern "C" __global__ void bn_stats(const void* x, int x_bf16, int vec, int C, int HW, unsigned int M,
+template <int W> __device__ __forceinline__ void bn_stats_body(const void* x, int x_bf16, int vec, int C, int HW, unsigned int M,
                                     unsigned int per_part, unsigned int step_rows, unsigned int step_rem,
                                     float* partial, unsigned int* counters,
                                     const float* running_mean, const float* running_var, float* mean_next,
@@ -144,13 +150,13 @@ extern "C" __global__ void bn_stats(const void* x, int x_bf16, int vec, int C, i
     const int c = blockIdx.x;
     const unsigned int first = blockIdx.y * per_part, end = min(first + per_part, M);
     float n = 0.f, mean = 0.f, m2 = 0.f;
-    if (vec) {  // HW, first and per_part multiples of 8: whole accesses, each in one row
-        unsigned int j = first + threadIdx.x * 8, row = j / HW, r = j - row * HW;
+    if (vec) {  // HW, first and per_part multiples of W: whole accesses, each in one row
+        unsigned int j = first + threadIdx.x * W, row = j / HW, r = j - row * HW;
 #pragma unroll 4
-        for (; j < end; j += THREADS * 8) {
-            float v[8];
-            gt_ld8(x, (row * C + c) * HW + r, x_bf16, v);
-            gt_merge8(n, mean, m2, v);
+        for (; j < end; j += THREADS * W) {
+            float v[W];
+            gt_ldv<W>(x, (row * C + c) * HW + r, x_bf16, v);
+            gt_mergev<W>(n, mean, m2, v);
             gt_advance(row, r, step_rows, step_rem, HW);
         }
     } else {
@@ -199,19 +205,19 @@ __device__ __forceinline__ void gt_walk_next(unsigned int& r, unsigned int& c, u
     if (c >= (unsigned int)C) c -= C;
 }
 
-extern "C" __global__ void bn_apply(const void* x, int x_bf16, void* y, int y_bf16, int vec, int C, int HW,
+template <int W> __device__ __forceinline__ void bn_apply_body(const void* x, int x_bf16, void* y, int y_bf16, int vec, int C, int HW,
                                     unsigned int total, unsigned int step_c, unsigned int step_rem,
                                     const float* mean, const float* inv_std, const float* scale, const float* bias) {
     if (vec) {
-        unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * 8, r, c;
+        unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * W, r, c;
         gt_walk_start(i, C, HW, r, c);
 #pragma unroll 2
-        for (; i < total; i += gridDim.x * THREADS * 8) {
-            float v[8];
-            gt_ld8(x, i, x_bf16, v);
+        for (; i < total; i += gridDim.x * THREADS * W) {
+            float v[W];
+            gt_ldv<W>(x, i, x_bf16, v);
             const float k = scale[c] * inv_std[c], mu = mean[c], b = bias[c];
-            for (int q = 0; q < 8; ++q) v[q] = (v[q] - mu) * k + b;
-            gt_st8(y, i, y_bf16, v);
+            for (int q = 0; q < W; ++q) v[q] = (v[q] - mu) * k + b;
+            gt_stv<W>(y, i, y_bf16, v);
             gt_walk_next(r, c, step_c, step_rem, C, HW);
         }
     } else {
@@ -222,7 +228,7 @@ extern "C" __global__ void bn_apply(const void* x, int x_bf16, void* y, int y_bf
     }
 }
 
-extern "C" __global__ void bn_grad_sums(const void* dy, int dy_bf16, const void* x, int x_bf16, int vec, int C,
+template <int W> __device__ __forceinline__ void bn_grad_sums_body(const void* dy, int dy_bf16, const void* x, int x_bf16, int vec, int C,
                                         int HW, unsigned int M, unsigned int per_part, unsigned int step_rows,
                                         unsigned int step_rem, const float* mean,
                                         const float* inv_std, const float* scale, float* partial,
@@ -233,14 +239,14 @@ extern "C" __global__ void bn_grad_sums(const void* dy, int dy_bf16, const void*
     const unsigned int first = blockIdx.y * per_part, end = min(first + per_part, M);
     float s1 = 0.f, s2 = 0.f;
     if (vec) {
-        unsigned int j = first + threadIdx.x * 8, row = j / HW, r = j - row * HW;
+        unsigned int j = first + threadIdx.x * W, row = j / HW, r = j - row * HW;
 #pragma unroll 4
-        for (; j < end; j += THREADS * 8) {
-            float g[8], v[8];
+        for (; j < end; j += THREADS * W) {
+            float g[W], v[W];
             const unsigned int at = (row * C + c) * HW + r;
-            gt_ld8(dy, at, dy_bf16, g);
-            gt_ld8(x, at, x_bf16, v);
-            for (int q = 0; q < 8; ++q) { s1 += g[q]; s2 += g[q] * (v[q] - mu); }
+            gt_ldv<W>(dy, at, dy_bf16, g);
+            gt_ldv<W>(x, at, x_bf16, v);
+            for (int q = 0; q < W; ++q) { s1 += g[q]; s2 += g[q] * (v[q] - mu); }
             gt_advance(row, r, step_rows, step_rem, HW);
         }
     } else {
@@ -272,21 +278,21 @@ extern "C" __global__ void bn_grad_sums(const void* dy, int dy_bf16, const void*
     }
 }
 
-extern "C" __global__ void bn_grad_apply(const void* dy, int dy_bf16, const void* x, int x_bf16, void* dx,
+template <int W> __device__ __forceinline__ void bn_grad_apply_body(const void* dy, int dy_bf16, const void* x, int x_bf16, void* dx,
                                          int dx_bf16, int vec, int C, int HW, unsigned int total,
                                          unsigned int step_c, unsigned int step_rem, const float* mean,
                                          const float* coef) {
     if (vec) {
-        unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * 8, r, c;
+        unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * W, r, c;
         gt_walk_start(i, C, HW, r, c);
 #pragma unroll 2
-        for (; i < total; i += gridDim.x * THREADS * 8) {
-            float g[8], v[8];
-            gt_ld8(dy, i, dy_bf16, g);
-            gt_ld8(x, i, x_bf16, v);
+        for (; i < total; i += gridDim.x * THREADS * W) {
+            float g[W], v[W];
+            gt_ldv<W>(dy, i, dy_bf16, g);
+            gt_ldv<W>(x, i, x_bf16, v);
             const float k1 = coef[3 * c], k3 = coef[3 * c + 1], k2 = coef[3 * c + 2], mu = mean[c];
-            for (int q = 0; q < 8; ++q) v[q] = (g[q] * k1 - k3) - (v[q] - mu) * k2;
-            gt_st8(dx, i, dx_bf16, v);
+            for (int q = 0; q < W; ++q) v[q] = (g[q] * k1 - k3) - (v[q] - mu) * k2;
+            gt_stv<W>(dx, i, dx_bf16, v);
             gt_walk_next(r, c, step_c, step_rem, C, HW);
         }
     } else {
@@ -297,6 +303,35 @@ extern "C" __global__ void bn_grad_apply(const void* dy, int dy_bf16, const void
         }
     }
 }
+
+// Each kernel for W = 4 and W = 8 (the host takes 8 where every X-shaped tensor is bfloat16).
+#define GT_WIDTHS(name, params, args) \
+    extern "C" __global__ void name##4 params { name##_body<4> args; } \
+    extern "C" __global__ void name##8 params { name##_body<8> args; }
+GT_WIDTHS(bn_stats, (const void* x, int x_bf16, int vec, int C, int HW, unsigned int M,
+                                    unsigned int per_part, unsigned int step_rows, unsigned int step_rem,
+                                    float* partial, unsigned int* counters,
+                                    const float* running_mean, const float* running_var, float* mean_next,
+                                    float* var_next, float* saved_mean, float* saved_inv_std, float momentum,
+                                    float epsilon),
+          (x, x_bf16, vec, C, HW, M, per_part, step_rows, step_rem, partial, counters, running_mean,
+           running_var, mean_next, var_next, saved_mean, saved_inv_std, momentum, epsilon))
+GT_WIDTHS(bn_apply, (const void* x, int x_bf16, void* y, int y_bf16, int vec, int C, int HW,
+                                    unsigned int total, unsigned int step_c, unsigned int step_rem,
+                                    const float* mean, const float* inv_std, const float* scale, const float* bias),
+          (x, x_bf16, y, y_bf16, vec, C, HW, total, step_c, step_rem, mean, inv_std, scale, bias))
+GT_WIDTHS(bn_grad_sums, (const void* dy, int dy_bf16, const void* x, int x_bf16, int vec, int C,
+                                        int HW, unsigned int M, unsigned int per_part, unsigned int step_rows,
+                                        unsigned int step_rem, const float* mean,
+                                        const float* inv_std, const float* scale, float* partial,
+                                        unsigned int* counters, float* dscale, float* dbias, float* coef),
+          (dy, dy_bf16, x, x_bf16, vec, C, HW, M, per_part, step_rows, step_rem, mean, inv_std, scale,
+           partial, counters, dscale, dbias, coef))
+GT_WIDTHS(bn_grad_apply, (const void* dy, int dy_bf16, const void* x, int x_bf16, void* dx,
+                                         int dx_bf16, int vec, int C, int HW, unsigned int total,
+                                         unsigned int step_c, unsigned int step_rem, const float* mean,
+                                         const float* coef),
+          (dy, dy_bf16, x, x_bf16, dx, dx_bf16, vec, C, HW, total, step_c, step_rem, mean, coef))
 """
 
 
@@ -337,7 +372,7 @@ class BatchNormRunner(RawKernelRunner):
     replays with their pointers); its nodes run one after another on one stream, so they share them."""
 
     SOURCE = SOURCE
-    KERNELS = ("bn_stats", "bn_apply", "bn_grad_sums", "bn_grad_apply")
+    KERNELS = tuple(f"{name}{width}" for width in WIDTHS for name in ("bn_stats", "bn_apply", "bn_grad_sums", "bn_grad_apply"))
     WHAT = "BatchNorms"
 
     def __init__(self, group, where: str, device):
@@ -383,7 +418,7 @@ class BatchNormRunner(RawKernelRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        stats, apply, grad_sums, grad_apply = self.functions()
+        kernels = self.functions()
         with self.stream:
             for op in self.ops:
                 x = values[op.inputs[0] if op.forward else op.inputs[1]]
@@ -398,14 +433,17 @@ class BatchNormRunner(RawKernelRunner):
                 hw, total = h * w, x.size
                 count, per_part = parts(c, n * hw)
                 big = [values[op.outputs[0]], *(values[name] for name in op.inputs[:1 if op.forward else 2])]
-                vec = hw % VALUES == 0 and aligned(*big)
                 flags = [np.int32(a.dtype == _BF16) for a in big]  # (out, in...) as bfloat16
+                width = WIDTHS[-1] if all(flags) else WIDTHS[0]
+                vec = hw % width == 0 and aligned(*big)
+                stats, apply, grad_sums, grad_apply = kernels[4 * WIDTHS.index(width):][:4]
+                values_an_access = width if vec else 1
                 inp, out = [values[k] for k in op.inputs], [values[k] for k in op.outputs]
                 sizes = (np.int32(vec), np.int32(c), np.int32(hw))
                 # A statistics thread's stride, and an elementwise grid's, as (rows, remainder) of HW.
-                parts_step = [np.uint32(v) for v in divmod(THREADS * (VALUES if vec else 1), hw)]
-                grid = min(self.blocks, -(-total // (THREADS * (VALUES if vec else 1))))
-                rows, rem = divmod(grid * THREADS * (VALUES if vec else 1), hw)
+                parts_step = [np.uint32(v) for v in divmod(THREADS * values_an_access, hw)]
+                grid = min(self.blocks, -(-total // (THREADS * values_an_access)))
+                rows, rem = divmod(grid * THREADS * values_an_access, hw)
                 walk_step = (np.uint32(rows % c), np.uint32(rem))
                 try:
                     if op.forward:
