@@ -20,6 +20,7 @@ from commands.main import main
 from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD
 from runtime.gpu import cuda_available, gpu_count
 from runtime.gpu.batchnorm_casts import DOMAIN, fold_batchnorm_casts
+from runtime.low_precision import lower
 from runtime.specialize import specialize, static_values
 from transpiler.native_ops import add_op_functions
 
@@ -35,7 +36,8 @@ def _model(y_reader: str = "Cast") -> onnx.ModelProto:
              helper.make_node(BATCHNORM_TRAINING, ["x32", "scale", "bias", "rm", "rv"],
                               ["y32", "rm_next", "rv_next", "mean", "inv"], name="bn", domain=BATCHNORM_DOMAIN,
                               epsilon=1e-5, momentum=0.9),
-             low("y32", "yb") if y_reader == "Cast" else helper.make_node("Relu", ["y32"], ["yb"]),
+             *{"Cast": [low("y32", "yb")], "Relu": [helper.make_node("Relu", ["y32"], ["yb"])],
+               "CastRelu": [low("y32", "yr"), helper.make_node("Relu", ["yr"], ["yb"])]}[y_reader],
              helper.make_node(BATCHNORM_TRAINING_GRAD, ["dy32", "x32", "scale", "mean", "inv"], ["dx32", "dscale", "dbias"],
                               name="bn_grad", domain=BATCHNORM_DOMAIN, epsilon=1e-5),
              low("dx32", "dxb"), wide("yb", "y"), wide("dxb", "dx")]
@@ -52,7 +54,8 @@ def _run(model: onnx.ModelProto) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     feeds = {"x": rng.normal(size=SHAPE) * 2 + 1, "dy": rng.normal(size=SHAPE), "scale": rng.normal(size=CHANNELS),
              "bias": rng.normal(size=CHANNELS), "rm": rng.normal(size=CHANNELS), "rv": rng.uniform(0.5, 2, CHANNELS)}
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    # lower: the CPU backend's float32 form of bfloat16 ops onnxruntime's CPU EP lacks (a Relu)
+    session = ort.InferenceSession(lower(model).SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
 
 
@@ -69,6 +72,21 @@ def test_the_fused_nodes_compute_what_the_casts_and_the_nodes_computed():
     assert not {"x32", "dy32", "y32", "dx32"} & {name for n in fused.graph.node for name in [*n.input, *n.output]}
     for got, want in zip(_run(fused), expected):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_relu_reading_the_bf16_output_is_taken_in():
+    """Cast(bf16) then Relu: the fused forward node writes the Relu's value (attribute relu), its
+    function computes it bit for bit, and the Cast and the Relu are gone."""
+    expected = _run(_model("CastRelu"))
+    fused = fold_batchnorm_casts(_model("CastRelu"))
+    onnx.checker.check_model(fused)
+    forward = next(n for n in fused.graph.node if n.op_type == f"{BATCHNORM_TRAINING}_0")
+    assert forward.output[0] == "yb" and any(a.name == "relu" and a.i == 1 for a in forward.attribute)
+    assert not any(n.op_type == "Relu" for n in fused.graph.node) and "yr" not in {o for n in fused.graph.node for o in n.output}
+    for got, want in zip(_run(fused), expected):
+        np.testing.assert_array_equal(got, want)
+    plain = next(n for n in fold_batchnorm_casts(_model()).graph.node if n.op_type == f"{BATCHNORM_TRAINING}_0")
+    assert not any(a.name == "relu" for a in plain.attribute)
 
 
 def test_a_batchnorm_whose_output_is_read_otherwise_keeps_its_casts():
@@ -89,10 +107,13 @@ def test_the_bf16_resnet_step_reads_and_writes_its_batchnorms_in_bf16(model_dir,
     step = onnx.load(str(out / "rank0.onnx"))
     batchnorms = sum(n.domain == BATCHNORM_DOMAIN for n in step.graph.node)
     casts = sum(n.op_type == "Cast" for n in step.graph.node)
+    relus = sum(n.op_type == "Relu" for n in step.graph.node)
     shapes = {"images": (8, 3, 16, 16), "labels": (8,)}
     step = fold_batchnorm_casts(specialize(step, shapes))
     fused = [n for n in step.graph.node if n.domain == DOMAIN]
     assert batchnorms > 0 and len(fused) == batchnorms
+    taken = sum(any(a.name == "relu" and a.i for a in n.attribute) for n in fused)
+    assert taken > 0 and relus - sum(n.op_type == "Relu" for n in step.graph.node) == taken  # conv, BN, ReLU
     assert not any(n.domain == BATCHNORM_DOMAIN for n in step.graph.node)
     assert casts - sum(n.op_type == "Cast" for n in step.graph.node) == 2 * batchnorms  # X/Y, dY/dX: 4 a pair
     known = static_values(step.graph)

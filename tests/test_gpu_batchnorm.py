@@ -159,7 +159,8 @@ def test_a_per_channel_input_of_the_wrong_size_is_refused_before_a_kernel_reads_
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_bfloat16_activations_equal_the_functions_on_the_widened_values(shape):
+@pytest.mark.parametrize("relu", [False, True])
+def test_bfloat16_activations_equal_the_functions_on_the_widened_values(shape, relu):
     import cupy as cp
 
     from runtime.gpu.batchnorm_casts import DOMAIN
@@ -173,6 +174,9 @@ def test_bfloat16_activations_equal_the_functions_on_the_widened_values(shape):
     forward, backward = _nodes()
     for node in (forward, backward):  # as batchnorm_casts.py writes them
         node.domain, node.op_type = DOMAIN, f"{node.op_type}_0"
+    if relu:  # a forward that took its Relu in: Y = max(BatchNorm, 0)
+        forward.attribute.append(helper.make_attribute("relu", 1))
+        expected["y"] = np.maximum(expected["y"], 0)
     runners = [BatchNormRunner(NativeGroup(0, 0, 1, (forward,), tuple(FORWARD_IN), tuple(FORWARD_OUT)), "test", device),
                BatchNormRunner(NativeGroup(0, 0, 3, (backward,), tuple(GRAD_IN), tuple(GRAD_OUT)), "test", device)]
     env = {name: cp.asarray(bits.get(name, value)) for name, value in arrays.items()}

@@ -19,7 +19,8 @@ that and the buffers are 16-byte aligned, ``vec``; else one value an access):
   parts in order and writes the saved mean and 1/sqrt(var + epsilon) and the running statistics
   (``running * momentum + batch * (1 - momentum)``, the variance unbiased; running input and
   output may be one buffer: one thread reads then writes each channel).
-- ``bn_apply``: Y = (X - mean) * (scale * inv_std) + B.
+- ``bn_apply``: Y = (X - mean) * (scale * inv_std) + B (then max(Y, 0) where the node took its
+  Relu in, batchnorm_casts.py).
 - ``bn_grad_sums`` (grid C x parts): per channel sum(dY) and sum(dY * (X - mean)), the last block
   writing dB, dscale and the three coefficients of dX into a scratch buffer.
 - ``bn_grad_apply``: dX = dY * k1 - k3 - (X - mean) * k2 (the function's formula,
@@ -104,6 +105,8 @@ __device__ __forceinline__ void gt_advance(unsigned int& row, unsigned int& r, u
     row += step_rows; r += step_rem;
     if (r >= HW) { r -= HW; ++row; }
 }
+// ONNX's Relu where ``relu`` (NaN to 0, as x > 0 ? x : 0), else the value.
+__device__ __forceinline__ float gt_relu(float v, int relu) { return relu && !(v > 0.f) ? 0.f : v; }
 // Chan's merge of the Welford triple (n, mean, m2) with (nb, mb, m2b).
 __device__ __forceinline__ void gt_merge(float& n, float& mean, float& m2, float nb, float mb, float m2b) {
     if (nb == 0.f) return;
@@ -207,7 +210,8 @@ __device__ __forceinline__ void gt_walk_next(unsigned int& r, unsigned int& c, u
 
 template <int W> __device__ __forceinline__ void bn_apply_body(const void* x, int x_bf16, void* y, int y_bf16, int vec, int C, int HW,
                                     unsigned int total, unsigned int step_c, unsigned int step_rem,
-                                    const float* mean, const float* inv_std, const float* scale, const float* bias) {
+                                    const float* mean, const float* inv_std, const float* scale, const float* bias,
+                                    int relu) {
     if (vec) {
         unsigned int i = (blockIdx.x * THREADS + threadIdx.x) * W, r, c;
         gt_walk_start(i, C, HW, r, c);
@@ -216,14 +220,14 @@ template <int W> __device__ __forceinline__ void bn_apply_body(const void* x, in
             float v[W];
             gt_ldv<W>(x, i, x_bf16, v);
             const float k = scale[c] * inv_std[c], mu = mean[c], b = bias[c];
-            for (int q = 0; q < W; ++q) v[q] = (v[q] - mu) * k + b;
+            for (int q = 0; q < W; ++q) v[q] = gt_relu((v[q] - mu) * k + b, relu);
             gt_stv<W>(y, i, y_bf16, v);
             gt_walk_next(r, c, step_c, step_rem, C, HW);
         }
     } else {
         for (unsigned int i = blockIdx.x * THREADS + threadIdx.x; i < total; i += gridDim.x * THREADS) {
             const unsigned int c = (i / HW) % C;
-            gt_st(y, i, y_bf16, (gt_ld(x, i, x_bf16) - mean[c]) * (scale[c] * inv_std[c]) + bias[c]);
+            gt_st(y, i, y_bf16, gt_relu((gt_ld(x, i, x_bf16) - mean[c]) * (scale[c] * inv_std[c]) + bias[c], relu));
         }
     }
 }
@@ -318,8 +322,9 @@ GT_WIDTHS(bn_stats, (const void* x, int x_bf16, int vec, int C, int HW, unsigned
            running_var, mean_next, var_next, saved_mean, saved_inv_std, momentum, epsilon))
 GT_WIDTHS(bn_apply, (const void* x, int x_bf16, void* y, int y_bf16, int vec, int C, int HW,
                                     unsigned int total, unsigned int step_c, unsigned int step_rem,
-                                    const float* mean, const float* inv_std, const float* scale, const float* bias),
-          (x, x_bf16, y, y_bf16, vec, C, HW, total, step_c, step_rem, mean, inv_std, scale, bias))
+                                    const float* mean, const float* inv_std, const float* scale, const float* bias,
+                                    int relu),
+          (x, x_bf16, y, y_bf16, vec, C, HW, total, step_c, step_rem, mean, inv_std, scale, bias, relu))
 GT_WIDTHS(bn_grad_sums, (const void* dy, int dy_bf16, const void* x, int x_bf16, int vec, int C,
                                         int HW, unsigned int M, unsigned int per_part, unsigned int step_rows,
                                         unsigned int step_rem, const float* mean,
@@ -352,6 +357,7 @@ class _Node:
     outputs: list[str]
     epsilon: float
     momentum: float  # ONNX's: running = momentum * running + (1 - momentum) * batch (forward only)
+    relu: bool = False  # Y = max(BatchNorm, 0) (a forward of batchnorm_casts.py that took its Relu in)
 
     @classmethod
     def from_node(cls, node, where: str) -> _Node:
@@ -362,8 +368,9 @@ class _Node:
             raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a "
                            f"{BATCHNORM_TRAINING} (5 inputs, 5 outputs) or {BATCHNORM_TRAINING_GRAD} (5 inputs, 3 outputs) node")
         attrs = {a.name: a.f for a in node.attribute}
+        relu = any(a.name == "relu" and a.i for a in node.attribute)
         return cls(node.name, op == BATCHNORM_TRAINING, list(node.input), list(node.output),
-                   float(attrs.get("epsilon", 1e-5)), float(attrs.get("momentum", 0.9)))
+                   float(attrs.get("epsilon", 1e-5)), float(attrs.get("momentum", 0.9)), relu)
 
 
 class BatchNormRunner(RawKernelRunner):
@@ -452,7 +459,7 @@ class BatchNormRunner(RawKernelRunner):
                                                        inp[3], inp[4], out[1], out[2], out[3], out[4],
                                                        np.float32(op.momentum), np.float32(op.epsilon)))
                         apply((grid,), (THREADS,), (inp[0], flags[1], out[0], flags[0], *sizes, np.uint32(total),
-                                                    *walk_step, out[3], out[4], inp[1], inp[2]))
+                                                    *walk_step, out[3], out[4], inp[1], inp[2], np.int32(op.relu)))
                     else:
                         grad_sums((c, count), (THREADS,), (inp[0], flags[1], inp[1], flags[2], *sizes,
                                                            np.uint32(n * hw), np.uint32(per_part), *parts_step,
