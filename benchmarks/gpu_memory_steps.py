@@ -133,6 +133,8 @@ def main() -> None:
         "slots": round(slots / GIB, 3),
         "buckets": round(buckets / GIB, 3),  # a parameter bound to its AllGather view counts in state too
         "block": round(program.block_bytes / GIB, 3),
+        # the workspace every cuDNN runner of the device shares (conv_grad.py), in CuPy's pool
+        "cudnn_workspace": round(backend.device.cudnn_workspace_bytes / GIB, 3),
         "not_cupy": round(used() - result["before"] - pool.total_bytes() / GIB, 3),
         "sessions": len(sessions),
         "captured": sum(all(r.captured) for r in sessions),

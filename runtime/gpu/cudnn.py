@@ -207,8 +207,10 @@ def fastest(cp, workspace_of, algorithms: int, find) -> BwdFilterAlgoPerf | None
     bytes)`` the Find call on a scratch workspace as large as the largest need that fits."""
     sizes = [workspace_of(algo) for algo in range(algorithms)]
     trial = max([size for size in sizes if size is not None and size <= WORKSPACE_LIMIT], default=0)
-    scratch = cp.empty(max(trial, 1), dtype="uint8")
-    found = find(scratch.data.ptr, trial)
+    # Straight from cudaMalloc and freed after (a first call, never captured): a block of CuPy's pool
+    # would be split by later allocations and pin its chunk for the run.
+    scratch = cp.cuda.memory.Memory(max(trial, 1))
+    found = find(scratch.ptr, trial)
     return found[0] if found else None
 
 

@@ -39,6 +39,11 @@ class GpuDevice:
             self._cudnn = CudnnContext(self.cp, self.compute)
         return self._cudnn
 
+    @property
+    def cudnn_workspace_bytes(self) -> int:
+        """The shared cuDNN workspace's size (0 before any cuDNN runner ran): memory reports."""
+        return self._cudnn.workspace_bytes if self._cudnn is not None else 0
+
     def synchronize(self) -> None:
         self.cp.cuda.Device().synchronize()
 
