@@ -21,10 +21,11 @@ GPUS = gpu_count() if cuda_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs, CuPy and onnxruntime-gpu")]
 
 
-def _transpile(model_dir: Path, out: Path, gpus: int, strategy: str = "allreduce", lr: float = 0.01) -> Path:
+def _transpile(model_dir: Path, out: Path, gpus: int, strategy: str = "allreduce", lr: float = 0.01,
+               placement: str = "balanced") -> Path:
     subprocess.run([sys.executable, "-m", "transpiler.cli", str(model_dir / "model.onnx"), "-o", str(out), "--gpus",
-                    str(gpus), "--strategy", strategy, "--optimizer", "momentum", "--momentum", "0.9", "--lr", str(lr)],
-                   check=True, capture_output=True)
+                    str(gpus), "--strategy", strategy, "--optimizer", "momentum", "--momentum", "0.9", "--lr", str(lr),
+                    "--placement", placement], check=True, capture_output=True)
     return out
 
 
@@ -65,14 +66,16 @@ def _run_on_every_gpu_and_on_cpu(models: Path, out: Path, tmp_path: Path, batch:
 
 @pytest.mark.parametrize("model", ["perceptron", "linear_regression"])
 def test_run_starts_one_rank_per_gpu_and_matches_the_cpu_backend(model_dir, tmp_path, model):
-    """Under ``sharded`` the linear regression's two parameters leave a rank at every N >= 2 that is
-    the root of none (its step has no update between its Reduces and Broadcasts), as the perceptron's
-    three buckets do at 4: the case that hung on 4 H200s (docs/gpu.md, "CUDA graphs")."""
+    """Under ``sharded`` with ``--placement hash`` the linear regression's two parameters leave a rank
+    at every N >= 2 that is the root of none (its step has no update between its Reduces and
+    Broadcasts), as the perceptron's three buckets do at 4: the case that hung on 4 H200s (docs/gpu.md,
+    "CUDA graphs"). (``balanced``, the default, gives each of up to four ranks one of the perceptron's
+    four parameters.)"""
     models = model_dir(model)
     # At lr 0.01 the perceptron's 20 momentum steps amplify a change of summation order past the
     # tolerance: on CPU alone, 4 ranks against one device differ by 3.2e-5 of a weight's scale (1.8e-7
     # at 1e-4), so the GPU's NCCL sums could fail it by their order alone (tests/test_gpu_equivalence.py's LR).
-    out = _transpile(models, tmp_path / "out", GPUS, "sharded", lr=1e-4)
+    out = _transpile(models, tmp_path / "out", GPUS, "sharded", lr=1e-4, placement="hash")
     gpu, cpu = _run_on_every_gpu_and_on_cpu(models, out, tmp_path, 16 * GPUS, 20)
     np.testing.assert_allclose(gpu, cpu, rtol=1e-5)
 
