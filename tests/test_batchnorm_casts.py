@@ -89,15 +89,29 @@ def test_a_relu_reading_the_bf16_output_is_taken_in():
     assert not any(a.name == "relu" for a in plain.attribute)
 
 
-def test_a_batchnorm_whose_output_is_read_otherwise_keeps_its_casts():
+def test_a_float32_output_read_by_a_relu_takes_the_relu_in_and_keeps_its_float32_input():
+    """Y read in float32 by a Relu: the forward takes the Relu (no Cast to fold, X still read as
+    float32, its Cast kept); the gradient is fused as before; the results bit for bit."""
     model = _model(y_reader="Relu")
     fused = fold_batchnorm_casts(_model(y_reader="Relu"))
+    onnx.checker.check_model(fused)
     kinds = [(n.domain, n.op_type) for n in fused.graph.node]
-    assert (BATCHNORM_DOMAIN, BATCHNORM_TRAINING) in kinds  # the forward stays; its X Cast too (it reads x32)
-    assert "x32" in {name for n in fused.graph.node for name in n.input}
-    assert (DOMAIN, f"{BATCHNORM_TRAINING_GRAD}_0") in kinds  # the gradient is still fused
+    assert not any(domain == BATCHNORM_DOMAIN for domain, _ in kinds) and ("", "Relu") not in kinds
+    forward = next(n for n in fused.graph.node if n.op_type.startswith(BATCHNORM_TRAINING) and "Grad" not in n.op_type)
+    assert forward.input[0] == "x32" and forward.output[0] == "yb"
+    assert any(a.name == "relu" and a.i == 1 for a in forward.attribute)
+    assert (DOMAIN, f"{BATCHNORM_TRAINING_GRAD}_1") in kinds  # the gradient is still fused
     for got, want in zip(_run(fused), _run(model)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_batchnorm_whose_output_is_read_otherwise_is_left_alone():
+    """Y read by a Relu and a graph output: nothing to fold into the forward."""
+    model = _model(y_reader="Relu")
+    model.graph.output.append(helper.make_tensor_value_info("y32", TensorProto.FLOAT, SHAPE))
+    fused = fold_batchnorm_casts(model)
+    kinds = [(n.domain, n.op_type) for n in fused.graph.node]
+    assert (BATCHNORM_DOMAIN, BATCHNORM_TRAINING) in kinds and ("", "Relu") in kinds
 
 
 def test_the_bf16_resnet_step_reads_and_writes_its_batchnorms_in_bf16(model_dir, tmp_path):

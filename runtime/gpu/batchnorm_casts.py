@@ -13,10 +13,10 @@ which is what the casts computed: the rewrite makes each such node one node of `
 the casts' inputs and writes the output Cast's value; a Cast that nothing reads any more goes.
 
 A node is fused where its first output (Y, dX) is read only by one Cast to bfloat16; its X (and dY)
-are read through a Cast to float32 where one produced them. A forward node whose bfloat16 Y only a
-Relu reads takes the Relu in too (attribute ``relu``; the kernel applies it before rounding, which
-is the same value: rounding keeps signs and zero): one pass over the activation less (ResNet-18: 9
-of its 20). The fused node keeps the node's
+are read through a Cast to float32 where one produced them. A forward node whose Y (the bfloat16
+one, or a float32 Y with no Cast after it) only a Relu reads takes the Relu in too (attribute
+``relu``; the kernel applies it before rounding, which is the same value: rounding keeps signs and
+zero): one pass over the activation less (ResNet-18: 9 of its 20 BatchNorms, in bf16 and float32). The fused node keeps the node's
 attributes and carries a function (the casts around the original node), so a session that cannot
 take it (in_session.TAKES: float32 and bfloat16 only) computes what the graph computed before.
 """
@@ -51,38 +51,49 @@ def fold_batchnorm_casts(model: onnx.ModelProto) -> onnx.ModelProto:
         if node.domain != BATCHNORM_DOMAIN or node.op_type not in _WIDE_INPUTS:
             continue
         after = readers.get(node.output[0], [])
-        narrow = nodes[after[0]] if len(after) == 1 else None
-        if (narrow is None or narrow.op_type != "Cast" or attribute(narrow, "to") != onnx.TensorProto.BFLOAT16
-                or node.output[0] in outputs):
+        if node.output[0] in outputs:
             continue
+        narrow = nodes[after[0]] if len(after) == 1 else None
+        if narrow is not None and (narrow.op_type != "Cast" or attribute(narrow, "to") != onnx.TensorProto.BFLOAT16):
+            narrow = None
+        forward = node.op_type == BATCHNORM_TRAINING
+        if narrow is not None:  # bfloat16 Y, and a Relu after its Cast
+            relu = _only_relu(nodes, readers.get(narrow.output[0], [])) \
+                if forward and narrow.output[0] not in outputs else None
+        else:  # float32 Y read by a Relu alone
+            relu = _only_relu(nodes, after) if forward else None
+            if relu is None:
+                continue
         inputs, outs = list(node.input), list(node.output)
         formal_in = [f"i{j}" for j in range(len(inputs))]
         formal_out = [f"o{j}" for j in range(len(outs))]
         body, inner_in = [], list(formal_in)
-        for j in _WIDE_INPUTS[node.op_type]:
+        for j in _WIDE_INPUTS[node.op_type] if narrow is not None else ():
             k = producer.get(inputs[j])
             cast = None if k is None else nodes[k]
             if cast is not None and cast.op_type == "Cast" and attribute(cast, "to") == onnx.TensorProto.FLOAT:
                 inputs[j], inner_in[j] = cast.input[0], f"w{j}"
                 body.append(helper.make_node("Cast", [formal_in[j]], [inner_in[j]], to=onnx.TensorProto.FLOAT))
                 widened.add(k)
-        relu = _only_relu(nodes, readers.get(narrow.output[0], [])) \
-            if node.op_type == BATCHNORM_TRAINING and narrow.output[0] not in outputs else None
         inner = onnx.NodeProto()
         inner.CopyFrom(node)
         inner.name = ""
         del inner.input[:], inner.output[:]
         inner.input.extend(inner_in)
         inner.output.extend(["wide0", *formal_out[1:]])
-        narrowed = "narrow0" if relu is not None else formal_out[0]
-        body += [inner, helper.make_node("Cast", ["wide0"], [narrowed], to=onnx.TensorProto.BFLOAT16)]
+        y = "wide0"
+        body.append(inner)
+        if narrow is not None:
+            y = "narrow0" if relu is not None else formal_out[0]
+            body.append(helper.make_node("Cast", ["wide0"], [y], to=onnx.TensorProto.BFLOAT16))
         if relu is not None:
-            body.append(helper.make_node("Relu", [narrowed], [formal_out[0]]))
+            body.append(helper.make_node("Relu", [y], [formal_out[0]]))
         op_type = f"{node.op_type}_{fused}"
         add_function(model, DOMAIN, op_type, formal_in, formal_out, body,
                      extra_opsets=(helper.make_opsetid(BATCHNORM_DOMAIN, BATCHNORM_VERSION),))
-        outs[0] = narrow.output[0]
-        dropped.add(after[0])
+        if narrow is not None:
+            outs[0] = narrow.output[0]
+            dropped.add(after[0])
         if relu is not None:
             outs[0] = nodes[relu].output[0]
             dropped.add(relu)
