@@ -66,7 +66,7 @@ OURS_PRESETS = {
     "allreduce": ["--strategy", "allreduce"],
     "sharded": ["--strategy", "sharded"],
     "zero": ["--strategy", "zero"],
-    "balanced": ["--placement", "balanced"],
+    "hash": ["--strategy", "sharded", "--placement", "hash"],  # sharded's roots as before balanced became the default
     "bf16": ["--precision", "bf16"],
 }
 
@@ -80,7 +80,7 @@ def log(message: str) -> None:
 def parse_ours_variant(spec: str, default_path: str | None) -> dict:
     """``LABEL``, ``LABEL=FLAGS`` or ``LABEL[=FLAGS]@DIR``: transpile flags (space-separated) and
     the source tree whose transpiler and runtime run it (DIR is put first on PYTHONPATH).
-    A preset label (default, allreduce, sharded, zero, balanced, bf16) needs no flags; so does any
+    A preset label (default, allreduce, sharded, zero, hash, bf16) needs no flags; so does any
     label with @DIR (that tree's defaults)."""
     spec = original = spec.strip()
     path = default_path

@@ -137,6 +137,7 @@ def outs(tmp_path_factory, model_dir):
     from transpiler.passes import Options
 
     made = {}
+    # gpt4 keeps --placement hash: under balanced each of its ranks' parameters fit one 10 KB bucket
     for key, model, n, strategy, opt, bucket_mb in [
         ("p1", perceptron, 1, "sharded", "sgd", 25.0),
         ("p2", perceptron, 2, "sharded", "momentum", 25.0),
@@ -146,7 +147,7 @@ def outs(tmp_path_factory, model_dir):
     ]:
         out = root / key
         transpile(str(model), str(out), Options(world_size=n, strategy=strategy, optimizer=OptimizerConfig(name=opt),
-                                                bucket_mb=bucket_mb))
+                                                bucket_mb=bucket_mb, placement="hash" if key == "gpt4" else "balanced"))
         made[key] = out
     return made
 
@@ -216,7 +217,7 @@ def test_sharded_reduce_and_broadcast_per_bucket(outs):
     rep = build_report(outs["gpt4"], [1], segments=False)
     ops = [c["op"] for c in rep["ranks"][0]["collectives"]]
     n = len(plan["buckets"])
-    assert n >= 4, "a small bucket cap must give the tiny GPT a bucket per root at least"
+    assert n > 4, "a small bucket cap must give the tiny GPT several buckets"
     assert ops == ["Reduce"] * n + ["Broadcast"] * n
     assert [c["root"] for c in rep["ranks"][0]["collectives"][:n]] == [b["root"] for b in plan["buckets"]]
 

@@ -12,8 +12,9 @@ input for the backward; these kernels read and write bfloat16 where the fused no
 float32 statistics and arithmetic (what torch.autocast runs).
 
 Kernels, X viewed as (N, C, HW), M = N x HW values a channel (each tensor float32 or bfloat16 by
-a flag; one 16-byte access of eight bfloat16 or four float32 values where HW is a multiple of
-that and the buffers are 16-byte aligned, ``vec``; else one value an access):
+a flag; accesses of eight values (16 bytes) where every X-shaped tensor is bfloat16 and HW is a
+multiple of eight, else of four (16 bytes of float32, 8 of bfloat16) where HW is a multiple of four,
+the buffers 16-byte aligned, ``vec``; else one value an access):
 - ``bn_stats`` (grid C x parts): each block the Welford (count, mean, M2) of its part, merged
   across the block in a fixed tree; the channel's last block (column_sums.gt_last_block) merges the
   parts in order and writes the saved mean and 1/sqrt(var + epsilon) and the running statistics
@@ -32,9 +33,9 @@ Cost per value, which made the first form compute-bound at about a fifth of the 
 (ResNet-18 bf16: 1.23 ms of BatchNorm a step, run h200-s45): an integer division for the index of
 every access of four and a true division in every Welford merge. Now a thread walks its accesses
 with the row and offset (or channel and offset) carried from one to the next (the stride's
-quotient and remainder come from the host), and merges each access of eight into its running
-triple with a fast reciprocal (``gt_mergev``); the merges across threads and parts keep the exact
-division. ResNet-18 bf16 on one H200 (run h200-s46): 1.23 -> 0.84 ms of BatchNorm a step, the step
+quotient and remainder come from the host), and merges each access (or, unvectorized, each value)
+into its running triple with a fast reciprocal (``gt_mergev``, ``gt_merge1``); the merges across
+threads and parts keep the exact division. ResNet-18 bf16 on one H200 (run h200-s46): 1.23 -> 0.84 ms of BatchNorm a step, the step
 6.84 -> 6.39 ms.
 
 Interface: OrtCudaSegment's (``run`` allocates the outputs on the first call; then ``prepare`` and
@@ -54,8 +55,9 @@ from runtime.gpu.kernel_runner import RawKernelRunner, aligned
 
 _ARITY = {BATCHNORM_TRAINING: (5, 5), BATCHNORM_TRAINING_GRAD: (5, 3)}  # op -> (inputs, outputs)
 THREADS = 256
-# Values an access where ``vec``: 16 bytes, so 8 where every X-shaped tensor of the node is
-# bfloat16, else 4 (float32 took its 8 in two accesses: bn_apply 0.30 -> 0.38 ms a ResNet-18 step).
+# Values an access where ``vec``: 8 where every X-shaped tensor of the node is bfloat16 and HW a
+# multiple of 8 (16 bytes), else 4 (float32's 16 bytes; bfloat16's 8). float32 in two accesses of
+# eight slowed bn_apply 0.30 -> 0.38 ms a ResNet-18 step (run h200-s46).
 WIDTHS = (4, 8)
 PARTIAL_BLOCKS = 512  # blocks of a statistics launch: about four an SM of an H100/H200
 MIN_PART = 2 * 8 * THREADS  # values of a part: each thread takes at least two accesses of eight (four of four)
@@ -128,6 +130,13 @@ template <int W> __device__ __forceinline__ void gt_mergev(float& n, float& mean
     m2 += m2b + delta * delta * n * w;
     n = total;
 }
+// One value into a thread's running triple (Welford's update), by a fast reciprocal.
+__device__ __forceinline__ void gt_merge1(float& n, float& mean, float& m2, float v) {
+    n += 1.f;
+    const float delta = v - mean;
+    mean += delta * __fdividef(1.f, n);
+    m2 += delta * (v - mean);
+}
 // The flat index of value j (of M = N * HW) of channel c.
 __device__ __forceinline__ unsigned int gt_at(unsigned int j, int c, int C, int HW) {
     const unsigned int n = j / HW;
@@ -164,7 +173,7 @@ template <int W> __device__ __forceinline__ void bn_stats_body(const void* x, in
         }
     } else {
         for (unsigned int j = first + threadIdx.x; j < end; j += THREADS)
-            gt_merge(n, mean, m2, 1.f, gt_ld(x, gt_at(j, c, C, HW), x_bf16), 0.f);
+            gt_merge1(n, mean, m2, gt_ld(x, gt_at(j, c, C, HW), x_bf16));
     }
     for (int o = 16; o > 0; o >>= 1) {
         const float nb = __shfl_down_sync(0xffffffffu, n, o), mb = __shfl_down_sync(0xffffffffu, mean, o);
@@ -441,7 +450,9 @@ class BatchNormRunner(RawKernelRunner):
                 count, per_part = parts(c, n * hw)
                 big = [values[op.outputs[0]], *(values[name] for name in op.inputs[:1 if op.forward else 2])]
                 flags = [np.int32(a.dtype == _BF16) for a in big]  # (out, in...) as bfloat16
-                width = WIDTHS[-1] if all(flags) else WIDTHS[0]
+                # 8 only where every X-shaped tensor is bf16 and the rows hold whole accesses of 8;
+                # else 4 (bf16 at 8 bytes an access: 14 x 14 planes stay vectorized)
+                width = WIDTHS[-1] if all(flags) and hw % WIDTHS[-1] == 0 else WIDTHS[0]
                 vec = hw % width == 0 and aligned(*big)
                 stats, apply, grad_sums, grad_apply = kernels[4 * WIDTHS.index(width):][:4]
                 values_an_access = width if vec else 1

@@ -208,8 +208,13 @@ def fastest(cp, workspace_of, algorithms: int, find) -> BwdFilterAlgoPerf | None
     sizes = [workspace_of(algo) for algo in range(algorithms)]
     trial = max([size for size in sizes if size is not None and size <= WORKSPACE_LIMIT], default=0)
     # Straight from cudaMalloc and freed after (a first call, never captured): a block of CuPy's pool
-    # would be split by later allocations and pin its chunk for the run.
-    scratch = cp.cuda.memory.Memory(max(trial, 1))
+    # would be split by later allocations and pin its chunk for the run. Where the device is full,
+    # the pool's free blocks go back first (as the pool itself would retry).
+    try:
+        scratch = cp.cuda.memory.Memory(max(trial, 1))
+    except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError):  # cudaMalloc's failure
+        cp.get_default_memory_pool().free_all_blocks()
+        scratch = cp.cuda.memory.Memory(max(trial, 1))
     found = find(scratch.ptr, trial)
     return found[0] if found else None
 

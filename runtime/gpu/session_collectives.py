@@ -37,7 +37,8 @@ done, and tells onnxruntime that each output may take its staged buffer (``may_i
 honoured where the sizes match and nothing reads the staged value after; where declined, the
 finish copies). No node ever writes a buffer it reads as an input: onnxruntime may let values share
 buffers (Reshape, common subexpressions) in ways the rewrite cannot see. ReduceScatter and
-AllGather keep the bucket: the zero strategy's shards cut across tensors. On CPU every staged buffer
+AllGather go through a bucket (the zero strategy's shards cut across tensors): the ReduceScatter's
+staged for one run (above), the AllGather's the program's. On CPU every staged buffer
 is taken in place (tests/test_session_collectives.py); on 4 H200s the direct collectives equal the
 CPU backend (tests/test_gpu_equivalence.py: GPT, the BN CNN, every strategy, 2e-7 to 6e-7).
 
@@ -57,7 +58,8 @@ first reader of its outputs.
 Invariants: a bucket's buffer is written by its start (compute stream) and read by its collective
 (communication stream, after ``ready``) and its finish (compute stream, after ``done``); the next
 step's start comes after this step's finish in the compute stream's order, so one buffer serves
-every step.
+every step (an AllGather's), or onnxruntime frees it after the finish, which is after ``done`` (a
+ReduceScatter's, an input of its finish, in the session's arena).
 """
 
 from __future__ import annotations
