@@ -74,8 +74,8 @@ def make_inspect(into: Path, work: Path) -> None:
     """docs/inspect.md's example, command by command (`transpile` is `python -m transpiler.cli`)."""
     transpile = ["-m", "transpiler.cli"]
     _run(["-m", "models", "gpt", "-o", "examples/gpt"], work)
-    _run([*transpile, "examples/gpt/model.onnx", "--gpus", "4", "--strategy", "sharded", "--optimizer", "adamw",
-          "-o", "out/gpt"], work)
+    _run([*transpile, "examples/gpt/model.onnx", "--gpus", "4", "--strategy", "sharded", "--placement", "hash",
+          "--optimizer", "adamw", "-o", "out/gpt"], work)
     _run([*transpile, "inspect", "out/gpt", "--svg", str(into / "inspect_gpt_rank0.svg"), "--rank", "0"], work)
     _run([*transpile, "inspect", "out/gpt", "--svg", str(into / "inspect_gpt_rank0_blocks.svg"), "--rank", "0",
           "--collapse", "blocks"], work)
