@@ -27,7 +27,7 @@ import onnx
 from onnx import helper
 
 from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD, BATCHNORM_VERSION
-from runtime.gpu.rewrite_nodes import add_function, attribute
+from runtime.gpu.rewrite_nodes import add_function, attribute, renamed
 
 DOMAIN = "graph_transpiler.gpu.batchnorm"  # the runtime's own: the fused nodes of this rewrite
 _WIDE_INPUTS = {BATCHNORM_TRAINING: (0,), BATCHNORM_TRAINING_GRAD: (0, 1)}  # X; dY and X
@@ -75,14 +75,8 @@ def fold_batchnorm_casts(model: onnx.ModelProto) -> onnx.ModelProto:
                 inputs[j], inner_in[j] = cast.input[0], f"w{j}"
                 body.append(helper.make_node("Cast", [formal_in[j]], [inner_in[j]], to=onnx.TensorProto.FLOAT))
                 widened.add(k)
-        inner = onnx.NodeProto()
-        inner.CopyFrom(node)
-        inner.name = ""
-        del inner.input[:], inner.output[:]
-        inner.input.extend(inner_in)
-        inner.output.extend(["wide0", *formal_out[1:]])
         y = "wide0"
-        body.append(inner)
+        body.append(renamed(node, inner_in, [y, *formal_out[1:]]))
         if narrow is not None:
             y = "narrow0" if relu is not None else formal_out[0]
             body.append(helper.make_node("Cast", ["wide0"], [y], to=onnx.TensorProto.BFLOAT16))

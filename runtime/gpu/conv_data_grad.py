@@ -31,7 +31,7 @@ from onnx import helper
 from runtime.errors import RunError
 from runtime.gpu import cudnn
 from runtime.gpu.conv_grad import CUDNN_TYPES, CudnnConvRunner
-from runtime.gpu.rewrite_nodes import add_function, attribute
+from runtime.gpu.rewrite_nodes import add_function, attribute, renamed
 
 DOMAIN = "graph_transpiler.gpu.conv_data_grad"  # the runtime's own: the nodes of this rewrite
 OP = "ConvDataGrad"  # (dY, W) -> dX: ConvTranspose(dY, W) as cuDNN's backward-data
@@ -57,13 +57,7 @@ def fuse_conv_data_grads(model: onnx.ModelProto) -> onnx.ModelProto:
                 or len(strides) != 2 or len(pads) != 4 or pads[:2] != pads[2:] or len(dilations) != 2 or len(extra) != 2):
             continue
         op_type = f"{OP}_{fused}"
-        inner = onnx.NodeProto()
-        inner.CopyFrom(node)
-        inner.name = ""
-        del inner.input[:], inner.output[:]
-        inner.input.extend(["dY", "W"])
-        inner.output.append("dX")
-        add_function(model, DOMAIN, op_type, ["dY", "W"], ["dX"], [inner])
+        add_function(model, DOMAIN, op_type, ["dY", "W"], ["dX"], [renamed(node, ["dY", "W"], ["dX"])])
         del node.attribute[:]
         node.attribute.extend([helper.make_attribute("strides", list(strides)),
                                helper.make_attribute("dilations", list(dilations)),

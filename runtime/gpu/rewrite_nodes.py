@@ -1,7 +1,8 @@
 """What the backend's rewrites of the step graph into native nodes share (cross_entropy.py,
-scatter_add.py, parameter_casts.py, bias_grad.py): reading a node's attribute or a Constant's
-value, and giving a fused node its ONNX function (the nodes it replaced, so that a session that
-cannot take it computes what the graph computed before) with its domain in the model's opsets.
+scatter_add.py, parameter_casts.py, bias_grad.py, batchnorm_casts.py, conv_data_grad.py): reading a
+node's attribute or a Constant's value, and giving a fused node its ONNX function (the nodes it
+replaced, renamed onto the function's formal names, so that a session that cannot take it computes
+what the graph computed before) with its domain in the model's opsets.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ def constant_value(node: onnx.NodeProto | None) -> np.ndarray | None:
         return None
     value = attribute(node, "value")
     return None if value is None else numpy_helper.to_array(value)
+
+
+def renamed(node: onnx.NodeProto, inputs: list[str], outputs: list[str]) -> onnx.NodeProto:
+    """A copy of ``node`` (op, domain, attributes) over ``inputs`` and ``outputs``, unnamed: the
+    replaced node as a line of its fused node's function."""
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    copy.name = ""
+    del copy.input[:], copy.output[:]
+    copy.input.extend(inputs)
+    copy.output.extend(outputs)
+    return copy
 
 
 def add_function(model: onnx.ModelProto, domain: str, op_type: str, inputs: list[str], outputs: list[str],

@@ -27,7 +27,7 @@ from onnx import helper
 
 from runtime.errors import RunError
 from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
-from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value
+from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value, renamed
 
 DOMAIN = "graph_transpiler.gpu.scatter_add"  # the runtime's own: the fused nodes of this rewrite
 OP = "ScatterAddRows"  # (data, indices, updates) -> output, ScatterND(reduction="add") over rows
@@ -59,13 +59,8 @@ def fuse_scatter_add(model: onnx.ModelProto) -> onnx.ModelProto:
         if attribute(node, "reduction", b"none") != b"add" or not _rows_of(producer.get(node.input[1]), producer):
             continue
         op_type = f"{OP}_{fused}"
-        body = onnx.NodeProto()
-        body.CopyFrom(node)
-        del body.input[:], body.output[:]
-        body.input.extend(["data", "indices", "updates"])
-        body.output.append("output")
-        body.name = ""
-        add_function(model, DOMAIN, op_type, ["data", "indices", "updates"], ["output"], [body])
+        add_function(model, DOMAIN, op_type, ["data", "indices", "updates"], ["output"],
+                     [renamed(node, ["data", "indices", "updates"], ["output"])])
         node.domain, node.op_type = DOMAIN, op_type
         del node.attribute[:]
         if _zeros(producer.get(node.input[0])):
