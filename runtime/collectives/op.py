@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import numpy as np
@@ -50,6 +51,11 @@ class FlatLayout:
     in_shapes: tuple[tuple[int, ...], ...]
     out_shapes: tuple[tuple[int, ...], ...]
     align: int = 1  # each view starts at a multiple of this many elements
+
+    @cached_property
+    def inputs_end(self) -> int:
+        """Where the inputs' views end (after it, to ``total``, the padding)."""
+        return aligned_offsets(self.in_shapes, self.align)[-1]
 
     def mine(self, buf):
         """This rank's slice of ``buf`` (NumPy or CuPy, ``total`` elements)."""

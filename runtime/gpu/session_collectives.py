@@ -365,9 +365,8 @@ class StartRunner:
         uncaptured runs), and its padding tail zeroed: that buffer held other values before."""
         if bucket.flat is None or bucket.flat.data.ptr != flat.data.ptr:
             _views(bucket, flat)
-        filled = sum(int(np.prod(s, dtype=np.int64)) for s in bucket.layout.in_shapes)
-        if filled < bucket.layout.total:
-            flat[filled:] = 0
+        if bucket.layout.inputs_end < bucket.layout.total:
+            flat[bucket.layout.inputs_end:] = 0
 
 
 def _views(bucket: Bucket, flat) -> None:
