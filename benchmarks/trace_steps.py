@@ -20,9 +20,9 @@ import json
 from pathlib import Path
 from statistics import median
 
-from benchmarks.bench_lib import STEP_RANGE, interval_length, interval_overlap, interval_union
+from benchmarks.bench_lib import STEP_RANGE as STEP
+from benchmarks.bench_lib import interval_length, interval_overlap, interval_union
 
-STEP = STEP_RANGE
 DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CALLS = ("cuda_runtime", "cuda_driver")
 KEYS = ("span_ms", "compute_ms", "nccl_ms", "exposed_ms", "idle_ms", "tail_ms")

@@ -267,12 +267,10 @@ def fuse_relu_masks(model: onnx.ModelProto, native_domains) -> onnx.ModelProto:
             continue
         if not any(nodes[r].domain in native_domains for r in facts.readers.get(out, ())):
             continue
-        if kind == BF16:  # a bf16 step's mask: read widened, the result (dy or 0) rounded back exactly
-            fused[i] = make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"],
-                                   [(RELU_MASK, [("x", 0), ("x", 1)]), (ROUND, [("t", 0)])], [1], [BF16, BF16], [BF16])
-        else:
-            fused[i] = make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"],
-                                   [(RELU_MASK, [("x", 0), ("x", 1)])], [0])
+        # A bf16 step's mask is read widened, its result (dy or 0) rounded back, exactly.
+        steps = [(RELU_MASK, [("x", 0), ("x", 1)])] + ([(ROUND, [("t", 0)])] if kind == BF16 else [])
+        fused[i] = make_fused([y, dy], [out], f"{where.name or out}/relu_mask", ["Greater", "Where"], steps,
+                              [len(steps) - 1], [kind, kind], [kind])
         dropped.add(g)
     if not fused:
         return model
