@@ -119,6 +119,13 @@ def first_and_bound_run(runner, feeds: dict, device) -> tuple:
     return first, out
 
 
+def spacing(values: np.ndarray, mantissa: int) -> np.ndarray:
+    """The distance between neighbouring numbers of a float type with ``mantissa`` stored bits
+    (bfloat16 7, float16 10) at ``values``, in their normal range: what one rounding may move."""
+    _, exponent = np.frexp(np.abs(values).astype(np.float64))
+    return np.ldexp(1.0, exponent - 1 - mantissa)
+
+
 def one_graph_model(nodes, inputs, outputs, inits=(), opset: int = 18):
     """A model of one graph (the default domain at ``opset``, IR version 8 as onnxruntime reads it)."""
     from onnx import helper

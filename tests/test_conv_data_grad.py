@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import first_and_bound_run
+from conftest import first_and_bound_run, spacing
 from onnx import TensorProto, helper
 
 from commands.main import main
@@ -103,13 +103,12 @@ def test_low_precision_data_gradient_is_the_exact_one_rounded_once(case, dtype):
                                                     output_padding=extra, dilation=dilations).numpy()
 
     exact, scale = transpose(dy, w), transpose(np.abs(dy), np.abs(w))
-    _, exponent = np.frexp(np.abs(exact))
-    spacing = np.ldexp(1.0, exponent - 1 - mantissa)
+    step = spacing(exact, mantissa)
 
     def check(raw) -> None:
         dx = cp.asnumpy(raw).view(low).astype(np.float64)
         assert raw.dtype == view and dx.shape == exact.shape
-        assert np.all(np.abs(dx - exact) <= 0.5 * spacing + 1e-5 * scale), float(np.max(np.abs(dx - exact) / spacing))
+        assert np.all(np.abs(dx - exact) <= 0.5 * step + 1e-5 * scale), float(np.max(np.abs(dx - exact) / step))
 
     device = GpuDevice(0, tf32=False)
     runner = ConvDataGradRunner(NativeGroup(0, 0, 1, (_node(strides, pads, extra, dilations),), ("dy", "w"), ("dx",)),

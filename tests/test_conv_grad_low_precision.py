@@ -19,7 +19,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from conftest import load_data
+from conftest import load_data, spacing
 from onnx import TensorProto, helper, numpy_helper
 from test_gpu_conv_grad import _float64  # dW in float64: the exact gradient of the rounded inputs
 
@@ -42,10 +42,9 @@ def _per_tap(monkeypatch) -> None:
 
 
 def _ulp(values: np.ndarray, precision: str) -> np.ndarray:
-    """The spacing of the low dtype's numbers at ``values`` (normal numbers; bf16 and fp16 results
-    here are far from the subnormals)."""
-    _, exponent = np.frexp(np.abs(values).astype(np.float64))
-    return np.ldexp(1.0, exponent - 1 - MANTISSA[precision])
+    """The spacing of the low dtype's numbers at ``values`` (bf16 and fp16 results here are far from
+    the subnormals)."""
+    return spacing(values, MANTISSA[precision])
 
 
 def _gradients(path, precision: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from conftest import first_and_bound_run
+from conftest import first_and_bound_run, spacing
 from onnx import TensorProto, helper
 
 from contract.ops import CONV_GRAD_DOMAIN as DOMAIN
@@ -123,12 +123,6 @@ LOW = {"bfloat16": (TensorProto.BFLOAT16, ml_dtypes.bfloat16, np.uint16, 7),
        "float16": (TensorProto.FLOAT16, np.float16, np.float16, 10)}
 
 
-def _spacing(values: np.ndarray, mantissa: int) -> np.ndarray:
-    """The distance between neighbouring low-precision numbers at ``values`` (normal range)."""
-    _, exponent = np.frexp(np.abs(values).astype(np.float64))
-    return np.ldexp(1.0, exponent - 1 - mantissa)
-
-
 @pytest.mark.parametrize("dtype", sorted(LOW))
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.gpu
@@ -152,9 +146,9 @@ def test_low_precision_weight_gradient_is_the_exact_one_rounded_once(case, dtype
     def check(raw) -> None:
         dw = cp.asnumpy(raw).view(low).astype(np.float64) if view == np.uint16 else cp.asnumpy(raw).astype(np.float64)
         assert raw.dtype == view and dw.shape == exact.shape
-        assert np.all(np.abs(dw - exact) <= 0.5 * _spacing(exact, mantissa) + 1e-5 * scale), float(
-            np.max(np.abs(dw - exact) / _spacing(exact, mantissa)))
-        assert np.all(np.abs(dw - cpu) <= _spacing(np.maximum(np.abs(dw), np.abs(cpu)), mantissa) + 1e-5 * scale)
+        assert np.all(np.abs(dw - exact) <= 0.5 * spacing(exact, mantissa) + 1e-5 * scale), float(
+            np.max(np.abs(dw - exact) / spacing(exact, mantissa)))
+        assert np.all(np.abs(dw - cpu) <= spacing(np.maximum(np.abs(dw), np.abs(cpu)), mantissa) + 1e-5 * scale)
 
     device = GpuDevice(0, tf32=False)
     runner = ConvGradRunner(NativeGroup(0, 0, 1, (_node(*attrs),), ("x", "dy"), ("dw",)), "test", device)
