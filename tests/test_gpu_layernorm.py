@@ -11,6 +11,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import spacing
 from onnx import TensorProto, helper
 
 from contract.ops import LAYERNORM_DOMAIN, LAYERNORM_GRAD
@@ -191,3 +192,48 @@ def test_a_statistic_of_the_wrong_size_is_refused_before_a_kernel_reads_past_it(
                              GpuDevice(0, tf32=False))
     with pytest.raises(RunError, match=r"segment 4 stage 1: 'ln_grad': input 'inv' must be contiguous float32 of 64 elements"):
         runner.run({name: cp.asarray(arrays[name]) for name in INPUTS})
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("y_type", ["float32", "bfloat16"])
+def test_the_forward_kernel_equals_a_float64_layernorm(shape, y_type):
+    """layernorm_casts.py's node: Y (float32, or bfloat16 within one rounding), mean and
+    inv_std_dev of a float64 LayerNorm; with and without B; every output written (NaN-filled
+    buffers), the same bits from call to call."""
+    import cupy as cp
+
+    from runtime.gpu.device import GpuDevice
+    from runtime.gpu.elementwise_steps import widen_bf16_numpy
+    from runtime.gpu.layernorm_casts import DOMAIN
+
+    arrays = _arrays(shape, 3)
+    x = arrays["x"].astype(np.float64)
+    mean, var = x.mean(axis=-1, keepdims=True), x.var(axis=-1, keepdims=True)
+    inv = 1 / np.sqrt(var + EPSILON)
+    device = GpuDevice(0, tf32=False)
+    for bias in (True, False):
+        inputs = ["x", "scale", "bias"][:3 if bias else 2]
+        expected = (x - mean) * inv * arrays["scale"] + (arrays["bias"] if bias else 0)
+        node = helper.make_node("LayerNormalization_0", inputs, ["y", "mean", "inv"], name="ln", domain=DOMAIN,
+                                axis=-1, epsilon=EPSILON)
+        runner = LayerNormRunner(NativeGroup(0, 0, 1, (node,), tuple(inputs), ("y", "mean", "inv")), "test", device)
+        env = {name: cp.asarray(arrays[name]) for name in inputs}
+        results = []
+        for call in range(2):
+            env["y"] = cp.full(shape, np.nan, np.float32) if y_type == "float32" else cp.full(shape, 0x7FC1, np.uint16)
+            env["mean"], env["inv"] = (cp.full((*shape[:-1], 1), np.nan, np.float32) for _ in range(2))
+            runner.launch(env, allocate=call == 0)
+            device.compute.synchronize()
+            results.append({name: cp.asnumpy(env[name]) for name in ("y", "mean", "inv")})
+        got = results[0]
+        np.testing.assert_allclose(got["mean"], mean, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got["inv"], inv, rtol=1e-5)
+        y = got["y"] if y_type == "float32" else widen_bf16_numpy(got["y"])
+        slack = 1e-5 * max(1.0, float(np.max(np.abs(expected))))
+        if y_type == "bfloat16":
+            slack = slack + spacing(expected, 7)  # one rounding to bfloat16
+        assert np.all(np.abs(y - expected) <= slack), f"bias {bias}: {np.max(np.abs(y - expected)):.3g}"
+        for name in ("y", "mean", "inv"):
+            np.testing.assert_array_equal(results[1][name], got[name])

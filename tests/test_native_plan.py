@@ -34,6 +34,7 @@ from runtime.gpu.elementwise_fusion import fuse_elementwise, fuse_relu_masks
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise_steps import evaluate_numpy
 from runtime.gpu.in_session import DOMAIN as IN_SESSION_DOMAIN
+from runtime.gpu.layernorm_casts import fold_layernorms
 from runtime.gpu.parameter_casts import batch_parameter_casts
 from runtime.gpu.scatter_add import fuse_scatter_add
 from runtime.segments import NativeGroup
@@ -64,7 +65,7 @@ def test_without_custom_ops_the_kernels_worth_it_run_between_sessions_and_the_li
     assert plan.on == ("update", "conv_grad", "batchnorm", "relu_mask") and not plan.fuse_elementwise
     assert plan.rewrites == ()  # the rewrites' nodes run only inside a session
     assert plan.line == ("update, conv_grad, batchnorm, relu_mask between the onnxruntime sessions; conv_data_grad, "
-                         "batchnorm_casts, layernorm, elementwise, attention, cross_entropy, scatter_add, parameter_casts, bias_grad off (they pay only inside a session): no custom ops, no C compiler "
+                         "batchnorm_casts, layernorm, layernorm_forward, elementwise, attention, cross_entropy, scatter_add, parameter_casts, bias_grad off (they pay only inside a session): no custom ops, no C compiler "
                          "(cc not found; set CC)")
 
 
@@ -84,9 +85,9 @@ def test_with_custom_ops_every_kernel_runs_inside_but_the_update():
     assert plan.on == tuple(k.name for k in native.KERNELS)
     assert plan.between == {FUSED_UPDATE_DOMAIN} and LAYERNORM_DOMAIN in plan.inside and ELEMENTWISE_DOMAIN in plan.inside
     # The backend's rewrites, in table order: the loss's first (its bf16 casts join its node).
-    assert plan.rewrites == (fuse_conv_data_grads, fold_batchnorm_casts, fuse_cross_entropy, fuse_scatter_add, batch_parameter_casts,
+    assert plan.rewrites == (fuse_conv_data_grads, fold_batchnorm_casts, fold_layernorms, fuse_cross_entropy, fuse_scatter_add, batch_parameter_casts,
                              fuse_bias_grads)
-    assert plan.line == ("conv_grad, batchnorm, conv_data_grad, batchnorm_casts, layernorm, elementwise, relu_mask, attention, cross_entropy, scatter_add, parameter_casts, bias_grad inside the onnxruntime "
+    assert plan.line == ("conv_grad, batchnorm, conv_data_grad, batchnorm_casts, layernorm, layernorm_forward, elementwise, relu_mask, attention, cross_entropy, scatter_add, parameter_casts, bias_grad inside the onnxruntime "
                          "sessions, update between them")
 
 

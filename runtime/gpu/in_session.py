@@ -39,6 +39,7 @@ from runtime.gpu.conv_data_grad import DOMAIN as CONV_DATA_GRAD_DOMAIN
 from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.layernorm_casts import DOMAIN as LAYERNORM_FORWARD_DOMAIN
 from runtime.gpu.parameter_casts import DOMAIN as PARAMETER_CASTS_DOMAIN
 from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
 from runtime.gpu.session_collectives import DOMAIN as SESSION_COLLECTIVES_DOMAIN
@@ -59,6 +60,7 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
          PARAMETER_CASTS_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
          BIAS_GRAD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT64),
          BATCHNORM_CASTS_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
+         LAYERNORM_FORWARD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16),
          # --precision bf16|fp16: a low-precision Conv's weight gradient (conv_grad.py: cuDNN in its dtype)
          CONV_GRAD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
          CONV_DATA_GRAD_DOMAIN: (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),

@@ -1,5 +1,6 @@
-"""The LayerNorm gradient on the GPU: ``graph_transpiler.layernorm::LayerNormGrad`` nodes
-(transpiler/layernorm_ops.py, docs/contracts.md) run as two CuPy RawKernel launches each.
+"""LayerNorm on the GPU: ``graph_transpiler.layernorm::LayerNormGrad`` nodes (transpiler/layernorm_ops.py,
+docs/contracts.md) run as two CuPy RawKernel launches each, and the forward LayerNormalization
+nodes layernorm_casts.py makes native (float32 X, Y float32 or rounded to bfloat16) as one.
 
 Why: the node's function in standard ops is about 13 onnxruntime kernels, each a pass over the
 activation (onnxruntime fuses none of them); PyTorch runs two (``layer_norm_grad_input`` and
@@ -13,7 +14,14 @@ Kernels (float32, X viewed as R rows of C):
 - ``layer_norm_grad_params``: column_sums.py's layout (the rows cut into runs over about 512
   blocks of 32 columns x 8 row lanes, each thread summing every 8th row of its run in its column,
   the strip's last block summing the runs in order).
-Both are deterministic: the same inputs give the same bits on every run (the runs depend only on
+- ``layer_norm_forward``: one block per row, as ``layer_norm_grad_input``: the row's mean, then
+  the mean of its squared deviations from it (two passes, the second from L1/L2: no cancellation
+  as in E[x^2] - E[x]^2), then Y = (X - mean) * inv_std_dev * scale + B, each value rounded to
+  bfloat16 where Y is bfloat16; mean and inv_std_dev = 1 / sqrt(var + epsilon) (IEEE, as ONNX
+  writes it) saved for the gradient. Why not onnxruntime's: its ``cuApplyLayerNorm`` gives a row
+  64 threads and reads at about a third of the memory's speed (GPT-2-small: 13.5 us a node on an
+  H200, then a Cast to bfloat16 of 5 us); this reads X once and writes Y once.
+All are deterministic: the same inputs give the same bits on every run (the runs depend only on
 the shape).
 
 Interface: OrtCudaSegment's, through ``LaunchRunner`` (``run`` allocates the outputs on the first
@@ -30,9 +38,10 @@ from contract.ops import LAYERNORM_GRAD
 from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
 from runtime.gpu.column_sums import ColumnSums
+from runtime.gpu.elementwise_steps import PREAMBLE
 from runtime.gpu.kernel_runner import RawKernelRunner, aligned
 
-SOURCE = COLUMN_SUMS + r"""
+SOURCE = PREAMBLE + COLUMN_SUMS + r"""
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;
@@ -89,6 +98,60 @@ extern "C" __global__ void layer_norm_grad_input(const float* __restrict__ dy, c
     }
 }
 
+// The sum over the block, in every thread: each warp's sum, then each warp sums the warps' sums
+// (in the same order: every thread gets the same bits). ``s`` holds 32 floats; the first barrier
+// keeps an earlier call's readers ahead of this call's writers.
+__device__ __forceinline__ float block_sum(float v, float* s) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) s[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < warps ? s[lane] : 0.f);
+}
+
+extern "C" __global__ void layer_norm_forward(const float* __restrict__ x, const float* __restrict__ scale,
+                                              const float* __restrict__ bias, int has_bias, void* __restrict__ y,
+                                              int y_bf16, float* __restrict__ mean, float* __restrict__ inv,
+                                              int C, int vec, float epsilon) {
+    __shared__ float s_sum[32];
+    const long long row = blockIdx.x;
+    const float* x_row = x + row * C;
+    float sum = 0.f;
+    for (int j = 4 * threadIdx.x; j < C; j += 4 * blockDim.x) {  // past the end: 0
+        const float4 v = load4(x_row, j, C, vec);
+        sum += v.x; sum += v.y; sum += v.z; sum += v.w;
+    }
+    const float mu = block_sum(sum, s_sum) / (float)C;
+    float sq = 0.f;
+    for (int j = 4 * threadIdx.x; j < C; j += 4 * blockDim.x) {
+        const float4 v = load4(x_row, j, C, vec);
+        const float d0 = v.x - mu, d1 = j + 1 < C ? v.y - mu : 0.f, d2 = j + 2 < C ? v.z - mu : 0.f,
+                    d3 = j + 3 < C ? v.w - mu : 0.f;
+        sq += d0 * d0; sq += d1 * d1; sq += d2 * d2; sq += d3 * d3;
+    }
+    const float rs = 1.0f / sqrtf(block_sum(sq, s_sum) / (float)C + epsilon);
+    if (threadIdx.x == 0) { mean[row] = mu; inv[row] = rs; }
+    for (int j = 4 * threadIdx.x; j < C; j += 4 * blockDim.x) {
+        const float4 v = load4(x_row, j, C, vec), w = load4(scale, j, C, vec);
+        const float4 b = has_bias ? load4(bias, j, C, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float out[4] = {(v.x - mu) * rs * w.x + b.x, (v.y - mu) * rs * w.y + b.y,
+                        (v.z - mu) * rs * w.z + b.z, (v.w - mu) * rs * w.w + b.w};
+        const long long at = row * C + j;
+        if (y_bf16) {
+            unsigned short* yb = (unsigned short*)y + at;
+            unsigned short h[4];
+            for (int k = 0; k < 4; ++k) h[k] = gt_bf16_bits(gt_round_bf16(out[k]));
+            if (vec) { *reinterpret_cast<ushort4*>(yb) = make_ushort4(h[0], h[1], h[2], h[3]); continue; }
+            for (int k = 0; k < 4 && j + k < C; ++k) yb[k] = h[k];
+        } else {
+            float* yf = (float*)y + at;
+            if (vec) { *reinterpret_cast<float4*>(yf) = make_float4(out[0], out[1], out[2], out[3]); continue; }
+            for (int k = 0; k < 4 && j + k < C; ++k) yf[k] = out[k];
+        }
+    }
+}
+
 // dscale and dbias in one launch, column_sums.py's layout: each block sums its run of rows into
 // ``partial`` (parts x C for dscale, then for dbias); its strip's last block sums the runs.
 extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, const float* __restrict__ x,
@@ -138,26 +201,40 @@ def row_threads(width: int) -> int:
     return min(512, max(32, -(-per_thread // 32) * 32))
 
 
+FORWARD = "LayerNormalization"  # a fused forward node's op_type starts so (layernorm_casts.py)
+_FLOAT, _BF16 = np.dtype(np.float32), np.dtype(np.uint16)  # bfloat16 is viewed as its raw bits
+
+
 @dataclass
 class _Node:
     name: str
-    inputs: list[str]  # dY, X, scale, mean, inv_std_dev
-    outputs: list[str]  # dX, dscale, dB
+    forward: bool
+    inputs: list[str]  # dY, X, scale, mean, inv_std_dev; forward: X, scale[, B]
+    outputs: list[str]  # dX, dscale, dB; forward: Y, mean, inv_std_dev
+    epsilon: float = 0.0  # forward only
 
     @classmethod
     def from_node(cls, node, where: str) -> _Node:
+        if node.op_type.startswith(FORWARD) and len(node.input) in (2, 3) and len(node.output) == 3 \
+                and all(node.input) and all(node.output):
+            attrs = {a.name: a for a in node.attribute}
+            if (attrs["axis"].i if "axis" in attrs else -1) == -1:
+                return cls(node.name, True, list(node.input), list(node.output),
+                           attrs["epsilon"].f if "epsilon" in attrs else 1e-5)
         if node.op_type != LAYERNORM_GRAD or len(node.input) != 5 or len(node.output) != 3 or not all(node.input):
             raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) is not a "
-                           f"{LAYERNORM_GRAD} node (5 inputs, 3 outputs)")
-        return cls(node.name, list(node.input), list(node.output))
+                           f"{LAYERNORM_GRAD} node (5 inputs, 3 outputs) or a {FORWARD} over the last axis "
+                           "(2 or 3 inputs, 3 outputs)")
+        return cls(node.name, False, list(node.input), list(node.output))
 
 
 class LayerNormRunner(RawKernelRunner):
-    """A NativeGroup of LayerNormGrad nodes, run on the device's compute stream (the module docstring)."""
+    """A NativeGroup of LayerNormGrad nodes, or of fused forward nodes, run on the device's compute
+    stream (the module docstring)."""
 
     SOURCE = SOURCE
-    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params")
-    WHAT = "LayerNorm gradients"
+    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params", "layer_norm_forward")
+    WHAT = "LayerNorms"
 
     def __init__(self, group, where: str, device):
         super().__init__(group, where, device)
@@ -167,45 +244,69 @@ class LayerNormRunner(RawKernelRunner):
         return _Node.from_node(node, self.where)
 
     def _check(self, op: _Node, values) -> tuple[int, int]:
-        """(rows, width) of X, every input contiguous float32 of its contract shape: the kernels
-        would read past a smaller buffer without an error."""
-        x = values[op.inputs[1]]
+        """(rows, width) of X, every input contiguous float32 of its contract shape (a forward's Y
+        float32 or bfloat16): the kernels would read past a smaller buffer without an error."""
+        x = values[op.inputs[0 if op.forward else 1]]
         if x.dtype != np.float32 or x.ndim < 1 or x.size == 0:
             raise RunError(f"{self.where}: '{op.name}': X must be a non-empty float32 tensor, got {x.dtype} {tuple(x.shape)}")
         width = int(x.shape[-1])
         rows = x.size // width
-        sizes = {op.inputs[0]: x.size, op.inputs[1]: x.size, op.inputs[2]: width, op.inputs[3]: rows, op.inputs[4]: rows}
+        if op.forward:
+            sizes = {name: width for name in op.inputs[1:]}
+            y = values[op.outputs[0]]
+            if y.dtype not in (_FLOAT, _BF16) or not y.flags.c_contiguous or tuple(y.shape) != tuple(x.shape):
+                raise RunError(f"{self.where}: '{op.name}': Y must be a contiguous float32 or bfloat16 tensor shaped "
+                               f"like X {tuple(x.shape)}, got {y.dtype} {tuple(y.shape)}")
+        else:
+            sizes = {op.inputs[0]: x.size, op.inputs[2]: width, op.inputs[3]: rows, op.inputs[4]: rows}
         for name, size in sizes.items():
             value = values[name]
             if value.dtype != np.float32 or not value.flags.c_contiguous or value.size != size:
                 raise RunError(f"{self.where}: '{op.name}': input '{name}' must be contiguous float32 of {size} "
                                f"elements, got {value.dtype} {tuple(value.shape)}")
-        if tuple(values[op.inputs[0]].shape) != tuple(x.shape):
+        if not op.forward and tuple(values[op.inputs[0]].shape) != tuple(x.shape):
             raise RunError(f"{self.where}: '{op.name}': dY {tuple(values[op.inputs[0]].shape)} is not shaped like "
                            f"X {tuple(x.shape)}")
         return rows, width
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        grad_input, grad_params = self.functions()
+        grad_input, grad_params, forward = self.functions()
         with self.stream:
             for op in self.ops:
-                x = values[op.inputs[1]]
+                x = values[op.inputs[0 if op.forward else 1]]
                 width = int(x.shape[-1])
                 rows = x.size // width
                 if allocate:  # a first call: its shapes are every bound call's
-                    self._check(op, values)
-                    for name, shape in zip(op.outputs, [x.shape, (width,), (width,)]):
-                        if name not in values:  # given where the node runs inside a session (in_session.py)
+                    # Given where the node runs inside a session (in_session.py), else float32 (a
+                    # bfloat16 value crosses between sessions as float32: compile.WidenBfloat16).
+                    shapes = [x.shape, (*x.shape[:-1], 1), (*x.shape[:-1], 1)] if op.forward else \
+                        [x.shape, (width,), (width,)]
+                    for name, shape in zip(op.outputs, shapes):
+                        if name not in values:
                             values[name] = cp.empty(shape, dtype=np.float32)
-                    self.sums.reserve(rows, width)
-                dy, _, scale, mean, inv = (values[name] for name in op.inputs)
-                dx, dscale, dbias = (values[name] for name in op.outputs)
-                vec = np.int32(width % 4 == 0 and aligned(dy, x, scale, dx))  # every row 16-byte aligned
-                grid, block, per_run = self.sums.layout(rows, width)
+                    self._check(op, values)
+                    if not op.forward:
+                        self.sums.reserve(rows, width)
                 try:
+                    if op.forward:
+                        self._forward(forward, op, values, rows, width)
+                        continue
+                    dy, _, scale, mean, inv = (values[name] for name in op.inputs)
+                    dx, dscale, dbias = (values[name] for name in op.outputs)
+                    vec = np.int32(width % 4 == 0 and aligned(dy, x, scale, dx))  # every row 16-byte aligned
+                    grid, block, per_run = self.sums.layout(rows, width)
                     grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width), vec))
                     grad_params(grid, block, (dy, x, mean, inv, self.sums.partial, self.sums.counters, dscale, dbias,
                                               np.int64(rows), np.int32(width), per_run))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None
+
+    @staticmethod
+    def _forward(kernel, op: _Node, values, rows: int, width: int) -> None:
+        x, scale, *bias = (values[name] for name in op.inputs)
+        y, mean, inv = (values[name] for name in op.outputs)
+        vec = np.int32(width % 4 == 0 and aligned(x, scale, *bias, y))
+        kernel((rows,), (row_threads(width),), (x, scale, bias[0] if bias else scale, np.int32(bool(bias)), y,
+                                                np.int32(y.dtype == _BF16), mean, inv, np.int32(width), vec,
+                                                np.float32(op.epsilon)))

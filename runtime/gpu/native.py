@@ -52,6 +52,8 @@ from runtime.gpu.cross_entropy import CrossEntropyRunner, fuse_cross_entropy
 from runtime.gpu.elementwise import ElementwiseRunner
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.layernorm import LayerNormRunner
+from runtime.gpu.layernorm_casts import DOMAIN as LAYERNORM_FORWARD_DOMAIN
+from runtime.gpu.layernorm_casts import fold_layernorms
 from runtime.gpu.parameter_casts import DOMAIN as PARAMETER_CASTS_DOMAIN
 from runtime.gpu.parameter_casts import ParameterCastRunner, batch_parameter_casts
 from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
@@ -86,6 +88,9 @@ KERNELS = (
     Kernel("batchnorm_casts", BATCHNORM_CASTS_DOMAIN, BatchNormRunner, in_session=True, between=False,
            rewrite=fold_batchnorm_casts),
     Kernel("layernorm", LAYERNORM_DOMAIN, LayerNormRunner, in_session=True, between=False),
+    # LayerNormalization's forward, a Cast to bfloat16 after it folded in (layernorm_casts.py).
+    Kernel("layernorm_forward", LAYERNORM_FORWARD_DOMAIN, LayerNormRunner, in_session=True, between=False,
+           rewrite=fold_layernorms),
     # Two rewrites of the step graph (elementwise_fusion.py) into nodes of one domain: chains of
     # elementwise nodes, and ReLU's backward where a native node reads it.
     Kernel("elementwise", ELEMENTWISE_DOMAIN, ElementwiseRunner, in_session=True, between=False),
