@@ -43,6 +43,7 @@ from onnx import helper, numpy_helper
 
 from contract.collectives import consumed
 from runtime.errors import RunError
+from runtime.gpu.elementwise_recompute import recompute_in_readers
 from runtime.gpu.elementwise_steps import (
     BF16,
     BOOL,
@@ -61,6 +62,7 @@ from runtime.variables import NATIVE_OFF
 MIN_NODES = 2
 MIN_ELEMENTS = 1 << 16
 _ADDS = frozenset({"Add", "Sum"})
+_ITEM_BYTES = {FLOAT: 4, BF16: 2, BOOL: 1}
 # -- the pass ----------------------------------------------------------------------------------
 
 class _Facts:
@@ -105,6 +107,12 @@ class _Facts:
             else:
                 return None
         return tuple(dims)
+
+    def size_of(self, name: str) -> int | None:
+        """The bytes of a float32, bfloat16 or bool value, its symbolic dimensions counted as 1."""
+        dtype = self.dtype_of(name)
+        shape = self.shape_of(name, dtype) if dtype in _ITEM_BYTES else None
+        return None if shape is None else _ITEM_BYTES[dtype] * math.prod(d for d in shape if isinstance(d, int))
 
     def scalar(self, name: str) -> float | None:
         """A float32 constant of one element, as a float."""
@@ -219,6 +227,9 @@ def fuse_elementwise(model: onnx.ModelProto, additions: bool = False, bfloat16: 
     # Place the fused nodes: a topological order that keeps the original one wherever it can
     # (each fused node takes its first member's place in the priority).
     items = [(i, fused[i]) for i in sorted(fused)] + [(i, nodes[i]) for i in range(len(nodes)) if i not in dropped]
+    if bfloat16:  # a float32 chain's inputs are never smaller than its outputs (elementwise_recompute.py)
+        kept = recompute_in_readers([node for _, node in items], graph_outputs, facts.size_of)
+        items = [(i, node) for (i, _), node in zip(items, kept) if node is not None]
     ordered = _topological(items, {n.name for n in model.graph.input} | {t.name for t in model.graph.initializer})
     result = onnx.ModelProto()
     result.CopyFrom(model)
