@@ -1,10 +1,11 @@
-"""A bias gradient summed from bfloat16 values on the GPU (runtime/gpu/bias_grad.py).
+"""A bias gradient summed in one launch on the GPU (runtime/gpu/bias_grad.py).
 
-CPU: the rewrite takes ReduceSum over leading axes of a Cast to float32 that only it reads, and
-the fused node's function computes what the pair computed, bit for bit (plain onnxruntime runs
-both); a sum over other axes, or a Cast read elsewhere, is left alone; on the bf16 GPT's step graph
-it takes the bias gradients of each attention's query, key and value.
-GPU (marked ``gpu``): the kernels equal a float64 sum of the widened values within float32
+CPU: the rewrite takes ReduceSum over leading axes of a Cast to float32 that only it reads, or of
+a float32 value whose rows are at least 32 wide, and the fused node's function computes what the
+nodes computed, bit for bit (plain onnxruntime runs both); a sum over other axes, or a Cast read
+elsewhere, is left alone; on the GPT's step graphs it takes every bias gradient (bf16: each
+attention's query, key and value from bf16).
+GPU (marked ``gpu``): the kernels equal a float64 sum of the (widened) values within float32
 rounding, the same bits on every call, keepdims or not.
 """
 
@@ -56,11 +57,44 @@ def test_other_sums_are_left_alone(axes, second_reader):
     assert [n.op_type for n in fuse_bias_grads(model).graph.node] == before
 
 
-def test_the_bf16_gpt_step_sums_its_attention_bias_gradients_from_bf16(model_dir, tmp_path):
+def test_a_float32_sum_over_wide_rows_is_taken_and_computes_what_it_computed():
+    """ReduceSum over leading axes of a float32 value whose rows are at least 32 wide (its type
+    known): one node reading it, its function the same sum bit for bit; rows of 7 are left alone."""
+    def model(width: int) -> onnx.ModelProto:
+        nodes = [helper.make_node("Relu", ["x"], ["r"]),
+                 helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("a", TensorProto.INT64, [2], (0, 1))),
+                 helper.make_node("ReduceSum", ["r", "axes"], ["sum"], keepdims=0)]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 5, width])],
+                                  [helper.make_tensor_value_info("sum", TensorProto.FLOAT, [width])])
+        return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                                                   ir_version=10))
+
+    x = np.random.default_rng(1).standard_normal((3, 5, 40)).astype(np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})  # noqa: E731
+    fused = fuse_bias_grads(model(40))
+    onnx.checker.check_model(fused)
+    assert [(n.op_type, list(n.input)) for n in fused.graph.node if n.domain == DOMAIN] == [("BiasGrad_0", ["r", "axes"])]
+    np.testing.assert_array_equal(run(fused)[0], run(model(40))[0])
+    assert not any(n.domain == DOMAIN for n in fuse_bias_grads(model(7)).graph.node)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_gpt_step_sums_every_bias_gradient_in_one_launch(model_dir, tmp_path, precision):
+    """bf16: the attention's query, key and value biases from bf16 (4 blocks), the others from
+    float32; fp32: every one from float32. No ReduceSum over leading axes is left to onnxruntime (the
+softmax's and the broadcast MatMuls' sums over other axes stay)."""
     out = tmp_path / "gpt"
-    assert main(["compile", str(model_dir("gpt") / "model.onnx"), "--gpus", "1", "--precision", "bf16", "-o", str(out)]) == 0
+    assert main(["compile", str(model_dir("gpt") / "model.onnx"), "--gpus", "1", "--precision", precision,
+                 "-o", str(out)]) == 0
     step = fuse_bias_grads(onnx.load(str(out / "rank0.onnx")))
-    assert len([n for n in step.graph.node if n.domain == DOMAIN]) == 12  # Q, K and V of 4 blocks
+    types = {v.name: v.type.tensor_type.elem_type for v in [*step.graph.input, *step.graph.value_info]}
+    inputs = [types.get(n.input[0]) for n in step.graph.node if n.domain == DOMAIN]
+    assert inputs.count(TensorProto.BFLOAT16) == (12 if precision == "bf16" else 0)
+    assert inputs.count(TensorProto.FLOAT) >= 12  # each block's three other biases
+    axes = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t).reshape(-1).tolist()
+            for n in step.graph.node if n.op_type == "Constant" and n.attribute[0].name == "value"}
+    leading = [n.name for n in step.graph.node if n.op_type == "ReduceSum" and axes.get(n.input[1], [-1])[0] == 0]
+    assert not leading, leading
 
 
 needs_gpu = pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="needs a CUDA GPU, CuPy and onnxruntime-gpu")
@@ -68,14 +102,17 @@ needs_gpu = pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("shape, lead", [((2, 2048, 768), 2), ((1000, 37), 1), ((5, 3), 1)])
-def test_the_kernels_equal_a_float64_sum(shape, lead):
+def test_the_kernels_equal_a_float64_sum(shape, lead, dtype):
     import cupy as cp
 
     from runtime.gpu.device import GpuDevice
 
-    bits = round_bf16_numpy(np.random.default_rng(1).standard_normal(shape).astype(np.float32) * 3)
-    expected = widen_bf16_numpy(bits).astype(np.float64).reshape(int(np.prod(shape[:lead])), -1).sum(axis=0)
+    values = np.random.default_rng(1).standard_normal(shape).astype(np.float32) * 3
+    bits = round_bf16_numpy(values) if dtype == "bfloat16" else values
+    wide = widen_bf16_numpy(bits) if dtype == "bfloat16" else values
+    expected = wide.astype(np.float64).reshape(int(np.prod(shape[:lead])), -1).sum(axis=0)
     node = helper.make_node("BiasGrad_0", ["x", "axes"], ["sum"], domain=DOMAIN, keepdims=0)
     device = GpuDevice(0, tf32=False)
     runner = BiasGradRunner(NativeGroup(0, 0, 1, (node,), ("x", "axes"), ("sum",)), "test", device)

@@ -1,14 +1,18 @@
-"""A bias gradient from a bfloat16 tensor in one pass on the GPU: ``ReduceSum`` over the leading
-axes of a ``Cast`` to float32 of a bfloat16 value (the Cast read by nothing else) becomes one node
+"""A bias gradient in one pass on the GPU: ``ReduceSum`` over the leading axes of a ``Cast`` to
+float32 of a bfloat16 value (the Cast read by nothing else), or of a float32 value, becomes one node
 of ``DOMAIN``, run inside its onnxruntime session by one CuPy RawKernel launch that reads the
-bfloat16 bits and sums in float32.
+bfloat16 bits (or the float32 values) and sums in float32.
 
 Why: under ``--precision bf16`` the gradient of an attention's query, key and value arrives from
 the fused attention's backward in bfloat16, and the bias of each (float32, summed in float32:
 ReduceSum is on autocast's float32 list, docs/precision.md) is the column sum of its widening.
 onnxruntime runs a Cast (a float32 copy of the whole gradient) and then its reduction: 36 passes
 of each kind over 4,096 x 768 values per GPT-2-small step. Here the sum reads the bfloat16 values
-once, and nothing of the activation's size is written.
+once, and nothing of the activation's size is written. A float32 sum (the MLP's and the projections'
+biases, whose gradients the fused elementwise chains write in float32) is onnxruntime's
+``reduce_matrix_rows`` after a memset of its output, two graph nodes and a gap of ~5 us between
+them on an H200 for each of GPT-2-small's 36; here it is one launch. A float32 sum is taken where
+the value's type is known and its summed-over rows are at least 32 wide (a column strip's width).
 
 Kernel ``bias_grad`` (the input viewed as R rows of C, R the product of the summed axes):
 column_sums.py's layout, as layernorm.py's parameter gradients (runs of rows over about 512 blocks,
@@ -36,11 +40,15 @@ DOMAIN = "graph_transpiler.gpu.bias_grad"  # the runtime's own: the fused nodes 
 OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepdims), attribute keepdims
 
 SOURCE = COLUMN_SUMS + r"""
+__device__ __forceinline__ float gt_value(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+__device__ __forceinline__ float gt_value(float f) { return f; }
+
 // column_sums.py's layout: each block sums its run of rows into ``partial``; its strip's last block
-// sums the runs.
-extern "C" __global__ void bias_grad(const unsigned short* __restrict__ x, float* __restrict__ partial,
-                                     unsigned int* __restrict__ counters, float* __restrict__ out,
-                                     long long R, int C, long long rows_per_part) {
+// sums the runs. X: bfloat16 bits or float32.
+template <typename X>
+__device__ __forceinline__ void bias_grad_sums(const X* __restrict__ x, float* __restrict__ partial,
+                                               unsigned int* __restrict__ counters, float* __restrict__ out,
+                                               long long R, int C, long long rows_per_part) {
     __shared__ float s_sum[PART_LANES][33];
     const int col = blockIdx.x * 32 + threadIdx.x;
     const long long first = blockIdx.y * rows_per_part;
@@ -48,7 +56,7 @@ extern "C" __global__ void bias_grad(const unsigned short* __restrict__ x, float
     float a = 0.f;
     if (col < C)
         for (long long r = first + threadIdx.y; r < end; r += PART_LANES)
-            a += __uint_as_float(((unsigned int)x[r * C + col]) << 16);
+            a += gt_value(x[r * C + col]);
     s_sum[threadIdx.y][threadIdx.x] = a;
     __syncthreads();
     const long long parts = gridDim.y;
@@ -64,15 +72,27 @@ extern "C" __global__ void bias_grad(const unsigned short* __restrict__ x, float
         out[col] = t;
     }
 }
+
+#define GT_BIAS_GRAD(NAME, X)                                                                       \
+    extern "C" __global__ void NAME(const X* __restrict__ x, float* __restrict__ partial,             \
+                                    unsigned int* __restrict__ counters, float* __restrict__ out,     \
+                                    long long R, int C, long long rows_per_part) {                    \
+        bias_grad_sums(x, partial, counters, out, R, C, rows_per_part);                               \
+    }
+GT_BIAS_GRAD(bias_grad, unsigned short)
+GT_BIAS_GRAD(bias_grad_f32, float)
 """
 
 
 def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with each ReduceSum over leading axes (a constant ``axes`` input [0, .., k-1]) of a
-    Cast to float32 that only it reads made one ``DOMAIN`` node reading the Cast's input, in place;
-    returned. Whether that input is bfloat16 is in_session.TAKES' to decide (this domain takes
-    bfloat16 and float32: a Cast from float16 or double leaves the node to its function)."""
+    Cast to float32 that only it reads made one ``DOMAIN`` node reading the Cast's input, and each
+    such ReduceSum of a float32 value (its type and trailing dimensions known, the rows at least 32
+    wide) one reading that value, in place; returned. Whether a Cast's input is bfloat16 is
+    in_session.TAKES' to decide (this domain takes bfloat16 and float32: a Cast from float16 or
+    double leaves the node to its function)."""
     graph = model.graph
+    types = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]}
     nodes = list(graph.node)
     producer = {o: k for k, n in enumerate(nodes) for o in n.output}
     readers: dict[str, int] = {}
@@ -84,21 +104,27 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in graph.node:
         if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
             continue
+        lead = _leading(producer.get(node.input[1]), nodes)
+        if not lead:
+            continue
         c = producer.get(node.input[0])
         cast = None if c is None else nodes[c]
         if (cast is None or cast.op_type != "Cast" or readers.get(cast.output[0]) != 1 or cast.output[0] in outputs
-                or attribute(cast, "to") != onnx.TensorProto.FLOAT or not _leading(producer.get(node.input[1]), nodes)):
-            continue
+                or attribute(cast, "to") != onnx.TensorProto.FLOAT):
+            cast = None
+            if not _wide_float(types.get(node.input[0]), lead):
+                continue
         keepdims = attribute(node, "keepdims", 1)
         op_type = f"{OP}_{fused}"
         body = [helper.make_node("Cast", ["x"], ["wide"], to=onnx.TensorProto.FLOAT),
                 helper.make_node("ReduceSum", ["wide", "axes"], ["sum"], keepdims=keepdims)]
         add_function(model, DOMAIN, op_type, ["x", "axes"], ["sum"], body)
-        node.input[0] = cast.input[0]
+        if cast is not None:
+            node.input[0] = cast.input[0]
+            dropped.add(c)
         node.domain, node.op_type = DOMAIN, op_type
         del node.attribute[:]
         node.attribute.append(helper.make_attribute("keepdims", keepdims))
-        dropped.add(c)
         fused += 1
     if fused:
         kept = [n for k, n in enumerate(nodes) if k not in dropped]
@@ -107,11 +133,21 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _leading(k: int | None, nodes) -> bool:
-    """Whether node ``k`` is a Constant of axes [0, 1, .., n-1]."""
+def _leading(k: int | None, nodes) -> int:
+    """n where node ``k`` is a Constant of axes [0, 1, .., n-1], else 0."""
     value = constant_value(None if k is None else nodes[k])
     axes = None if value is None else value.reshape(-1).tolist()
-    return bool(axes) and axes == list(range(len(axes)))
+    return len(axes) if axes and axes == list(range(len(axes))) else 0
+
+
+def _wide_float(tensor_type, lead: int) -> bool:
+    """Whether a value of ``tensor_type`` is float32 whose dimensions after the first ``lead`` are
+    known and hold at least 32 values."""
+    if tensor_type is None or tensor_type.elem_type != onnx.TensorProto.FLOAT or not tensor_type.HasField("shape"):
+        return False
+    dims = tensor_type.shape.dim
+    return len(dims) > lead and all(d.HasField("dim_value") for d in dims[lead:]) \
+        and int(np.prod([d.dim_value for d in dims[lead:]])) >= 32
 
 
 @dataclass
@@ -131,7 +167,7 @@ class BiasGradRunner(RawKernelRunner):
     in buffers the runner keeps (a captured graph replays with their pointers)."""
 
     SOURCE = SOURCE
-    KERNELS = ("bias_grad",)
+    KERNELS = ("bias_grad", "bias_grad_f32")
     WHAT = "bias gradients"
 
     def __init__(self, group, where: str, device):
@@ -143,7 +179,7 @@ class BiasGradRunner(RawKernelRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        (kernel,) = self.functions()
+        kernels = dict(zip((np.dtype(np.uint16), np.dtype(np.float32)), self.functions()))
         with self.stream:
             for op in self.ops:
                 x, axes = values[op.inputs[0]], values[op.inputs[1]]
@@ -151,8 +187,8 @@ class BiasGradRunner(RawKernelRunner):
                 rows = int(np.prod(x.shape[:lead], dtype=np.int64))
                 width = int(np.prod(x.shape[lead:], dtype=np.int64))
                 if allocate:
-                    if x.dtype != np.uint16 or not x.flags.c_contiguous or lead > x.ndim:
-                        raise RunError(f"{self.where}: '{op.name}': x must be contiguous bfloat16 with at least "
+                    if x.dtype not in kernels or not x.flags.c_contiguous or lead > x.ndim:
+                        raise RunError(f"{self.where}: '{op.name}': x must be contiguous bfloat16 or float32 with at least "
                                        f"{lead} axes, got {x.dtype} {tuple(x.shape)}")
                     if op.output not in values:  # given where the node runs inside a session (in_session.py)
                         values[op.output] = cp.empty(x.shape[lead:], np.float32)
@@ -161,7 +197,7 @@ class BiasGradRunner(RawKernelRunner):
                     self.sums.reserve(rows, width)
                 grid, block, per_run = self.sums.layout(rows, width)
                 try:
-                    kernel(grid, block, (x, self.sums.partial, self.sums.counters, values[op.output], np.int64(rows),
+                    kernels[x.dtype](grid, block, (x, self.sums.partial, self.sums.counters, values[op.output], np.int64(rows),
                                          np.int32(width), per_run))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None
