@@ -14,9 +14,11 @@ Kernels (float32, X viewed as R rows of C):
 - ``layer_norm_grad_params``: column_sums.py's layout (the rows cut into runs over about 512
   blocks of 32 columns x 8 row lanes, each thread summing every 8th row of its run in its column,
   the strip's last block summing the runs in order).
-- ``layer_norm_forward``: one block per row, as ``layer_norm_grad_input``: the row's mean, then
-  the mean of its squared deviations from it (two passes, the second from L1/L2: no cancellation
-  as in E[x^2] - E[x]^2), then Y = (X - mean) * inv_std_dev * scale + B, each value rounded to
+- ``layer_norm_forward_warp`` (rows of up to 1,024 values) and ``layer_norm_forward`` (wider): one
+  warp a row, the row held in its registers (no barrier; X read once), or one block a row as
+  ``layer_norm_grad_input`` (X re-read from L1/L2): the row's mean, then the mean of its squared
+  deviations from it (two passes: no cancellation as in E[x^2] - E[x]^2), then
+  Y = (X - mean) * inv_std_dev * scale + B, each value rounded to
   bfloat16 where Y is bfloat16; mean and inv_std_dev = 1 / sqrt(var + epsilon) (IEEE, as ONNX
   writes it) saved for the gradient. Why not onnxruntime's: its ``cuApplyLayerNorm`` gives a row
   64 threads and reads at about a third of the memory's speed (GPT-2-small: 13.5 us a node on an
@@ -40,6 +42,9 @@ from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
 from runtime.gpu.column_sums import ColumnSums
 from runtime.gpu.elementwise_steps import PREAMBLE
 from runtime.gpu.kernel_runner import RawKernelRunner, aligned
+
+WARP_VECS = 8  # the source's: a row of up to 32 * 4 * WARP_VECS values takes one warp
+ROWS_A_BLOCK = 8  # warps (rows) a block of layer_norm_forward_warp
 
 SOURCE = PREAMBLE + COLUMN_SUMS + r"""
 __device__ __forceinline__ float warp_sum(float v) {
@@ -110,6 +115,67 @@ __device__ __forceinline__ float block_sum(float v, float* s) {
     return warp_sum(lane < warps ? s[lane] : 0.f);
 }
 
+// Y's four values at element j of a row (``at``: the row's first element), float32 or rounded to
+// bfloat16; one vector store where ``vec``, else the values before the row's end.
+__device__ __forceinline__ void store_y(void* __restrict__ y, int y_bf16, long long at, int j, int C, int vec,
+                                        const float out[4]) {
+    if (y_bf16) {
+        unsigned short* yb = (unsigned short*)y + at + j;
+        unsigned short h[4];
+        for (int k = 0; k < 4; ++k) h[k] = gt_bf16_bits(gt_round_bf16(out[k]));
+        if (vec) *reinterpret_cast<ushort4*>(yb) = make_ushort4(h[0], h[1], h[2], h[3]);
+        else for (int k = 0; k < 4 && j + k < C; ++k) yb[k] = h[k];
+    } else {
+        float* yf = (float*)y + at + j;
+        if (vec) *reinterpret_cast<float4*>(yf) = make_float4(out[0], out[1], out[2], out[3]);
+        else for (int k = 0; k < 4 && j + k < C; ++k) yf[k] = out[k];
+    }
+}
+
+// A row of at most 32 * 4 * WARP_VECS values: one warp a row, the row read once into registers
+// (GPT-2-small's 768: six float4 a lane), no barrier.
+#define WARP_VECS """ + str(WARP_VECS) + r"""
+extern "C" __global__ void layer_norm_forward_warp(const float* __restrict__ x, const float* __restrict__ scale,
+                                                   const float* __restrict__ bias, int has_bias, void* __restrict__ y,
+                                                   int y_bf16, float* __restrict__ mean, float* __restrict__ inv,
+                                                   long long R, int C, int vec, float epsilon) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= R) return;
+    const int lane = threadIdx.x & 31;
+    const float* x_row = x + row * C;
+    float4 v[WARP_VECS];
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < WARP_VECS; ++k) {
+        const int j = 4 * (lane + 32 * k);
+        v[k] = j < C ? load4(x_row, j, C, vec) : make_float4(0.f, 0.f, 0.f, 0.f);  // past the end: 0
+        sum += v[k].x; sum += v[k].y; sum += v[k].z; sum += v[k].w;
+    }
+    const float mu = warp_sum(sum) / (float)C;
+    float sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < WARP_VECS; ++k) {
+        const int j = 4 * (lane + 32 * k);
+        const float d0 = j < C ? v[k].x - mu : 0.f, d1 = j + 1 < C ? v[k].y - mu : 0.f,
+                    d2 = j + 2 < C ? v[k].z - mu : 0.f, d3 = j + 3 < C ? v[k].w - mu : 0.f;
+        sq += d0 * d0; sq += d1 * d1; sq += d2 * d2; sq += d3 * d3;
+    }
+    const float rs = 1.0f / sqrtf(warp_sum(sq) / (float)C + epsilon);
+    if (lane == 0) { mean[row] = mu; inv[row] = rs; }
+#pragma unroll
+    for (int k = 0; k < WARP_VECS; ++k) {
+        const int j = 4 * (lane + 32 * k);
+        if (j >= C) break;
+        const float4 w = load4(scale, j, C, vec);
+        const float4 b = has_bias ? load4(bias, j, C, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float out[4] = {(v[k].x - mu) * rs * w.x + b.x, (v[k].y - mu) * rs * w.y + b.y,
+                              (v[k].z - mu) * rs * w.z + b.z, (v[k].w - mu) * rs * w.w + b.w};
+        store_y(y, y_bf16, row * C, j, C, vec, out);
+    }
+}
+
+// A wider row: one block a row, as ``layer_norm_grad_input``; X read three times (the second and
+// third from L1/L2).
 extern "C" __global__ void layer_norm_forward(const float* __restrict__ x, const float* __restrict__ scale,
                                               const float* __restrict__ bias, int has_bias, void* __restrict__ y,
                                               int y_bf16, float* __restrict__ mean, float* __restrict__ inv,
@@ -135,20 +201,9 @@ extern "C" __global__ void layer_norm_forward(const float* __restrict__ x, const
     for (int j = 4 * threadIdx.x; j < C; j += 4 * blockDim.x) {
         const float4 v = load4(x_row, j, C, vec), w = load4(scale, j, C, vec);
         const float4 b = has_bias ? load4(bias, j, C, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
-        float out[4] = {(v.x - mu) * rs * w.x + b.x, (v.y - mu) * rs * w.y + b.y,
-                        (v.z - mu) * rs * w.z + b.z, (v.w - mu) * rs * w.w + b.w};
-        const long long at = row * C + j;
-        if (y_bf16) {
-            unsigned short* yb = (unsigned short*)y + at;
-            unsigned short h[4];
-            for (int k = 0; k < 4; ++k) h[k] = gt_bf16_bits(gt_round_bf16(out[k]));
-            if (vec) { *reinterpret_cast<ushort4*>(yb) = make_ushort4(h[0], h[1], h[2], h[3]); continue; }
-            for (int k = 0; k < 4 && j + k < C; ++k) yb[k] = h[k];
-        } else {
-            float* yf = (float*)y + at;
-            if (vec) { *reinterpret_cast<float4*>(yf) = make_float4(out[0], out[1], out[2], out[3]); continue; }
-            for (int k = 0; k < 4 && j + k < C; ++k) yf[k] = out[k];
-        }
+        const float out[4] = {(v.x - mu) * rs * w.x + b.x, (v.y - mu) * rs * w.y + b.y,
+                              (v.z - mu) * rs * w.z + b.z, (v.w - mu) * rs * w.w + b.w};
+        store_y(y, y_bf16, row * C, j, C, vec, out);
     }
 }
 
@@ -233,7 +288,7 @@ class LayerNormRunner(RawKernelRunner):
     stream (the module docstring)."""
 
     SOURCE = SOURCE
-    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params", "layer_norm_forward")
+    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params", "layer_norm_forward", "layer_norm_forward_warp")
     WHAT = "LayerNorms"
 
     def __init__(self, group, where: str, device):
@@ -271,7 +326,7 @@ class LayerNormRunner(RawKernelRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        grad_input, grad_params, forward = self.functions()
+        grad_input, grad_params, *forward = self.functions()
         with self.stream:
             for op in self.ops:
                 x = values[op.inputs[0 if op.forward else 1]]
@@ -303,10 +358,15 @@ class LayerNormRunner(RawKernelRunner):
                     raise self.launch_error(op.name, exc) from None
 
     @staticmethod
-    def _forward(kernel, op: _Node, values, rows: int, width: int) -> None:
+    def _forward(kernels, op: _Node, values, rows: int, width: int) -> None:
+        """A row a warp where it fits in the warp's registers, else a row a block."""
         x, scale, *bias = (values[name] for name in op.inputs)
         y, mean, inv = (values[name] for name in op.outputs)
         vec = np.int32(width % 4 == 0 and aligned(x, scale, *bias, y))
-        kernel((rows,), (row_threads(width),), (x, scale, bias[0] if bias else scale, np.int32(bool(bias)), y,
-                                                np.int32(y.dtype == _BF16), mean, inv, np.int32(width), vec,
-                                                np.float32(op.epsilon)))
+        head = (x, scale, bias[0] if bias else scale, np.int32(bool(bias)), y, np.int32(y.dtype == _BF16), mean, inv)
+        tail = (np.int32(width), vec, np.float32(op.epsilon))
+        by_block, by_warp = kernels
+        if width <= 32 * 4 * WARP_VECS:
+            by_warp((-(-rows // ROWS_A_BLOCK),), (32 * ROWS_A_BLOCK,), (*head, np.int64(rows), *tail))
+        else:
+            by_block((rows,), (row_threads(width),), (*head, *tail))
