@@ -32,7 +32,7 @@ from onnx import helper
 
 from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
-from runtime.gpu.column_sums import ColumnSums
+from runtime.gpu.column_sums import ColumnSums, vector_width
 from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
 from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value
 
@@ -40,47 +40,50 @@ DOMAIN = "graph_transpiler.gpu.bias_grad"  # the runtime's own: the fused nodes 
 OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepdims), attribute keepdims
 
 SOURCE = COLUMN_SUMS + r"""
-__device__ __forceinline__ float gt_value(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
-__device__ __forceinline__ float gt_value(float f) { return f; }
-
-// column_sums.py's layout: each block sums its run of rows into ``partial``; its strip's last block
-// sums the runs. X: bfloat16 bits or float32.
-template <typename X>
+// column_sums.py's layout, V adjacent columns a thread: each block sums its run of rows into
+// ``partial``; its strip's last block sums the runs. X: bfloat16 bits or float32.
+template <int V, typename X>
 __device__ __forceinline__ void bias_grad_sums(const X* __restrict__ x, float* __restrict__ partial,
                                                unsigned int* __restrict__ counters, float* __restrict__ out,
                                                long long R, int C, long long rows_per_part) {
-    __shared__ float s_sum[PART_LANES][33];
-    const int col = blockIdx.x * 32 + threadIdx.x;
+    __shared__ float s_sum[PART_LANES][32 * V + 1];  // column k of a thread at k * 32 + x: no bank conflict
+    const int col = (blockIdx.x * 32 + threadIdx.x) * V;
     const long long first = blockIdx.y * rows_per_part;
     const long long end = first + rows_per_part < R ? first + rows_per_part : R;
-    float a = 0.f;
+    float a[V] = {}, v[V];
     if (col < C)
-        for (long long r = first + threadIdx.y; r < end; r += PART_LANES)
-            a += gt_value(x[r * C + col]);
-    s_sum[threadIdx.y][threadIdx.x] = a;
+        for (long long r = first + threadIdx.y; r < end; r += PART_LANES) {
+            gt_load<V>(x + r * C + col, v);
+            for (int k = 0; k < V; ++k) a[k] += v[k];
+        }
+    for (int k = 0; k < V; ++k) s_sum[threadIdx.y][k * 32 + threadIdx.x] = a[k];
     __syncthreads();
     const long long parts = gridDim.y;
-    if (threadIdx.y == 0 && col < C) {
-        float t = 0.f;
-        for (int k = 0; k < PART_LANES; ++k) t += s_sum[k][threadIdx.x];
-        partial[(long long)blockIdx.y * C + col] = t;
-    }
+    if (threadIdx.y == 0 && col < C)
+        for (int k = 0; k < V; ++k) {
+            float t = 0.f;
+            for (int l = 0; l < PART_LANES; ++l) t += s_sum[l][k * 32 + threadIdx.x];
+            partial[(long long)blockIdx.y * C + col + k] = t;
+        }
     if (!gt_last_block(counters)) return;
-    if (threadIdx.y == 0 && col < C) {
-        float t = 0.f;
-        for (long long p = 0; p < parts; ++p) t += __ldcg(partial + p * C + col);
-        out[col] = t;
-    }
+    if (threadIdx.y == 0 && col < C)
+        for (int k = 0; k < V; ++k) {
+            float t = 0.f;
+            for (long long p = 0; p < parts; ++p) t += __ldcg(partial + p * C + col + k);
+            out[col + k] = t;
+        }
 }
 
-#define GT_BIAS_GRAD(NAME, X)                                                                       \
+#define GT_BIAS_GRAD(NAME, V, X)                                                                    \
     extern "C" __global__ void NAME(const X* __restrict__ x, float* __restrict__ partial,             \
                                     unsigned int* __restrict__ counters, float* __restrict__ out,     \
                                     long long R, int C, long long rows_per_part) {                    \
-        bias_grad_sums(x, partial, counters, out, R, C, rows_per_part);                               \
+        bias_grad_sums<V>(x, partial, counters, out, R, C, rows_per_part);                            \
     }
-GT_BIAS_GRAD(bias_grad, unsigned short)
-GT_BIAS_GRAD(bias_grad_f32, float)
+GT_BIAS_GRAD(bias_grad, 1, unsigned short)
+GT_BIAS_GRAD(bias_grad_f32, 1, float)
+GT_BIAS_GRAD(bias_grad4, 4, unsigned short)
+GT_BIAS_GRAD(bias_grad_f32_4, 4, float)
 """
 
 
@@ -167,7 +170,7 @@ class BiasGradRunner(RawKernelRunner):
     in buffers the runner keeps (a captured graph replays with their pointers)."""
 
     SOURCE = SOURCE
-    KERNELS = ("bias_grad", "bias_grad_f32")
+    KERNELS = ("bias_grad", "bias_grad_f32", "bias_grad4", "bias_grad_f32_4")
     WHAT = "bias gradients"
 
     def __init__(self, group, where: str, device):
@@ -179,7 +182,8 @@ class BiasGradRunner(RawKernelRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        kernels = dict(zip((np.dtype(np.uint16), np.dtype(np.float32)), self.functions()))
+        kernels = dict(zip([(t, v) for v in (1, 4) for t in (np.dtype(np.uint16), np.dtype(np.float32))],
+                           self.functions()))
         with self.stream:
             for op in self.ops:
                 x, axes = values[op.inputs[0]], values[op.inputs[1]]
@@ -187,7 +191,7 @@ class BiasGradRunner(RawKernelRunner):
                 rows = int(np.prod(x.shape[:lead], dtype=np.int64))
                 width = int(np.prod(x.shape[lead:], dtype=np.int64))
                 if allocate:
-                    if x.dtype not in kernels or not x.flags.c_contiguous or lead > x.ndim:
+                    if (x.dtype, 1) not in kernels or not x.flags.c_contiguous or lead > x.ndim:
                         raise RunError(f"{self.where}: '{op.name}': x must be contiguous bfloat16 or float32 with at least "
                                        f"{lead} axes, got {x.dtype} {tuple(x.shape)}")
                     if op.output not in values:  # given where the node runs inside a session (in_session.py)
@@ -195,9 +199,10 @@ class BiasGradRunner(RawKernelRunner):
                     if values[op.output].size != width or values[op.output].dtype != np.float32:
                         raise RunError(f"{self.where}: '{op.name}': the output must be float32 of {width} elements")
                     self.sums.reserve(rows, width)
-                grid, block, per_run = self.sums.layout(rows, width)
+                vec = vector_width(width, x)
+                grid, block, per_run = self.sums.layout(rows, width, vec)
                 try:
-                    kernels[x.dtype](grid, block, (x, self.sums.partial, self.sums.counters, values[op.output], np.int64(rows),
+                    kernels[x.dtype, vec](grid, block, (x, self.sums.partial, self.sums.counters, values[op.output], np.int64(rows),
                                          np.int32(width), per_run))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None

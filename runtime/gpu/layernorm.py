@@ -39,9 +39,9 @@ import numpy as np
 from contract.ops import LAYERNORM_GRAD
 from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
-from runtime.gpu.column_sums import ColumnSums
+from runtime.gpu.column_sums import ColumnSums, vector_width
 from runtime.gpu.elementwise_steps import PREAMBLE
-from runtime.gpu.kernel_runner import RawKernelRunner, aligned
+from runtime.gpu.kernel_runner import RawKernelRunner
 
 WARP_VECS = 8  # the source's: a row of up to 32 * 4 * WARP_VECS values takes one warp
 ROWS_A_BLOCK = 8  # warps (rows) a block of layer_norm_forward_warp
@@ -207,46 +207,61 @@ extern "C" __global__ void layer_norm_forward(const float* __restrict__ x, const
     }
 }
 
-// dscale and dbias in one launch, column_sums.py's layout: each block sums its run of rows into
-// ``partial`` (parts x C for dscale, then for dbias); its strip's last block sums the runs.
-extern "C" __global__ void layer_norm_grad_params(const float* __restrict__ dy, const float* __restrict__ x,
-                                                  const float* __restrict__ mean, const float* __restrict__ inv,
-                                                  float* __restrict__ partial, unsigned int* __restrict__ counters,
-                                                  float* __restrict__ dscale, float* __restrict__ dbias,
-                                                  long long R, int C, long long rows_per_part) {
-    __shared__ float s_scale[PART_LANES][33], s_bias[PART_LANES][33];
-    const int col = blockIdx.x * 32 + threadIdx.x;
+// dscale and dbias in one launch, column_sums.py's layout (V adjacent columns a thread): each block
+// sums its run of rows into ``partial`` (parts x C for dscale, then for dbias); its strip's last
+// block sums the runs.
+template <int V>
+__device__ __forceinline__ void grad_params(const float* __restrict__ dy, const float* __restrict__ x,
+                                            const float* __restrict__ mean, const float* __restrict__ inv,
+                                            float* __restrict__ partial, unsigned int* __restrict__ counters,
+                                            float* __restrict__ dscale, float* __restrict__ dbias,
+                                            long long R, int C, long long rows_per_part) {
+    __shared__ float s_scale[PART_LANES][32 * V + 1], s_bias[PART_LANES][32 * V + 1];  // column k at k * 32 + x
+    const int col = (blockIdx.x * 32 + threadIdx.x) * V;
     const long long first = blockIdx.y * rows_per_part;
     const long long end = first + rows_per_part < R ? first + rows_per_part : R;
-    float a = 0.f, b = 0.f;
+    float a[V] = {}, b[V] = {}, d[V], xs[V];
     if (col < C) {
         for (long long r = first + threadIdx.y; r < end; r += PART_LANES) {
-            const float d = dy[r * C + col];
-            a += d * ((x[r * C + col] - mean[r]) * inv[r]);
-            b += d;
+            gt_load<V>(dy + r * C + col, d);
+            gt_load<V>(x + r * C + col, xs);
+            const float mu = mean[r], rs = inv[r];
+            for (int k = 0; k < V; ++k) { a[k] += d[k] * ((xs[k] - mu) * rs); b[k] += d[k]; }
         }
     }
-    s_scale[threadIdx.y][threadIdx.x] = a;
-    s_bias[threadIdx.y][threadIdx.x] = b;
+    for (int k = 0; k < V; ++k) { s_scale[threadIdx.y][k * 32 + threadIdx.x] = a[k]; s_bias[threadIdx.y][k * 32 + threadIdx.x] = b[k]; }
     __syncthreads();
     const long long parts = gridDim.y;
-    if (threadIdx.y == 0 && col < C) {
-        float ta = 0.f, tb = 0.f;
-        for (int k = 0; k < PART_LANES; ++k) { ta += s_scale[k][threadIdx.x]; tb += s_bias[k][threadIdx.x]; }
-        partial[(long long)blockIdx.y * C + col] = ta;
-        partial[(parts + blockIdx.y) * C + col] = tb;
-    }
-    if (!gt_last_block(counters)) return;
-    if (threadIdx.y == 0 && col < C) {
-        float ta = 0.f, tb = 0.f;
-        for (long long p = 0; p < parts; ++p) {  // in order: the same bits on every run
-            ta += __ldcg(partial + p * C + col);
-            tb += __ldcg(partial + (parts + p) * C + col);
+    if (threadIdx.y == 0 && col < C)
+        for (int k = 0; k < V; ++k) {
+            float ta = 0.f, tb = 0.f;
+            for (int l = 0; l < PART_LANES; ++l) { ta += s_scale[l][k * 32 + threadIdx.x]; tb += s_bias[l][k * 32 + threadIdx.x]; }
+            partial[(long long)blockIdx.y * C + col + k] = ta;
+            partial[(parts + blockIdx.y) * C + col + k] = tb;
         }
-        dscale[col] = ta;
-        dbias[col] = tb;
-    }
+    if (!gt_last_block(counters)) return;
+    if (threadIdx.y == 0 && col < C)
+        for (int k = 0; k < V; ++k) {
+            float ta = 0.f, tb = 0.f;
+            for (long long p = 0; p < parts; ++p) {  // in order: the same bits on every run
+                ta += __ldcg(partial + p * C + col + k);
+                tb += __ldcg(partial + (parts + p) * C + col + k);
+            }
+            dscale[col + k] = ta;
+            dbias[col + k] = tb;
+        }
 }
+
+#define GT_GRAD_PARAMS(NAME, V)                                                                     \
+    extern "C" __global__ void NAME(const float* __restrict__ dy, const float* __restrict__ x,         \
+                                    const float* __restrict__ mean, const float* __restrict__ inv,    \
+                                    float* __restrict__ partial, unsigned int* __restrict__ counters, \
+                                    float* __restrict__ dscale, float* __restrict__ dbias, long long R, \
+                                    int C, long long rows_per_part) {                                 \
+        grad_params<V>(dy, x, mean, inv, partial, counters, dscale, dbias, R, C, rows_per_part);      \
+    }
+GT_GRAD_PARAMS(layer_norm_grad_params, 1)
+GT_GRAD_PARAMS(layer_norm_grad_params4, 4)
 """
 
 
@@ -288,7 +303,8 @@ class LayerNormRunner(RawKernelRunner):
     stream (the module docstring)."""
 
     SOURCE = SOURCE
-    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params", "layer_norm_forward", "layer_norm_forward_warp")
+    KERNELS = ("layer_norm_grad_input", "layer_norm_grad_params", "layer_norm_grad_params4", "layer_norm_forward",
+               "layer_norm_forward_warp")
     WHAT = "LayerNorms"
 
     def __init__(self, group, where: str, device):
@@ -326,7 +342,7 @@ class LayerNormRunner(RawKernelRunner):
 
     def launch(self, values, allocate: bool) -> None:
         cp = self.cp
-        grad_input, grad_params, *forward = self.functions()
+        grad_input, grad_params, grad_params4, *forward = self.functions()
         with self.stream:
             for op in self.ops:
                 x = values[op.inputs[0 if op.forward else 1]]
@@ -349,10 +365,11 @@ class LayerNormRunner(RawKernelRunner):
                         continue
                     dy, _, scale, mean, inv = (values[name] for name in op.inputs)
                     dx, dscale, dbias = (values[name] for name in op.outputs)
-                    vec = np.int32(width % 4 == 0 and aligned(dy, x, scale, dx))  # every row 16-byte aligned
-                    grid, block, per_run = self.sums.layout(rows, width)
-                    grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width), vec))
-                    grad_params(grid, block, (dy, x, mean, inv, self.sums.partial, self.sums.counters, dscale, dbias,
+                    vec = vector_width(width, dy, x, scale, dx)  # 4: every row 16-byte aligned
+                    grid, block, per_run = self.sums.layout(rows, width, vec)
+                    grad_input((rows,), (row_threads(width),), (dy, x, scale, mean, inv, dx, np.int32(width),
+                                                                np.int32(vec == 4)))
+                    (grad_params4 if vec == 4 else grad_params)(grid, block, (dy, x, mean, inv, self.sums.partial, self.sums.counters, dscale, dbias,
                                               np.int64(rows), np.int32(width), per_run))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None
@@ -362,7 +379,7 @@ class LayerNormRunner(RawKernelRunner):
         """A row a warp where it fits in the warp's registers, else a row a block."""
         x, scale, *bias = (values[name] for name in op.inputs)
         y, mean, inv = (values[name] for name in op.outputs)
-        vec = np.int32(width % 4 == 0 and aligned(x, scale, *bias, y))
+        vec = np.int32(vector_width(width, x, scale, *bias, y) == 4)
         head = (x, scale, bias[0] if bias else scale, np.int32(bool(bias)), y, np.int32(y.dtype == _BF16), mean, inv)
         tail = (np.int32(width), vec, np.float32(op.epsilon))
         by_block, by_warp = kernels
