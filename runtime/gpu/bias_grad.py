@@ -66,11 +66,20 @@ __device__ __forceinline__ void bias_grad_sums(const X* __restrict__ x, float* _
             partial[(long long)blockIdx.y * C + col + k] = t;
         }
     if (!gt_last_block(counters)) return;
+    // Every row lane sums every PART_LANES-th run, then lane 0 the lanes' sums: a fixed order.
+    float t[V] = {};
+    if (col < C)
+        for (long long p = threadIdx.y; p < parts; p += PART_LANES) {
+            gt_load_cg<V>(partial + p * C + col, v);
+            for (int k = 0; k < V; ++k) t[k] += v[k];
+        }
+    for (int k = 0; k < V; ++k) s_sum[threadIdx.y][k * 32 + threadIdx.x] = t[k];
+    __syncthreads();
     if (threadIdx.y == 0 && col < C)
         for (int k = 0; k < V; ++k) {
-            float t = 0.f;
-            for (long long p = 0; p < parts; ++p) t += __ldcg(partial + p * C + col + k);
-            out[col + k] = t;
+            float u = 0.f;
+            for (int l = 0; l < PART_LANES; ++l) u += s_sum[l][k * 32 + threadIdx.x];
+            out[col + k] = u;
         }
 }
 

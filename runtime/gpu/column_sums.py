@@ -1,7 +1,7 @@
 """Column sums over many rows in one launch, the layout the LayerNorm parameter gradients
 (layernorm.py) and the bias gradients (bias_grad.py) share: the rows (R of them, C columns) are cut
 into runs, a block of 32 columns x PART_LANES row lanes sums one run of one strip of 32 columns into
-a buffer of partial sums, and the strip's last block to finish sums the strip's runs in order.
+a buffer of partial sums, and the strip's last block to finish sums the strip's runs in a fixed order.
 
 Why: one block per strip over all rows (the first LayerNorm form) kept 24 blocks busy on
 GPT-2-small's 768 columns (27 us a node on an H200); a second launch for the final sums cost
@@ -16,7 +16,9 @@ a float32 row per load instead of 128 (the float32 bias sums of GPT-2-small ran 
   after writing its partial sums: whether the block is its strip's last to finish (the CUDA
   samples' threadfence reduction: its partials are visible device-wide before it is counted). That
   block alone goes on, and the strip's counter is set back to 0 for the next launch (a captured
-  graph replays it).
+  graph replays it); its row lanes share summing the runs (each every PART_LANES-th run, then
+  lane 0 the lanes' sums, a fixed order), where one lane summing them in turn made a chain of
+  ``parts`` dependent reads of L2 per column (``gt_load_cg``).
 - ``ColumnSums``: a runner's partial sums and counters (grown by its first calls; its nodes run one
   after another on one stream, so they share them) and each launch's grid.
 """
@@ -44,6 +46,16 @@ __device__ __forceinline__ void gt_load(const X* __restrict__ p, float* v) {
         v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xffff0000u);
     } else {
         for (int k = 0; k < V; ++k) v[k] = gt_value(p[k]);
+    }
+}
+// V adjacent partial sums, read past L1 (another block wrote them): one 16-byte load for 4.
+template <int V>
+__device__ __forceinline__ void gt_load_cg(const float* __restrict__ p, float* v) {
+    if (V == 4) {
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    } else {
+        for (int k = 0; k < V; ++k) v[k] = __ldcg(p + k);
     }
 }
 __device__ __forceinline__ bool gt_last_block(unsigned int* counters) {

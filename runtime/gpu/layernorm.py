@@ -240,15 +240,23 @@ __device__ __forceinline__ void grad_params(const float* __restrict__ dy, const 
             partial[(parts + blockIdx.y) * C + col + k] = tb;
         }
     if (!gt_last_block(counters)) return;
+    // Every row lane sums every PART_LANES-th run, then lane 0 the lanes' sums: a fixed order, the
+    // same bits on every run.
+    float ta[V] = {}, tb[V] = {};
+    if (col < C)
+        for (long long p = threadIdx.y; p < parts; p += PART_LANES) {
+            gt_load_cg<V>(partial + p * C + col, d);
+            gt_load_cg<V>(partial + (parts + p) * C + col, xs);
+            for (int k = 0; k < V; ++k) { ta[k] += d[k]; tb[k] += xs[k]; }
+        }
+    for (int k = 0; k < V; ++k) { s_scale[threadIdx.y][k * 32 + threadIdx.x] = ta[k]; s_bias[threadIdx.y][k * 32 + threadIdx.x] = tb[k]; }
+    __syncthreads();
     if (threadIdx.y == 0 && col < C)
         for (int k = 0; k < V; ++k) {
-            float ta = 0.f, tb = 0.f;
-            for (long long p = 0; p < parts; ++p) {  // in order: the same bits on every run
-                ta += __ldcg(partial + p * C + col + k);
-                tb += __ldcg(partial + (parts + p) * C + col + k);
-            }
-            dscale[col + k] = ta;
-            dbias[col + k] = tb;
+            float ua = 0.f, ub = 0.f;
+            for (int l = 0; l < PART_LANES; ++l) { ua += s_scale[l][k * 32 + threadIdx.x]; ub += s_bias[l][k * 32 + threadIdx.x]; }
+            dscale[col + k] = ua;
+            dbias[col + k] = ub;
         }
 }
 
