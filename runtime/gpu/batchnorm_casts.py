@@ -27,7 +27,7 @@ import onnx
 from onnx import helper
 
 from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD, BATCHNORM_VERSION
-from runtime.gpu.rewrite_nodes import add_function, attribute, renamed
+from runtime.gpu.rewrite_nodes import add_function, attribute, drop_nodes, renamed
 
 DOMAIN = "graph_transpiler.gpu.batchnorm"  # the runtime's own: the fused nodes of this rewrite
 _WIDE_INPUTS = {BATCHNORM_TRAINING: (0,), BATCHNORM_TRAINING_GRAD: (0, 1)}  # X; dY and X
@@ -100,9 +100,7 @@ def fold_batchnorm_casts(model: onnx.ModelProto) -> onnx.ModelProto:
     if fused:
         still_read = {name for k, n in enumerate(nodes) if k not in dropped for name in n.input}
         dropped |= {k for k in widened if nodes[k].output[0] not in still_read and nodes[k].output[0] not in outputs}
-        kept = [n for k, n in enumerate(nodes) if k not in dropped]
-        del graph.node[:]
-        graph.node.extend(kept)
+        drop_nodes(graph, nodes, dropped)
     return model
 
 

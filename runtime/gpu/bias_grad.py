@@ -34,7 +34,7 @@ from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
 from runtime.gpu.column_sums import ColumnSums, vector_width
 from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
-from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value
+from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value, drop_nodes
 
 DOMAIN = "graph_transpiler.gpu.bias_grad"  # the runtime's own: the fused nodes of this rewrite
 OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepdims), attribute keepdims
@@ -139,9 +139,7 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
         node.attribute.append(helper.make_attribute("keepdims", keepdims))
         fused += 1
     if fused:
-        kept = [n for k, n in enumerate(nodes) if k not in dropped]
-        del graph.node[:]
-        graph.node.extend(kept)
+        drop_nodes(graph, nodes, dropped)
     return model
 
 

@@ -25,7 +25,7 @@ import onnx
 from onnx import helper
 
 from runtime.gpu.layernorm import FORWARD
-from runtime.gpu.rewrite_nodes import add_function, attribute, renamed
+from runtime.gpu.rewrite_nodes import add_function, attribute, drop_nodes, renamed
 
 DOMAIN = "graph_transpiler.gpu.layernorm"  # the runtime's own: the fused nodes of this rewrite
 
@@ -72,7 +72,5 @@ def fold_layernorms(model: onnx.ModelProto) -> onnx.ModelProto:
         node.domain, node.op_type, node.name = DOMAIN, op_type, node.name or op_type
         fused += 1
     if dropped:
-        kept = [n for k, n in enumerate(nodes) if k not in dropped]
-        del graph.node[:]
-        graph.node.extend(kept)
+        drop_nodes(graph, nodes, dropped)
     return model

@@ -1,8 +1,9 @@
 """What the backend's rewrites of the step graph into native nodes share (cross_entropy.py,
-scatter_add.py, parameter_casts.py, bias_grad.py, batchnorm_casts.py, conv_data_grad.py): reading a
-node's attribute or a Constant's value, and giving a fused node its ONNX function (the nodes it
-replaced, renamed onto the function's formal names, so that a session that cannot take it computes
-what the graph computed before) with its domain in the model's opsets.
+scatter_add.py, parameter_casts.py, bias_grad.py, batchnorm_casts.py, layernorm_casts.py,
+conv_data_grad.py): reading a node's attribute or a Constant's value, giving a fused node its ONNX
+function (the nodes it replaced, renamed onto the function's formal names, so that a session that
+cannot take it computes what the graph computed before) with its domain in the model's opsets, and
+dropping the nodes it replaced.
 """
 
 from __future__ import annotations
@@ -45,3 +46,11 @@ def add_function(model: onnx.ModelProto, domain: str, op_type: str, inputs: list
     model.functions.append(helper.make_function(domain, op_type, inputs, outputs, body, opsets))
     if not any(o.domain == domain for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(domain, 1))
+
+
+def drop_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], dropped: set[int]) -> None:
+    """``graph``'s nodes made ``nodes`` (its nodes as a rewrite read them, some changed in place)
+    less the positions in ``dropped``, in order."""
+    kept = [n for k, n in enumerate(nodes) if k not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
