@@ -36,7 +36,8 @@ def _model(axes=(0, 1), second_reader: bool = False) -> onnx.ModelProto:
         nodes.append(helper.make_node("Relu", ["wide"], ["other"]))
         outputs.append(helper.make_tensor_value_info("other", TensorProto.FLOAT, [3, 5, 7]))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5, 7])], outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                                               ir_version=10))
 
 
 def test_the_rewrite_computes_what_the_pair_computed():
@@ -48,6 +49,21 @@ def test_the_rewrite_computes_what_the_pair_computed():
     assert [n.op_type for n in fused.graph.node] == ["Cast", "Constant", "BiasGrad_0"]
     assert [n.input[0] for n in fused.graph.node if n.domain == DOMAIN] == ["xb"]
     np.testing.assert_array_equal(run(fused)[0], expected[0])
+
+
+def test_a_cast_from_int64_stays_and_the_sum_reads_its_float32_value():
+    """The kernels read bfloat16 or float32: an int64 value's Cast is not folded in (the node would
+    be taken into the session, then refused by the runner); its float32 result is summed."""
+    nodes = [helper.make_node("Cast", ["ids"], ["wide"], to=TensorProto.FLOAT),
+             helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("a", TensorProto.INT64, [1], [0])),
+             helper.make_node("ReduceSum", ["wide", "axes"], ["sum"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [64, 40])],
+                              [helper.make_tensor_value_info("sum", TensorProto.FLOAT, [40])])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                                                ir_version=10))
+    fused = fuse_bias_grads(model)
+    assert [(n.op_type, n.input[0]) for n in fused.graph.node if n.op_type != "Constant"] == [("Cast", "ids"),
+                                                                                               ("BiasGrad_0", "wide")]
 
 
 @pytest.mark.parametrize("axes, second_reader", [((1,), False), ((0, 2), False), ((0, 1), True)])
@@ -103,7 +119,9 @@ needs_gpu = pytest.mark.skipif(gpu_count() < 1 or not cuda_available(), reason="
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("shape, lead", [((2, 2048, 768), 2), ((1000, 37), 1), ((5, 3), 1)])
+# GPT-2-small's rows (4 columns a thread, whole strips of 128), odd widths (a column a thread), and
+# a width of 200 (4 columns a thread, the last strip partly filled).
+@pytest.mark.parametrize("shape, lead", [((2, 2048, 768), 2), ((1000, 37), 1), ((5, 3), 1), ((300, 200), 1)])
 def test_the_kernels_equal_a_float64_sum(shape, lead, dtype):
     import cupy as cp
 

@@ -103,3 +103,28 @@ def test_an_output_as_small_as_its_inputs_or_read_elsewhere_stays(low, outside):
     fused = fuse_elementwise(_model(low, outside), additions=True, bfloat16=True)
     forward = _fused(fused)[0]
     assert "d" in forward.output and any("d" in n.input for n in _fused(fused)[1:])
+
+
+def test_a_producer_keeps_its_later_inputs_in_order_when_an_earlier_one_goes_with_the_chain():
+    """The producer reads x, then k (a row only the moved chain uses), then b: what it keeps reads x
+    and b at their new positions, and the step still computes what the graph does."""
+    cast = lambda a, b, to: helper.make_node("Cast", [a], [b], to=to)  # noqa: E731
+    nodes = [cast("x", "xw", F), helper.make_node("Mul", ["xw", "k"], ["o"]),
+             helper.make_node("Add", ["xw", "b"], ["s"]), cast("s", "y", B),
+             helper.make_node("Transpose", ["y"], ["yt"], perm=[0, 2, 1]),
+             helper.make_node("Transpose", ["yt"], ["dy"], perm=[0, 2, 1]), cast("dy", "dyw", F),
+             helper.make_node("Mul", ["dyw", "o"], ["g"]), cast("g", "gb", B), cast("gb", "out", F)]
+    inputs = [helper.make_tensor_value_info("x", B, ["rows", T, WIDTH])]
+    inputs += [helper.make_tensor_value_info(n, F, [WIDTH]) for n in ("k", "b")]
+    model = onnx.shape_inference.infer_shapes(one_graph_model(
+        nodes, inputs, [helper.make_tensor_value_info("out", F, ["rows", T, WIDTH])]))
+    fused = fuse_elementwise(model, additions=True, bfloat16=True)
+    forward, backward = _fused(fused)
+    assert list(forward.input) == ["x", "b"] and list(forward.output) == ["y"]
+    assert set(backward.input) == {"dy", "x", "k"}
+    rng = np.random.default_rng(2)
+    feeds = {"x": widen_bf16_numpy(round_bf16_numpy(rng.normal(size=(ROWS, T, WIDTH)).astype(np.float32)))}
+    feeds.update((n, rng.normal(size=WIDTH).astype(np.float32)) for n in "kb")
+    run = lambda m: ort.InferenceSession(lower(onnx.inliner.inline_local_functions(m)).SerializeToString(),  # noqa: E731
+                                         providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_array_equal(run(fused)[0], run(model)[0])

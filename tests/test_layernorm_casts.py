@@ -24,17 +24,19 @@ SHAPE, WIDTH = (2, 3, 8), (8,)
 
 
 def _model(y_readers: str = "Cast", axis: int = -1, dtype: int = TensorProto.FLOAT, stats: bool = True,
-           bias: bool = True) -> onnx.ModelProto:
-    """x -> LayerNormalization -> y, read as ``y_readers`` says: "Cast" (a Cast to bf16 and a Shape),
-    "Cast+Add" (and an Add of y), "Add" (an Add alone); every value widened to float32 at the end
-    (onnxruntime's Python API takes no bfloat16)."""
+           bias: bool = True, cast_to: int = TensorProto.BFLOAT16, y_output: bool = False, stash_type: int = 1,
+           scale_width: int | None = None) -> onnx.ModelProto:
+    """x -> LayerNormalization -> y, read as ``y_readers`` says: "Cast" (a Cast to ``cast_to`` and a
+    Shape), "Cast+Add" (and an Add of y), "Add" (an Add alone); y a graph output too where
+    ``y_output``; every value widened to float32 at the end (onnxruntime's Python API takes no
+    bfloat16)."""
     outs = ["y", "mean", "inv"] if stats else ["y"]
     nodes = [helper.make_node("LayerNormalization", ["x", "scale", "bias"] if bias else ["x", "scale"], outs,
-                              name="ln", axis=axis, epsilon=1e-5),
+                              name="ln", axis=axis, epsilon=1e-5, stash_type=stash_type),
              helper.make_node("Shape", ["y"], ["y_shape"])]
-    results = [("y_shape", TensorProto.INT64, [3])]
+    results = [("y_shape", TensorProto.INT64, [3])] + ([("y", dtype, list(SHAPE))] if y_output else [])
     if "Cast" in y_readers:
-        nodes += [helper.make_node("Cast", ["y"], ["yb"], to=TensorProto.BFLOAT16),
+        nodes += [helper.make_node("Cast", ["y"], ["yb"], to=cast_to),
                   helper.make_node("Cast", ["yb"], ["y_round"], to=TensorProto.FLOAT)]
         results.append(("y_round", TensorProto.FLOAT, list(SHAPE)))
     if "Add" in y_readers:
@@ -42,7 +44,7 @@ def _model(y_readers: str = "Cast", axis: int = -1, dtype: int = TensorProto.FLO
         results.append(("y2", dtype, list(SHAPE)))
     if stats:
         results += [("mean", TensorProto.FLOAT, [*SHAPE[:-1], 1]), ("inv", TensorProto.FLOAT, [*SHAPE[:-1], 1])]
-    width = [SHAPE[-1]] if axis == -1 else list(SHAPE[axis:])
+    width = [scale_width or SHAPE[-1]] if axis == -1 else list(SHAPE[axis:])
     inputs = [helper.make_tensor_value_info("x", dtype, SHAPE), helper.make_tensor_value_info("scale", dtype, width),
               helper.make_tensor_value_info("bias", dtype, width)][:3 if bias else 2]
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(*r) for r in results])
@@ -82,7 +84,18 @@ def test_a_float32_output_read_otherwise_keeps_its_cast_and_the_node_writes_floa
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("variant", [{"axis": 1}, {"dtype": TensorProto.DOUBLE, "y_readers": "Add"}, {"stats": False}])
+@pytest.mark.parametrize("variant", [{"cast_to": TensorProto.FLOAT16}, {"y_output": True}])
+def test_a_cast_not_to_bf16_or_a_y_read_as_an_output_stays_and_the_node_writes_float32(variant):
+    expected = _run(_model(**variant))
+    fused = fold_layernorms(_model(**variant))
+    node = next(n for n in fused.graph.node if n.domain == DOMAIN)
+    assert node.output[0] == "y" and sum(n.op_type == "Cast" for n in fused.graph.node) == 2
+    for got, want in zip(_run(fused), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("variant", [{"axis": 1}, {"dtype": TensorProto.DOUBLE, "y_readers": "Add"}, {"stats": False},
+                                     {"stash_type": 0}, {"scale_width": 1}])
 def test_a_layernorm_the_kernel_does_not_compute_is_left_alone(variant):
     model = _model(**variant)
     before = [(n.domain, n.op_type) for n in model.graph.node]

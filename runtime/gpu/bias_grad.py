@@ -100,9 +100,9 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with each ReduceSum over leading axes (a constant ``axes`` input [0, .., k-1]) of a
     Cast to float32 that only it reads made one ``DOMAIN`` node reading the Cast's input, and each
     such ReduceSum of a float32 value (its type and trailing dimensions known, the rows at least 32
-    wide) one reading that value, in place; returned. Whether a Cast's input is bfloat16 is
-    in_session.TAKES' to decide (this domain takes bfloat16 and float32: a Cast from float16 or
-    double leaves the node to its function)."""
+    wide) one reading that value, in place; returned. A Cast is taken only where its input's type
+    is known to be bfloat16 or float32 (TAKES lists int64 for ``axes``: an int64 input would be
+    taken in and refused by the runner)."""
     graph = model.graph
     types = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]}
     nodes = list(graph.node)
@@ -122,7 +122,8 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
         c = producer.get(node.input[0])
         cast = None if c is None else nodes[c]
         if (cast is None or cast.op_type != "Cast" or readers.get(cast.output[0]) != 1 or cast.output[0] in outputs
-                or attribute(cast, "to") != onnx.TensorProto.FLOAT):
+                or attribute(cast, "to") != onnx.TensorProto.FLOAT
+                or getattr(types.get(cast.input[0]), "elem_type", None) not in _SUMMED):
             cast = None
             if not _wide_float(types.get(node.input[0]), lead):
                 continue
@@ -141,6 +142,9 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
     if fused:
         drop_nodes(graph, nodes, dropped)
     return model
+
+
+_SUMMED = (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT)  # what the kernels read
 
 
 def _leading(k: int | None, nodes) -> int:

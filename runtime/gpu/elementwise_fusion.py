@@ -227,7 +227,7 @@ def fuse_elementwise(model: onnx.ModelProto, additions: bool = False, bfloat16: 
     # Place the fused nodes: a topological order that keeps the original one wherever it can
     # (each fused node takes its first member's place in the priority).
     items = [(i, fused[i]) for i in sorted(fused)] + [(i, nodes[i]) for i in range(len(nodes)) if i not in dropped]
-    if bfloat16:  # a float32 chain's inputs are never smaller than its outputs (elementwise_recompute.py)
+    if bfloat16:  # as the backend fuses (bf16 casts joining): where an input is bf16, the rule may hold
         kept = recompute_in_readers([node for _, node in items], graph_outputs, facts.size_of)
         items = [(i, node) for (i, _), node in zip(items, kept) if node is not None]
     ordered = _topological(items, {n.name for n in model.graph.input} | {t.name for t in model.graph.initializer})

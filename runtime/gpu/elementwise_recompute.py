@@ -8,7 +8,8 @@ so the forward writes a float32 derivative over the [batch, T, 4C] activation th
 backward's chain reads, 12 times a step: 4 bytes an element written, held from the forward to the
 backward, and read back. The bf16 MatMul output (2 bytes an element) and the bias make the same
 float32 values again in the backward, as PyTorch's compiler recomputes pointwise ops there rather
-than save them. A float32 step is left as it is: its MatMul output is as large as the derivative.
+than save them. In a float32 step the rule below rarely holds: its MatMul output is as large as the
+derivative.
 
 Bytes: the pair moved 2 |o| (written, read back) and now moves the inputs the reader did not
 already read; memory: the output no longer lives from producer to reader, the inputs do (where
@@ -76,6 +77,8 @@ def _recomputed(producer: onnx.NodeProto, o: str, reader: onnx.NodeProto, size_o
     index = list(producer.output).index(o)
     chain = _needed(steps, [results[index]])
     used = sorted({i for k in chain for kind, i in steps[k][1] if kind == "x"})
+    if not used:  # a chain of constants alone: nothing to move it by
+        return None
     extra = [producer.input[i] for i in used if producer.input[i] not in reader.input]
     sizes = [size_of(name) for name in [*extra, o]]
     if any(s is None for s in sizes) or sum(sizes[:-1]) >= sizes[-1]:
@@ -103,6 +106,8 @@ def _recomputed(producer: onnx.NodeProto, o: str, reader: onnx.NodeProto, size_o
     live = _needed(steps, [results[j] for j in keep])
     live_at = {k: j for j, k in enumerate(live)}
     p_used = sorted({i for k in live for kind, i in steps[k][1] if kind == "x"})
+    if not p_used:
+        return None
     p_at = {i: j for j, i in enumerate(p_used)}
     p_steps = [(op, [("x", p_at[i]) if kind == "x" else ("t", live_at[i]) if kind == "t" else (kind, i)
                      for kind, i in refs]) for op, refs in (steps[k] for k in live)]

@@ -8,8 +8,9 @@ so a bf16 transformer's step graph holds, per LayerNorm,
 onnxruntime's kernel writes Y in float32 and a second kernel rounds it: two passes over the
 activation where one reads X and writes the bfloat16 Y (GPT-2-small: 25 of each, 0.47 ms of an
 11.3 ms step on an H200). The rewrite makes each LayerNormalization over the last axis whose X,
-scale and B are float32 (as the graph's value types say) and whose three outputs are all used (a
-training step: the gradient reads the statistics) one node of ``DOMAIN`` that layernorm.py's
+scale and B are float32 (as the graph's value types say; scale and B of X's width, unbroadcast) and
+whose three outputs are all named (a training step: the gradient reads the statistics) one node of
+``DOMAIN`` that layernorm.py's
 ``layer_norm_forward`` runs; where Y is read by one Cast to bfloat16 and otherwise only by Shape
 nodes (shapes are dtype-blind), the Cast's value becomes the node's Y and the Shape nodes read
 it. A float32 step gets the node too (one kernel at the memory's speed instead of onnxruntime's).
@@ -30,6 +31,25 @@ from runtime.gpu.rewrite_nodes import add_function, attribute, drop_nodes, renam
 DOMAIN = "graph_transpiler.gpu.layernorm"  # the runtime's own: the fused nodes of this rewrite
 
 
+def _dims(tensor_type) -> list | None:
+    """A value's dimensions (ints, or None where not static), None where its rank is unknown."""
+    if not tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+
+
+def _float_rows(types: dict, inputs: list[str]) -> bool:
+    """Whether X, scale (and B) are float32 and scale (and B) of shape [C], C X's last dimension
+    where that is static: the kernel's contract (ONNX lets them broadcast; such a node stays)."""
+    known = [types.get(name, (None, None)) for name in inputs]
+    if any(dtype != onnx.TensorProto.FLOAT for dtype, _ in known):
+        return False
+    x, *rows = (dims for _, dims in known)
+    widths = {dims[0] if dims is not None and len(dims) == 1 else None for dims in rows}
+    width = widths.pop() if len(widths) == 1 else None
+    return width is not None and bool(x) and x[-1] in (None, width)
+
+
 def fold_layernorms(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with each LayerNormalization the module docstring names made one ``DOMAIN``
     node, in place; returned."""
@@ -39,15 +59,16 @@ def fold_layernorms(model: onnx.ModelProto) -> onnx.ModelProto:
     for k, n in enumerate(nodes):
         for name in n.input:
             readers.setdefault(name, []).append(k)
-    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
-    types.update((t.name, t.data_type) for t in graph.initializer)
+    types = {v.name: (v.type.tensor_type.elem_type, _dims(v.type.tensor_type))
+             for v in [*graph.input, *graph.value_info, *graph.output]}
+    types.update((t.name, (t.data_type, list(t.dims))) for t in graph.initializer)
     outputs = {o.name for o in graph.output}
     dropped: set[int] = set()
     fused = 0
     for node in nodes:
         if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx") or attribute(node, "axis", -1) != -1 \
                 or attribute(node, "stash_type", 1) != 1 or len(node.output) != 3 or not all(node.output) \
-                or not all(node.input) or any(types.get(name) != onnx.TensorProto.FLOAT for name in node.input):
+                or not all(node.input) or not _float_rows(types, list(node.input)):
             continue
         y = node.output[0]
         after = [k for k in readers.get(y, []) if nodes[k].op_type != "Shape"]
