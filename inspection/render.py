@@ -109,7 +109,8 @@ def out_sections(rep: dict) -> list[Section]:
         f"{m} {info['imbalance']:.3f}" + (" (used)" if m == place["method"] else "") for m, info in methods.items()))
     sections.append(ps)
 
-    bs = Section(f"buckets (cap {p['bucket_mb']} MiB, in backward order)", ["bucket", "root", "bytes", "params"],
+    first = f", the first {p['first_bucket_mb']} MiB" if p.get("first_bucket_mb") is not None else ""
+    bs = Section(f"buckets (cap {p['bucket_mb']} MiB{first}, in backward order)", ["bucket", "root", "bytes", "params"],
                  numeric={0, 1, 2})
     for b in rep["buckets"]:
         bs.rows.append([str(b["id"]), str(b["root"]), f"{b['bytes']:,}", _names(b["params"], 6)])

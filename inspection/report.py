@@ -110,6 +110,7 @@ def build_report(path: Path, ranks: list[int] | None = None, *, rows_per_rank: i
         "max_grad_norm": plan["optimizer"].get("max_grad_norm"),
         "grad_accumulation": plan.get("grad_accumulation", 1),
         "loss": plan["loss"], "lr_input": plan["lr_input"], "bucket_mb": plan.get("bucket_mb"),
+        "first_bucket_mb": plan.get("first_bucket_mb"),
         "parameters": len(params), "parameter_bytes": sum(p["bytes"] for p in params),
         "frozen": list(plan["frozen"]),
     }

@@ -140,6 +140,35 @@ def test_buckets_follow_backward_order_and_cap():
     assert ["w3"] in [b.params for b in big]  # a tensor over the cap gets a bucket of its own
 
 
+def test_the_first_bucket_takes_its_own_cap():
+    """DDP's small first bucket: the first bucket in backward order (each root's first, where
+    buckets follow roots) closes at ``first_cap_bytes``, the later ones at ``cap_bytes``."""
+    order = ["w6", "w5", "w4", "w3", "w2", "w1"]
+    sizes = dict.fromkeys(order, 40)
+    roots = {"w6": 0, "w5": 1, "w4": 0, "w3": 1, "w2": 0, "w1": 1}
+    flat = make_buckets(order, sizes, roots, cap_bytes=200, group_by_root=False, first_cap_bytes=40)
+    assert [b.params for b in flat] == [["w6"], ["w5", "w4", "w3", "w2", "w1"]]
+    by_root = make_buckets(order, sizes, roots, cap_bytes=200, group_by_root=True, first_cap_bytes=40)
+    assert [(b.root, b.params) for b in by_root] == [(0, ["w6"]), (1, ["w5"]), (0, ["w4", "w2"]), (1, ["w3", "w1"])]
+    assert make_buckets(order, sizes, roots, cap_bytes=200, group_by_root=False) == \
+        make_buckets(order, sizes, roots, cap_bytes=200, group_by_root=False, first_cap_bytes=None)
+
+
+def test_first_bucket_mb_reaches_the_plan(model_dir, tmp_path):
+    """--first-bucket-mb: plan.json records it, and the first bucket holds no more than it (but
+    one parameter), the rest bucketed as before."""
+    default, small = tmp_path / "default", tmp_path / "small"
+    transpile(model_dir("gpt") / "model.onnx", default, Options(world_size=2))
+    transpile(model_dir("gpt") / "model.onnx", small, Options(world_size=2, first_bucket_mb=0.01))
+    plans = [load_plan(out).raw for out in (default, small)]
+    assert "first_bucket_mb" not in plans[0] and plans[1]["first_bucket_mb"] == 0.01
+    first = plans[1]["buckets"][0]
+    assert first["bytes"] <= 0.01 * 2**20 or len(first["params"]) == 1
+    assert len(plans[1]["buckets"]) == len(plans[0]["buckets"]) + 1  # the first cut off, the rest as before
+    with pytest.raises(Exception, match=r"--first-bucket-mb must be a positive finite number \(got -1"):
+        transpile(model_dir("gpt") / "model.onnx", tmp_path / "bad", Options(world_size=2, first_bucket_mb=-1))
+
+
 def test_zero_keeps_one_nth_of_the_optimizer_state_per_rank(model_dir, tmp_path):
     out = tmp_path / "out"
     transpile(model_dir("perceptron") / "model.onnx", out,

@@ -2,7 +2,10 @@
 many small tensors (as PyTorch DDP and Horovod's tensor fusion do).
 
 A bucket holds parameters of one root only (in the sharded strategy the whole bucket is reduced to,
-and broadcast from, that root), and at most ``cap_bytes`` unless a single parameter is larger.
+and broadcast from, that root), and at most ``cap_bytes`` unless a single parameter is larger; the
+first bucket of each root (or the first of all, where buckets do not follow roots) at most
+``first_cap_bytes``, as DDP makes its first bucket 1 MiB: the first collective then starts after the
+first gradients of the backward instead of after ``cap_bytes`` of them.
 Buckets are ordered by when they become ready: the backward position of their last gradient.
 """
 
@@ -30,6 +33,7 @@ def make_buckets(
     cap_bytes: int,
     *,
     group_by_root: bool,
+    first_cap_bytes: int | None = None,
 ) -> list[Bucket]:
     """Group ``order`` (gradients in backward order) into buckets.
 
@@ -39,12 +43,15 @@ def make_buckets(
     """
     closed: list[tuple[int, Bucket]] = []  # (backward position of the last gradient, bucket)
     open_: dict[int, tuple[int, Bucket]] = {}
+    started: set[int] = set()  # keys whose first bucket is closed
     for position, name in enumerate(order):
         key = roots[name] if group_by_root else 0
         if key in open_:
             _, bucket = open_[key]
-            if bucket.bytes + sizes[name] > cap_bytes:
+            cap = cap_bytes if key in started or first_cap_bytes is None else first_cap_bytes
+            if bucket.bytes + sizes[name] > cap:
                 closed.append(open_.pop(key))
+                started.add(key)
         if key not in open_:
             open_[key] = (position, Bucket(id=-1, root=roots[name]))
         _, bucket = open_[key]

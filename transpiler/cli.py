@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         for name in user_strategies()))
     p.add_argument("--placement", default="balanced", help="root of each parameter: balanced (greedy by bytes, default) or hash (crc32 of the name)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (default 25)")
+    p.add_argument("--first-bucket-mb", type=float, default=None,
+                   help="cap of the first bucket (of each root, under sharded) in MiB, as DDP's 1 MiB first bucket: "
+                        "the first collective starts earlier in the backward (default: --bucket-mb)")
     p.add_argument("--loss", help="the graph output to minimize (default: the only scalar float output)")
     p.add_argument("--freeze", metavar="REGEX", help="initializers whose name matches are not trained")
     p.add_argument("--train", metavar="REGEX",
@@ -114,6 +117,7 @@ def execute(args: argparse.Namespace) -> int:
         placement=args.placement,
         optimizer=optimizer_config(args),
         bucket_mb=args.bucket_mb,
+        first_bucket_mb=args.first_bucket_mb,
         sync_bn=args.sync_bn,
         grad_accumulation=args.grad_accumulation,
         precision=args.precision,

@@ -72,6 +72,7 @@ class Options:
     placement: str = "balanced"
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd"))
     bucket_mb: float = 25.0
+    first_bucket_mb: float | None = None  # the first bucket's cap (DDP's is 1 MiB); None: bucket_mb
     sync_bn: bool = False  # BatchNormalization statistics all-reduced across ranks
     # Update each bucket of several parameters as one flat vector (fewer, larger ops: for GPUs,
     # where ~25 small kernels per parameter cost launches; on CPU the copies make it slower).
@@ -95,6 +96,8 @@ class Options:
                                  f"(got {self.grad_accumulation})")
         if not 0 < self.bucket_mb < float("inf"):
             raise TranspileError(f"--bucket-mb must be a positive finite number (got {self.bucket_mb})")
+        if self.first_bucket_mb is not None and not 0 < self.first_bucket_mb < float("inf"):
+            raise TranspileError(f"--first-bucket-mb must be a positive finite number (got {self.first_bucket_mb})")
         if self.precision not in PRECISIONS:
             raise TranspileError(f"--precision '{self.precision}' is not one of: {', '.join(PRECISIONS)}")
         if self.grad_dtype not in GRAD_DTYPES:

@@ -207,6 +207,8 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         "lr_input": LR_INPUT,
         "optimizer": opts.optimizer.to_json(),
         "bucket_mb": opts.bucket_mb,
+        # Optional: present only with --first-bucket-mb.
+        **({"first_bucket_mb": opts.first_bucket_mb} if opts.first_bucket_mb is not None else {}),
         "grad_accumulation": opts.grad_accumulation,
         # Optional: present only for --precision bf16|fp16 or --grad-dtype (docs/precision.md).
         **({PRECISION_FIELD: section} if (section := precision_json(job)) is not None else {}),

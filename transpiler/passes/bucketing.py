@@ -24,6 +24,7 @@ class BucketingPass(InPlacePass):
             int(opts.bucket_mb * 2**20),
             # The strategy's placement need: a bucket reduced to one root holds that root's parameters.
             group_by_root=strategy_for(opts.strategy, opts.world_size).group_by_root,
+            first_cap_bytes=None if opts.first_bucket_mb is None else int(opts.first_bucket_mb * 2**20),
         )
         return PassResult(model, modified=False)
 
