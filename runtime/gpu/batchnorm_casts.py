@@ -27,7 +27,7 @@ import onnx
 from onnx import helper
 
 from contract.ops import BATCHNORM_DOMAIN, BATCHNORM_TRAINING, BATCHNORM_TRAINING_GRAD, BATCHNORM_VERSION
-from runtime.gpu.rewrite_nodes import add_function, attribute, drop_nodes, renamed
+from runtime.gpu.rewrite_nodes import add_function, attribute, drop_nodes, readers_of, renamed
 
 DOMAIN = "graph_transpiler.gpu.batchnorm"  # the runtime's own: the fused nodes of this rewrite
 _WIDE_INPUTS = {BATCHNORM_TRAINING: (0,), BATCHNORM_TRAINING_GRAD: (0, 1)}  # X; dY and X
@@ -39,10 +39,7 @@ def fold_batchnorm_casts(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     nodes = list(graph.node)
     producer = {o: k for k, n in enumerate(nodes) for o in n.output}
-    readers: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        for name in n.input:
-            readers.setdefault(name, []).append(k)
+    readers = readers_of(nodes)
     outputs = {o.name for o in graph.output}
     dropped: set[int] = set()
     widened: set[int] = set()  # input Casts the fused nodes now read around

@@ -34,7 +34,14 @@ from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
 from runtime.gpu.column_sums import ColumnSums, vector_width
 from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
-from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value, drop_nodes
+from runtime.gpu.rewrite_nodes import (
+    add_function,
+    attribute,
+    constant_value,
+    drop_nodes,
+    readers_of,
+    value_types,
+)
 
 DOMAIN = "graph_transpiler.gpu.bias_grad"  # the runtime's own: the fused nodes of this rewrite
 OP = "BiasGrad"  # (x bfloat16, axes) -> ReduceSum(Cast(x, float32), axes, keepdims), attribute keepdims
@@ -104,13 +111,10 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
     is known to be bfloat16 or float32 (TAKES lists int64 for ``axes``: an int64 input would be
     taken in and refused by the runner)."""
     graph = model.graph
-    types = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]}
+    types = value_types(graph)
     nodes = list(graph.node)
     producer = {o: k for k, n in enumerate(nodes) for o in n.output}
-    readers: dict[str, int] = {}
-    for n in nodes:
-        for name in n.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = readers_of(nodes)
     outputs = {o.name for o in graph.output}
     dropped, fused = set(), 0
     for node in graph.node:
@@ -121,9 +125,9 @@ def fuse_bias_grads(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         c = producer.get(node.input[0])
         cast = None if c is None else nodes[c]
-        if (cast is None or cast.op_type != "Cast" or readers.get(cast.output[0]) != 1 or cast.output[0] in outputs
-                or attribute(cast, "to") != onnx.TensorProto.FLOAT
-                or getattr(types.get(cast.input[0]), "elem_type", None) not in _SUMMED):
+        if (cast is None or cast.op_type != "Cast" or len(readers.get(cast.output[0], ())) != 1
+                or cast.output[0] in outputs or attribute(cast, "to") != onnx.TensorProto.FLOAT
+                or types.get(cast.input[0], (None,))[0] not in _SUMMED):
             cast = None
             if not _wide_float(types.get(node.input[0]), lead):
                 continue
@@ -154,14 +158,12 @@ def _leading(k: int | None, nodes) -> int:
     return len(axes) if axes and axes == list(range(len(axes))) else 0
 
 
-def _wide_float(tensor_type, lead: int) -> bool:
-    """Whether a value of ``tensor_type`` is float32 whose dimensions after the first ``lead`` are
-    known and hold at least 32 values."""
-    if tensor_type is None or tensor_type.elem_type != onnx.TensorProto.FLOAT or not tensor_type.HasField("shape"):
-        return False
-    dims = tensor_type.shape.dim
-    return len(dims) > lead and all(d.HasField("dim_value") for d in dims[lead:]) \
-        and int(np.prod([d.dim_value for d in dims[lead:]])) >= 32
+def _wide_float(value_type: tuple | None, lead: int) -> bool:
+    """Whether a value of ``value_type`` (rewrite_nodes.value_types) is float32 whose dimensions
+    after the first ``lead`` are static and hold at least 32 values."""
+    dtype, dims = value_type or (None, None)
+    rows = None if dtype != onnx.TensorProto.FLOAT or dims is None or len(dims) <= lead else dims[lead:]
+    return rows is not None and None not in rows and int(np.prod(rows)) >= 32
 
 
 @dataclass

@@ -26,16 +26,9 @@ import onnx
 from onnx import helper
 
 from runtime.gpu.layernorm import FORWARD
-from runtime.gpu.rewrite_nodes import add_function, attribute, drop_nodes, renamed
+from runtime.gpu.rewrite_nodes import add_function, attribute, drop_nodes, readers_of, renamed, value_types
 
 DOMAIN = "graph_transpiler.gpu.layernorm"  # the runtime's own: the fused nodes of this rewrite
-
-
-def _dims(tensor_type) -> list | None:
-    """A value's dimensions (ints, or None where not static), None where its rank is unknown."""
-    if not tensor_type.HasField("shape"):
-        return None
-    return [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
 
 
 def _float_rows(types: dict, inputs: list[str]) -> bool:
@@ -55,13 +48,8 @@ def fold_layernorms(model: onnx.ModelProto) -> onnx.ModelProto:
     node, in place; returned."""
     graph = model.graph
     nodes = list(graph.node)
-    readers: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        for name in n.input:
-            readers.setdefault(name, []).append(k)
-    types = {v.name: (v.type.tensor_type.elem_type, _dims(v.type.tensor_type))
-             for v in [*graph.input, *graph.value_info, *graph.output]}
-    types.update((t.name, (t.data_type, list(t.dims))) for t in graph.initializer)
+    readers = readers_of(nodes)
+    types = value_types(graph)
     outputs = {o.name for o in graph.output}
     dropped: set[int] = set()
     fused = 0

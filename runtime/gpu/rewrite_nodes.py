@@ -2,8 +2,8 @@
 scatter_add.py, parameter_casts.py, bias_grad.py, batchnorm_casts.py, layernorm_casts.py,
 conv_data_grad.py): reading a node's attribute or a Constant's value, giving a fused node its ONNX
 function (the nodes it replaced, renamed onto the function's formal names, so that a session that
-cannot take it computes what the graph computed before) with its domain in the model's opsets, and
-dropping the nodes it replaced.
+cannot take it computes what the graph computed before) with its domain in the model's opsets,
+dropping the nodes it replaced, and the graph's readers and value types they decide by.
 """
 
 from __future__ import annotations
@@ -24,6 +24,28 @@ def constant_value(node: onnx.NodeProto | None) -> np.ndarray | None:
         return None
     value = attribute(node, "value")
     return None if value is None else numpy_helper.to_array(value)
+
+
+def readers_of(nodes: list[onnx.NodeProto]) -> dict[str, list[int]]:
+    """Each value's readers: the positions in ``nodes`` of the nodes that take it as an input."""
+    readers: dict[str, list[int]] = {}
+    for k, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(k)
+    return readers
+
+
+def value_types(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | None] | None]]:
+    """Each typed value's (element type, dimensions): an int where static, None where not; the
+    dimensions None where the rank is unknown. From the graph's inputs, value_info, outputs and
+    initializers."""
+    types = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        t = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim] if t.HasField("shape") else None
+        types[value.name] = (t.elem_type, dims)
+    types.update((t.name, (t.data_type, list(t.dims))) for t in graph.initializer)
+    return types
 
 
 def renamed(node: onnx.NodeProto, inputs: list[str], outputs: list[str]) -> onnx.NodeProto:
