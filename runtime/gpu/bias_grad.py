@@ -32,8 +32,8 @@ from onnx import helper
 
 from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
-from runtime.gpu.column_sums import ColumnSums, vector_width
-from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
+from runtime.gpu.column_sums import ColumnSums
+from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless, vector_width
 from runtime.gpu.rewrite_nodes import (
     add_function,
     attribute,

@@ -7,7 +7,7 @@ Why: one block per strip over all rows (the first LayerNorm form) kept 24 blocks
 GPT-2-small's 768 columns (27 us a node on an H200); a second launch for the final sums cost
 2.5 us more a node. Deterministic: the runs depend only on the shape, every sum is in a fixed order.
 
-Where the width is a multiple of 4 and the pointers 16-byte aligned (``vec``), each thread takes
+Where the width is a multiple of 4 and the pointers 16-byte aligned (kernel_runner.vector_width), each thread takes
 4 adjacent columns, one vector load a row (a strip then 128 columns wide): a warp reads 512 bytes of
 a float32 row per load instead of 128 (the float32 bias sums of GPT-2-small ran at 1.5 TB/s).
 
@@ -78,12 +78,6 @@ def row_parts(rows: int, width: int, vec: int = 1) -> int:
     columns), no run shorter than MIN_PART_ROWS rows (so one run where the rows are few)."""
     column_blocks = -(-width // (32 * vec))
     return max(1, min(rows // MIN_PART_ROWS, -(-PARTIAL_BLOCKS // column_blocks)))
-
-
-def vector_width(width: int, *arrays) -> int:
-    """4 where the width is a multiple of 4 and every array starts 16-byte aligned (each row then
-    does), else 1: the columns a thread takes."""
-    return 4 if width % 4 == 0 and all(a.data.ptr % 16 == 0 for a in arrays) else 1
 
 
 class ColumnSums:

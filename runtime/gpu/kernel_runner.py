@@ -23,6 +23,12 @@ def aligned(*arrays, to: int = 16) -> bool:
     return all(a.data.ptr % to == 0 for a in arrays)
 
 
+def vector_width(width: int, *arrays) -> int:
+    """4 where rows of ``width`` values hold whole accesses of 4 and every array is ``aligned`` (each
+    row then is), else 1: the values a thread takes in one access (column_sums.py, layernorm.py)."""
+    return 4 if width % 4 == 0 and aligned(*arrays) else 1
+
+
 def refuse_unless(node, where: str, op: str, inputs: int, outputs: int) -> None:
     """A RunError naming ``node`` where it is not a fused ``op`` node of that many inputs and
     outputs (a runner's ``parse``)."""

@@ -39,9 +39,9 @@ import numpy as np
 from contract.ops import LAYERNORM_GRAD
 from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
-from runtime.gpu.column_sums import ColumnSums, vector_width
+from runtime.gpu.column_sums import ColumnSums
 from runtime.gpu.elementwise_steps import PREAMBLE
-from runtime.gpu.kernel_runner import RawKernelRunner
+from runtime.gpu.kernel_runner import RawKernelRunner, vector_width
 
 WARP_VECS = 8  # the source's: a row of up to 32 * 4 * WARP_VECS values takes one warp
 ROWS_A_BLOCK = 8  # warps (rows) a block of layer_norm_forward_warp
