@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.gpu.elementwise_steps import PREAMBLE
+
 PART_LANES = 8  # the row lanes of a block
 PARTIAL_BLOCKS = 512  # about four blocks per SM of an H100/H200: enough to keep every SM reading
 MIN_PART_ROWS = 64  # a run shorter than this costs more in its partial sums than it spreads
 
-SOURCE = f"#define PART_LANES {PART_LANES}\n" + r"""
-__device__ __forceinline__ float gt_value(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+# With elementwise_steps' PREAMBLE (its bfloat16 helpers), which a source including this one has.
+SOURCE = PREAMBLE + f"#define PART_LANES {PART_LANES}\n" + r"""
+__device__ __forceinline__ float gt_value(unsigned short b) { return gt_widen_bf16(b); }
 __device__ __forceinline__ float gt_value(float f) { return f; }
 // V adjacent values from p (4: one aligned 16-byte float32 or 8-byte bfloat16 load), widened.
 template <int V, typename X>

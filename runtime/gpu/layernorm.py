@@ -40,13 +40,12 @@ from contract.ops import LAYERNORM_GRAD
 from runtime.errors import RunError
 from runtime.gpu.column_sums import SOURCE as COLUMN_SUMS
 from runtime.gpu.column_sums import ColumnSums
-from runtime.gpu.elementwise_steps import PREAMBLE
 from runtime.gpu.kernel_runner import RawKernelRunner, vector_width
 
 WARP_VECS = 8  # the source's: a row of up to 32 * 4 * WARP_VECS values takes one warp
 ROWS_A_BLOCK = 8  # warps (rows) a block of layer_norm_forward_warp
 
-SOURCE = PREAMBLE + COLUMN_SUMS + r"""
+SOURCE = COLUMN_SUMS + r"""
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;
@@ -57,6 +56,18 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float4 load4(const float* __restrict__ p, int j, int C, int vec) {
     if (vec) return *reinterpret_cast<const float4*>(p + j);
     return make_float4(p[j], j + 1 < C ? p[j + 1] : 0.f, j + 2 < C ? p[j + 2] : 0.f, j + 3 < C ? p[j + 3] : 0.f);
+}
+
+// The sum over the block, in every thread: each warp's sum, then each warp sums the warps' sums
+// (in the same order: every thread gets the same bits). ``s`` holds 32 floats; the first barrier
+// keeps an earlier call's readers ahead of this call's writers.
+__device__ __forceinline__ float block_sum(float v, float* s) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) s[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < warps ? s[lane] : 0.f);
 }
 
 extern "C" __global__ void layer_norm_grad_input(const float* __restrict__ dy, const float* __restrict__ x,
@@ -75,18 +86,7 @@ extern "C" __global__ void layer_norm_grad_input(const float* __restrict__ dy, c
         sum_gx += g0 * ((xs.x - mu) * rs); sum_gx += g1 * ((xs.y - mu) * rs);
         sum_gx += g2 * ((xs.z - mu) * rs); sum_gx += g3 * ((xs.w - mu) * rs);
     }
-    sum_g = warp_sum(sum_g);
-    sum_gx = warp_sum(sum_gx);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    if (lane == 0) { s_g[warp] = sum_g; s_gx[warp] = sum_gx; }
-    __syncthreads();
-    if (warp == 0) {
-        sum_g = warp_sum(lane < warps ? s_g[lane] : 0.f);
-        sum_gx = warp_sum(lane < warps ? s_gx[lane] : 0.f);
-        if (lane == 0) { s_g[0] = sum_g; s_gx[0] = sum_gx; }
-    }
-    __syncthreads();
-    const float mean_g = s_g[0] / (float)C, mean_gx = s_gx[0] / (float)C;
+    const float mean_g = block_sum(sum_g, s_g) / (float)C, mean_gx = block_sum(sum_gx, s_gx) / (float)C;
     float* dx_row = dx + row * C;
     for (int j = 4 * threadIdx.x; j < C; j += 4 * blockDim.x) {
         const float4 d = load4(dy_row, j, C, vec), xs = load4(x_row, j, C, vec), w = load4(scale, j, C, vec);
@@ -101,18 +101,6 @@ extern "C" __global__ void layer_norm_grad_input(const float* __restrict__ dy, c
         if (j + 2 < C) dx_row[j + 2] = out.z;
         if (j + 3 < C) dx_row[j + 3] = out.w;
     }
-}
-
-// The sum over the block, in every thread: each warp's sum, then each warp sums the warps' sums
-// (in the same order: every thread gets the same bits). ``s`` holds 32 floats; the first barrier
-// keeps an earlier call's readers ahead of this call's writers.
-__device__ __forceinline__ float block_sum(float v, float* s) {
-    v = warp_sum(v);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    __syncthreads();
-    if (lane == 0) s[warp] = v;
-    __syncthreads();
-    return warp_sum(lane < warps ? s[lane] : 0.f);
 }
 
 // Y's four values at element j of a row (``at``: the row's first element), float32 or rounded to
