@@ -68,13 +68,14 @@ def _model(low: bool = True, derivative_read_outside: bool = False) -> onnx.Mode
     return onnx.shape_inference.infer_shapes(one_graph_model(nodes, inputs, outputs))
 
 
-def _run(model: onnx.ModelProto) -> list[np.ndarray]:
+def _run(model: onnx.ModelProto, rows: tuple[str, ...] = ("b",), seed: int = 0) -> list[np.ndarray]:
     """The model on onnxruntime's CPU provider: the fused nodes as their functions, bf16 values as
-    the CPU backend lowers them (the float32 values they equal: x fed rounded to bf16)."""
+    the CPU backend lowers them (the float32 values they equal: x fed rounded to bf16); ``rows``:
+    the float32 inputs of WIDTH values."""
     model = lower(onnx.inliner.inline_local_functions(model))
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     x = (rng.normal(size=(ROWS, T, WIDTH)) * 2).astype(np.float32)
-    feeds = {"x": widen_bf16_numpy(round_bf16_numpy(x)), "b": rng.normal(size=WIDTH).astype(np.float32)}
+    feeds = {"x": widen_bf16_numpy(round_bf16_numpy(x)), **{n: rng.normal(size=WIDTH).astype(np.float32) for n in rows}}
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
@@ -122,9 +123,4 @@ def test_a_producer_keeps_its_later_inputs_in_order_when_an_earlier_one_goes_wit
     forward, backward = _fused(fused)
     assert list(forward.input) == ["x", "b"] and list(forward.output) == ["y"]
     assert set(backward.input) == {"dy", "x", "k"}
-    rng = np.random.default_rng(2)
-    feeds = {"x": widen_bf16_numpy(round_bf16_numpy(rng.normal(size=(ROWS, T, WIDTH)).astype(np.float32)))}
-    feeds.update((n, rng.normal(size=WIDTH).astype(np.float32)) for n in "kb")
-    run = lambda m: ort.InferenceSession(lower(onnx.inliner.inline_local_functions(m)).SerializeToString(),  # noqa: E731
-                                         providers=["CPUExecutionProvider"]).run(None, feeds)
-    np.testing.assert_array_equal(run(fused)[0], run(model)[0])
+    np.testing.assert_array_equal(_run(fused, ("k", "b"), seed=2)[0], _run(model, ("k", "b"), seed=2)[0])
