@@ -35,7 +35,12 @@ static Dim3 threadIdx, blockIdx, blockDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#include <cstring>
 struct float4 { float x, y, z, w; };
+struct uint2 { unsigned int x, y; };
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 #define __syncthreads() ((void)0)
 static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 static inline float __fmul_rn(float a, float b) { return a * b; }
@@ -142,3 +147,10 @@ def host_cupy(library):
 def test_kernel_source_on_the_host_matches_the_reference(case, library, monkeypatch):
     monkeypatch.setattr(gpu_cuda, "_MODULES", {})  # never mix the host module with a real GPU's
     compare_kernel_with_reference(host_cupy(library), case)
+
+
+@pytest.mark.parametrize("grads", ["bfloat16", "bfloat16 as float32"])
+@pytest.mark.parametrize("case", ["adamw", "momentum_wd", "sgd_wd"])
+def test_kernel_source_on_the_host_reads_bfloat16_gradients(case, grads, library, monkeypatch):
+    monkeypatch.setattr(gpu_cuda, "_MODULES", {})
+    compare_kernel_with_reference(host_cupy(library), case, grads)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from conftest import load_data, max_rel_error
@@ -23,6 +24,8 @@ from test_optimizer import CASES
 
 from contract.ops import FUSED_UPDATE_DOMAIN as DOMAIN
 from runtime.gpu import cuda_available, gpu_count
+from runtime.gpu.elementwise_steps import round_bf16_numpy, widen_bf16_numpy
+from runtime.gpu.gradient_casts import GRADIENT_TYPE, bfloat16_gradients
 from runtime.gpu.update_kernel import CHUNK
 from runtime.segments import NativeGroup
 from runtime.update_reference import UpdateOp, reference_update
@@ -36,7 +39,9 @@ SHAPES = [(7, 13), (3,), (CHUNK + 5,), (2, CHUNK), (0,), (129, 257)]
 STEPS = 6
 
 
-def _group(config: OptimizerConfig) -> tuple[NativeGroup, list[UpdateOp]]:
+def _group(config: OptimizerConfig, bfloat16: bool = False) -> tuple[NativeGroup, list[UpdateOp]]:
+    """The update nodes of SHAPES' parameters; ``bfloat16``: every other one's gradient marked
+    bfloat16 (runtime/gpu/gradient_casts.py), so one launch mixes the kinds."""
     graph = ir.Graph(inputs=[], outputs=[], nodes=[], opset_imports={"": 18})
     model = ir.Model(graph, ir_version=10)
 
@@ -52,6 +57,8 @@ def _group(config: OptimizerConfig) -> tuple[NativeGroup, list[UpdateOp]]:
         emit_fused_update(model, config, param=add_input(name, shape), grad=add_input(f"{name}.grad", shape), lr=lr,
                           step=step, state={s: add_input(f"{name}.{s}", shape) for s in config.slots()}, name=name)
     nodes = [n for n in ir.to_proto(model).graph.node if n.domain == DOMAIN]
+    for node in nodes[::2] if bfloat16 else ():
+        node.attribute.append(onnx.helper.make_attribute(GRADIENT_TYPE, onnx.TensorProto.BFLOAT16))
     produced = {o for n in nodes for o in n.output}
     inputs = tuple(dict.fromkeys(i for n in nodes for i in n.input if i not in produced))
     outputs = tuple(o for n in nodes for o in n.output)
@@ -65,14 +72,25 @@ def test_kernel_matches_the_reference(case):
     compare_kernel_with_reference(cupy, case)
 
 
-def compare_kernel_with_reference(cp, case: str) -> None:
+@pytest.mark.parametrize("grads", ["bfloat16", "bfloat16 as float32"])
+def test_kernel_reads_bfloat16_gradients_as_their_float32_values(grads):
+    import cupy
+
+    compare_kernel_with_reference(cupy, "adamw", grads)
+    compare_kernel_with_reference(cupy, "momentum_wd", grads)
+
+
+def compare_kernel_with_reference(cp, case: str, grads: str = "float32") -> None:
     """Run ``case``'s updates of SHAPES through FusedUpdateRunner on ``cp`` (CuPy, or the host
     emulation of tests/test_fused_update_host.py) for STEPS steps, first call then bound by parity,
-    and compare every output with the reference given the same inputs."""
+    and compare every output with the reference given the same inputs. ``grads`` (update_kernel's
+    GRAD_KINDS): every other gradient is bfloat16, fed as its raw bits or as float32 the kernel
+    rounds; the reference gets it rounded to bfloat16 and widened."""
     from runtime.gpu.update_kernel import FusedUpdateRunner
 
     config = CASES[case].validate()
-    group, ops = _group(config)
+    group, ops = _group(config, bfloat16=grads != "float32")
+    low = bfloat16_gradients(group.nodes)
     runner = FusedUpdateRunner(group, "test", types.SimpleNamespace(cp=cp))
     rng = np.random.default_rng(0)
     host = {}
@@ -83,12 +101,17 @@ def compare_kernel_with_reference(cp, case: str) -> None:
     differing = total = 0
     for t in range(1, STEPS + 1):
         lr, step = np.float32(config.lr * (1 - 0.05 * t)), np.float32(t)
+        fed = {}
         for op, shape in zip(ops, SHAPES):
-            host[op.grad] = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 1)).astype(np.float32)
+            fed[op.grad] = host[op.grad] = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 1)).astype(np.float32)
+            if op.grad in low:
+                host[op.grad] = widen_bf16_numpy(round_bf16_numpy(fed[op.grad]))
+                if grads == "bfloat16":
+                    fed[op.grad] = round_bf16_numpy(fed[op.grad])  # the raw bits, as CuPy holds bfloat16
         host["lr"] = np.array(lr)
         if config.uses_step():
             host[ops[0].step] = np.array(step)
-        feeds = {name: cp.asarray(host[name]) for name in group.inputs}
+        feeds = {name: cp.asarray(fed.get(name, host.get(name))) for name in group.inputs}
         if t == 1:  # the first-call path: the runner allocates its outputs
             results = dict(zip(group.outputs, runner.run(feeds)))
         else:  # the bound path, by parity, as GpuProgram runs it

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
+from runtime.gpu.elementwise_steps import round_bf16_numpy
 from runtime.gpu.lowering import lower_for_cuda
 from runtime.specialize import specialize
 
@@ -259,6 +260,32 @@ def test_bfloat16_crosses_a_segments_edges_as_float32():
     np.testing.assert_array_equal(w, feed.T)
     assert state.constants["c"].dtype == np.float32
     np.testing.assert_array_equal(state.constants["c"], np.array([1.0, -3.296875], np.float32))
+
+
+def test_bfloat16_edges_the_program_keeps_stay_bfloat16_and_a_kept_constant_is_its_raw_bits():
+    """The values GpuProgram passes as bfloat16 (buffers.bfloat16_edges: here the input x, the
+    output t and the constant c) keep their type at the session's edge; the rest is widened as
+    before. A bfloat16 constant comes out as its raw bits (uint16), as the program holds it."""
+    from runtime.gpu.compile import Compiled, FixedOutputs, WidenBfloat16
+
+    bf16 = TensorProto.BFLOAT16
+    ins = [helper.make_tensor_value_info("x", bf16, [2, 3]), helper.make_tensor_value_info("y", bf16, [2, 3])]
+    outs = [helper.make_tensor_value_info("t", bf16, [3, 2]), helper.make_tensor_value_info("c", bf16, [2]),
+            helper.make_tensor_value_info("u", bf16, [2, 3])]
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+             helper.make_node("Add", ["x", "y"], ["u"]),
+             helper.make_node("Cast", ["k"], ["c"], to=bf16)]
+    model = one_graph_model(nodes, ins, outs, [numpy_helper.from_array(np.array([1.001, -3.3], np.float32), "k")])
+    state = Compiled(model, {"x": (2, 3), "y": (2, 3)}, frozenset(), "rank0.onnx: segment 0", (0, 0, 0),
+                     bfloat16_edges=frozenset({"x", "t", "c"}))
+    for step in (WidenBfloat16(), FixedOutputs(ort)):
+        step.call(state)
+        step.ensures(state)
+    graph = state.model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+    assert types == {"x": bf16, "y": TensorProto.FLOAT, "t": bf16, "u": TensorProto.FLOAT}
+    assert state.constants["c"].dtype == np.uint16
+    np.testing.assert_array_equal(state.constants["c"], round_bf16_numpy(np.array([1.0, -3.296875], np.float32)))
 
 
 @pytest.mark.parametrize("count, concats", [(32, 1), (33, 3), (69, 4), (1100, 38)])

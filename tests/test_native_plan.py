@@ -33,6 +33,7 @@ from runtime.gpu.cross_entropy import fuse_cross_entropy
 from runtime.gpu.elementwise_fusion import fuse_elementwise, fuse_relu_masks
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.elementwise_steps import evaluate_numpy
+from runtime.gpu.gradient_casts import fold_gradient_casts
 from runtime.gpu.in_session import DOMAIN as IN_SESSION_DOMAIN
 from runtime.gpu.layernorm_casts import fold_layernorms
 from runtime.gpu.parameter_casts import batch_parameter_casts
@@ -63,7 +64,8 @@ def test_without_custom_ops_the_kernels_worth_it_run_between_sessions_and_the_li
     assert plan.between == {FUSED_UPDATE_DOMAIN, *(k.domain for k in native.KERNELS if k.name in ("conv_grad", "batchnorm")),
                             ELEMENTWISE_DOMAIN}
     assert plan.on == ("update", "conv_grad", "batchnorm", "relu_mask") and not plan.fuse_elementwise
-    assert plan.rewrites == ()  # the rewrites' nodes run only inside a session
+    # The rewrites' nodes run only inside a session, but the update's: it reads a bf16 gradient itself.
+    assert plan.rewrites == (fold_gradient_casts,)
     assert plan.line == ("update, conv_grad, batchnorm, relu_mask between the onnxruntime sessions; conv_data_grad, "
                          "batchnorm_casts, layernorm, layernorm_forward, elementwise, attention, cross_entropy, scatter_add, parameter_casts, bias_grad off (they pay only inside a session): no custom ops, no C compiler "
                          "(cc not found; set CC)")
@@ -84,8 +86,8 @@ def test_with_custom_ops_every_kernel_runs_inside_but_the_update():
     plan = native.decide(ort)
     assert plan.on == tuple(k.name for k in native.KERNELS)
     assert plan.between == {FUSED_UPDATE_DOMAIN} and LAYERNORM_DOMAIN in plan.inside and ELEMENTWISE_DOMAIN in plan.inside
-    # The backend's rewrites, in table order: the loss's first (its bf16 casts join its node).
-    assert plan.rewrites == (fuse_conv_data_grads, fold_batchnorm_casts, fold_layernorms, fuse_cross_entropy, fuse_scatter_add, batch_parameter_casts,
+    # The backend's rewrites, in table order.
+    assert plan.rewrites == (fold_gradient_casts, fuse_conv_data_grads, fold_batchnorm_casts, fold_layernorms, fuse_cross_entropy, fuse_scatter_add, batch_parameter_casts,
                              fuse_bias_grads)
     assert plan.line == ("conv_grad, batchnorm, conv_data_grad, batchnorm_casts, layernorm, layernorm_forward, elementwise, relu_mask, attention, cross_entropy, scatter_add, parameter_casts, bias_grad inside the onnxruntime "
                          "sessions, update between them")
@@ -95,6 +97,7 @@ def test_the_bisect_switch_names_kernels_and_refuses_unknown_names(monkeypatch):
     monkeypatch.setattr(ort_custom_ops, "readiness", lambda ort: None)
     plan = native.decide(ort, native.parse_off("layernorm, update"))
     assert "layernorm" not in plan.on and "update" not in plan.on and FUSED_UPDATE_DOMAIN not in plan.between
+    assert fold_gradient_casts not in plan.rewrites  # the update runs as its function: float32 gradients
     assert plan.line.endswith(f"({NATIVE_OFF}=layernorm,update)")
     between = native.decide(ort, native.parse_off("in_session"))
     assert not between.inside and between.line.startswith("update, conv_grad, batchnorm, relu_mask between")

@@ -80,8 +80,8 @@ class GpuBackend(Backend):
 
     def prepare_step_graph(self, model):
         """The backend's own rewrites of the step graph into native nodes (the native table's, in
-        its order: conv_data_grad.py, batchnorm_casts.py, layernorm_casts.py, cross_entropy.py,
-        scatter_add.py, parameter_casts.py, bias_grad.py; then
+        its order: gradient_casts.py, conv_data_grad.py, batchnorm_casts.py, layernorm_casts.py,
+        cross_entropy.py, scatter_add.py, parameter_casts.py, bias_grad.py; then
         elementwise_fusion.py's)."""
         for rewrite in self.plan.rewrites:
             model = rewrite(model)

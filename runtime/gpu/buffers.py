@@ -3,7 +3,8 @@ need no device, each a pure function of the step's items.
 
 - ``value_lifetimes``: which values go in that block and from which item to which they live;
 - ``pack_buffers``: the offsets of the values passed between a step's items in one block;
-- ``carried_in_place``: the state outputs written over the buffer their input is read from.
+- ``carried_in_place``: the state outputs written over the buffer their input is read from;
+- ``bfloat16_edges``: the bfloat16 values that pass between items as they are, not widened.
 """
 
 from __future__ import annotations
@@ -86,3 +87,25 @@ def pack_buffers(lifetimes: list[tuple[str, int, int, int]], align: int = BUFFER
         offsets[name] = offset
         placed.append((offset, offset + size, first, last))
     return offsets, max((end for _, end, _, _ in placed), default=0)
+
+
+def bfloat16_edges(items: list[tuple[list[str], frozenset[str] | None]], producer: dict[str, int],
+                   program_io: set[str]) -> frozenset[str]:
+    """The values that may pass between a step's items as bfloat16 (raw bits; compile.WidenBfloat16
+    widens every other bfloat16 value at a session's edge, which every runner reads). ``items``:
+    per position, (inputs, what it takes in bfloat16): None for a session, which reads a value of
+    any type as its graph says; for a native runner or a collective, the inputs it reads as
+    bfloat16 where they come so (FusedUpdateRunner: its marked gradients), for a collective none.
+    ``producer``: value -> the position computing it; ``program_io``: the program's inputs and
+    outputs, which the caller feeds and reads as float32.
+
+    A value qualifies where a session computes it, at least one native runner takes it, and no
+    item but sessions and such runners reads it."""
+    sessions = {pos for pos, (_, takes) in enumerate(items) if takes is None}
+    taken: set[str] = set()
+    refused: set[str] = set()
+    for inputs, takes in items:
+        if takes is not None:
+            taken |= takes & set(inputs)
+            refused |= set(inputs) - takes
+    return frozenset(name for name in taken - refused - program_io if producer.get(name) in sessions)

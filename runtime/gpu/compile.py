@@ -30,6 +30,7 @@ import onnx.inliner
 from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
 from runtime.gpu import session_collectives
+from runtime.gpu.elementwise_steps import round_bf16_numpy
 from runtime.gpu.in_session import take_native_nodes
 from runtime.gpu.lowering import CONCAT_MAX_INPUTS, lower_for_cuda, widen_bfloat16
 from runtime.segments import Segment
@@ -48,6 +49,7 @@ class Compiled:
     constants: dict[str, Any] = field(default_factory=dict)  # output -> host value (FixedOutputs)
     copies: dict[str, str] = field(default_factory=dict)  # output -> the input it copies (FixedOutputs)
     custom_ops: list = field(default_factory=list)  # of the taken nodes (TakeNativeNodes)
+    bfloat16_edges: frozenset[str] = frozenset()  # inputs and outputs that stay bfloat16 (WidenBfloat16)
 
 
 class SegmentPass(ABC):
@@ -136,17 +138,19 @@ class SessionCollectives(SegmentPass):
 
 class WidenBfloat16(SegmentPass):
     """A bfloat16 value (--precision bf16) crosses a segment's edges as float32, exactly (every
-    bfloat16 is a float32): NumPy and CuPy have no bfloat16, so neither the program's buffers and
-    bindings nor FixedOutputs' host values can hold one. A bfloat16 input is read as float32 and
-    cast once inside, a bfloat16 output cast once at the end; inside, the session computes as the
-    graph says. A native node run between sessions then reads and writes float32 (its kernels'
-    dtype), which is exact on the way in and rounds nothing the graph did not."""
+    bfloat16 is a float32), except those the program passes as bfloat16 (``bfloat16_edges``:
+    GpuProgram.bfloat16_edges, held as raw bits): NumPy and CuPy have no bfloat16, so the native
+    runners between sessions read float32. A bfloat16 input is read as float32 and cast once
+    inside, a bfloat16 output cast once at the end; inside, the session computes as the graph
+    says. A native node run between sessions then reads and writes float32 (its kernels' dtype),
+    which is exact on the way in and rounds nothing the graph did not."""
 
     def call(self, state):
         graph = state.model.graph
         low, wide = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
-        ins = {v.name for v in graph.input if v.type.tensor_type.elem_type == low}
-        outs = {v.name for v in graph.output if v.type.tensor_type.elem_type == low} - ins
+        kept = state.bfloat16_edges
+        ins = {v.name for v in graph.input if v.type.tensor_type.elem_type == low} - kept
+        outs = {v.name for v in graph.output if v.type.tensor_type.elem_type == low} - ins - kept
         if not ins and not outs:
             return
         inner = {name: f"{name}.bf16" for name in ins | outs}
@@ -167,7 +171,7 @@ class WidenBfloat16(SegmentPass):
 
     def ensures(self, state):
         edges = [v.name for v in [*state.model.graph.input, *state.model.graph.output]
-                 if v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16]
+                 if v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 and v.name not in state.bfloat16_edges]
         assert not edges, f"bfloat16 inputs or outputs left: {edges}"
 
 
@@ -200,17 +204,23 @@ class FixedOutputs(SegmentPass):
         constant = [o.name for o in graph.output if o.name in known]
         state.copies = {o.name: source[o.name] for o in graph.output if o.name in source and o.name not in known}
         if constant:
-            # A model of the constant nodes alone (no graph inputs), evaluated once on the host.
+            # A model of the constant nodes alone (no graph inputs), evaluated once on the host. A
+            # bfloat16 output (one of WidenBfloat16's kept edges) comes out widened, NumPy having no
+            # bfloat16, and is held as its raw bits, as the program holds it.
+            low = {o.name for o in graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16}
             nodes = [n for n in graph.node if n.output and all(o in known for o in n.output if o)]
-            fold = onnx.helper.make_graph(nodes, "constants", [], [onnx.helper.make_empty_tensor_value_info(n) for n in constant],
+            nodes += [onnx.helper.make_node("Cast", [n], [f"{n}.widened"], to=onnx.TensorProto.FLOAT)
+                      for n in constant if n in low]
+            fetched = [f"{n}.widened" if n in low else n for n in constant]
+            fold = onnx.helper.make_graph(nodes, "constants", [], [onnx.helper.make_empty_tensor_value_info(n) for n in fetched],
                                           list(graph.initializer))
             fold_model = onnx.helper.make_model(fold, opset_imports=model.opset_import, ir_version=model.ir_version,
                                                 functions=model.functions)
             options = self.ort.SessionOptions()
             options.log_severity_level = 3
             values = self.ort.InferenceSession(fold_model.SerializeToString(), options,
-                                               providers=["CPUExecutionProvider"]).run(constant, {})
-            state.constants = dict(zip(constant, values))
+                                               providers=["CPUExecutionProvider"]).run(fetched, {})
+            state.constants = {n: round_bf16_numpy(v) if n in low else v for n, v in zip(constant, values)}
         fixed = set(constant) | set(state.copies)
         if fixed:
             kept = [o for o in graph.output if o.name not in fixed]
@@ -244,10 +254,11 @@ class TakeNativeNodes(SegmentPass):
 
 
 def compile_segment(segment: Segment, shapes: dict[str, tuple[int, ...]], where: str, passes: list[SegmentPass],
-                    inside: frozenset[str]) -> Compiled:
+                    inside: frozenset[str], bfloat16_edges: frozenset[str] = frozenset()) -> Compiled:
     """Run ``passes`` on ``segment``'s model specialized to ``shapes``. A RunError from a pass (a
     node the user's graph gets wrong) passes through; any other failure names the pass."""
-    state = Compiled(segment.model, dict(shapes), frozenset(inside), where, (segment.index, segment.part, segment.stage))
+    state = Compiled(segment.model, dict(shapes), frozenset(inside), where, (segment.index, segment.part, segment.stage),
+                     bfloat16_edges=frozenset(bfloat16_edges))
     ran: list[str] = []
     for step in passes:
         name = type(step).__name__

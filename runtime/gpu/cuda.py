@@ -13,6 +13,8 @@ ORT_DTYPES = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
     "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8,
     "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_,
+    # NumPy and CuPy have no bfloat16: an array of its raw bits, bound by the ONNX type (session.py).
+    "tensor(bfloat16)": np.uint16,
 }
 
 

@@ -51,6 +51,7 @@ from runtime.gpu.cross_entropy import DOMAIN as CROSS_ENTROPY_DOMAIN
 from runtime.gpu.cross_entropy import CrossEntropyRunner, fuse_cross_entropy
 from runtime.gpu.elementwise import ElementwiseRunner
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
+from runtime.gpu.gradient_casts import fold_gradient_casts
 from runtime.gpu.layernorm import LayerNormRunner
 from runtime.gpu.layernorm_casts import DOMAIN as LAYERNORM_FORWARD_DOMAIN
 from runtime.gpu.layernorm_casts import fold_layernorms
@@ -71,14 +72,16 @@ class Kernel:
     in_session: bool  # may run inside its segment's session (the fused update writes state in place: no)
     between: bool  # worth running between sessions where it cannot run inside (the module docstring)
     unavailable: Callable[[], str | None] = lambda: None  # why this process cannot run it (a missing package)
-    # The backend's rewrite of the step graph that writes its nodes (GpuBackend.prepare_step_graph
-    # runs those of the kernels inside the sessions in table order, before the elementwise fusion),
-    # None where the transpiler writes them.
+    # The backend's rewrite of the step graph that writes its nodes or changes them for it
+    # (GpuBackend.prepare_step_graph runs those of the kernels that run, in table order, before the
+    # elementwise fusion), None where the transpiler's nodes are what it runs.
     rewrite: Callable | None = None
 
 
 KERNELS = (
-    Kernel("update", FUSED_UPDATE_DOMAIN, FusedUpdateRunner, in_session=False, between=True),
+    # The fused optimizer updates; a bfloat16 weight gradient's widening Cast folded in (gradient_casts.py).
+    Kernel("update", FUSED_UPDATE_DOMAIN, FusedUpdateRunner, in_session=False, between=True,
+           rewrite=fold_gradient_casts),
     Kernel("conv_grad", CONV_GRAD_DOMAIN, ConvGradRunner, in_session=True, between=True),
     Kernel("batchnorm", BATCHNORM_DOMAIN, BatchNormRunner, in_session=True, between=True),
     # A bf16/fp16 Conv's data gradient (its ConvTranspose) by cuDNN's backward-data (conv_data_grad.py).
@@ -137,8 +140,8 @@ class NativePlan:
 
     @property
     def rewrites(self) -> tuple[Callable, ...]:
-        """The step-graph rewrites of the kernels that run inside the sessions, in table order."""
-        return tuple(k.rewrite for k in KERNELS if k.rewrite is not None and k.domain in self.inside)
+        """The step-graph rewrites of the kernels that run (inside the sessions or between), in table order."""
+        return tuple(k.rewrite for k in KERNELS if k.rewrite is not None and k.domain in self.inside | self.between)
 
 
 def parse_off(text: str) -> frozenset[str]:

@@ -54,7 +54,7 @@ import numpy as np
 from runtime.collectives import CollectiveOp, Communicator
 from runtime.errors import RunError
 from runtime.executor import Backend, ProgramBase, median_timings, timing_key
-from runtime.gpu.buffers import carried_in_place, pack_buffers, value_lifetimes
+from runtime.gpu.buffers import bfloat16_edges, carried_in_place, pack_buffers, value_lifetimes
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.session import OrtCudaSegment, agree_on_graphs, misaligned
 from runtime.segments import CutGraph
@@ -104,6 +104,15 @@ class GpuProgram(ProgramBase):
         self.block_bytes = 0
         # --timings: per recorded step, (item key, start event, end event) on the item's stream.
         self.timed_steps: deque[list[tuple[tuple[str, int], Any, Any]]] | None = None
+        # What passes between items as bfloat16 (buffers.bfloat16_edges), given to each session
+        # before the first call compiles it.
+        edges = bfloat16_edges([(list(item.inputs), None if isinstance(runner, OrtCudaSegment) else
+                                 runner.bfloat16_inputs() if hasattr(runner, "bfloat16_inputs") else frozenset())
+                                for item, runner in self.steps],
+                               self.producer, set(cut.inputs) | set(cut.outputs))
+        for _, runner in self.steps:
+            if isinstance(runner, OrtCudaSegment):
+                runner.bfloat16_edges = edges
 
     def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1

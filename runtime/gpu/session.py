@@ -11,6 +11,8 @@ import re
 import sys
 from typing import Any
 
+import onnx
+
 from runtime import ort_custom_ops
 from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
@@ -196,6 +198,9 @@ class OrtCudaSegment(SegmentRunner):
         self.capture_allowed = True
         # Set by the backend: allocate from the arena every session shares (SessionPolicy.share_arena).
         self.shared_arena = False
+        # Set by the program: inputs and outputs that cross as bfloat16 (GpuProgram.bfloat16_edges).
+        self.bfloat16_edges: frozenset[str] = frozenset()
+        self.bfloat16: set[str] = set()  # the session's bfloat16 inputs and outputs: bound by their ONNX type
         self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist
         self.bound: list[dict[str, int]] = [{}, {}]  # per parity: input name -> bound pointer
         self.seen = [False, False]  # per parity: bound runs made with the current pointers
@@ -209,7 +214,7 @@ class OrtCudaSegment(SegmentRunner):
     def _compile(self, feeds) -> None:
         policy = self.policy
         compiled = compile_segment(self.segment, {name: tuple(feeds[name].shape) for name in self.inputs}, self.where,
-                                   policy.passes, policy.inside)
+                                   policy.passes, policy.inside, self.bfloat16_edges)
         self.constants = {name: self.device.from_host(value) for name, value in compiled.constants.items()}
         self.copies = compiled.copies
         self.custom_ops = compiled.custom_ops
@@ -226,6 +231,8 @@ class OrtCudaSegment(SegmentRunner):
             print(f"transpile: note: {self.where}: onnxruntime has no bfloat16 CUDA kernel for {op}: it computes in "
                   "float32", file=sys.stderr, flush=True)
         self.session_inputs = [i.name for i in self.session.get_inputs()]
+        self.bfloat16 = {v.name for v in [*self.session.get_inputs(), *self.session.get_outputs()]
+                         if v.type == "tensor(bfloat16)"}
         # (shape, dtype) of each output the session states statically (specialized: all of them).
         self.output_specs = {o.name: (tuple(o.shape), ORT_DTYPES[o.type]) for o in self.session.get_outputs()
                              if o.type in ORT_DTYPES and all(isinstance(d, int) for d in o.shape)}
@@ -268,8 +275,18 @@ class OrtCudaSegment(SegmentRunner):
         values.update({name: feeds[src].copy() for name, src in self.copies.items()})
         return values
 
+    def _element_type(self, name: str, value):
+        """What a binding of ``value`` states as its type: its NumPy type, or for a bfloat16 value
+        (raw bits in a uint16 array) the ONNX element type, which onnxruntime takes as well."""
+        return onnx.TensorProto.BFLOAT16 if name in self.bfloat16 else value.dtype.type
+
     def _bind_input(self, io, name: str, value) -> None:
-        io.bind_input(name, "cuda", self.device.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+        io.bind_input(name, "cuda", self.device.device_id, self._element_type(name, value), list(value.shape),
+                      value.data.ptr)
+
+    def _bind_output(self, io, name: str, value) -> None:
+        io.bind_output(name, "cuda", self.device.device_id, self._element_type(name, value), list(value.shape),
+                       value.data.ptr)
 
     def _aligned(self, name: str, value):
         """``value``, or where it is misaligned its copy in ``self.realigned[name]``."""
@@ -312,7 +329,7 @@ class OrtCudaSegment(SegmentRunner):
                 io.bind_output(name, "cuda", self.device.device_id)
                 continue
             value = allocated[name] = self.device.cp.empty(*spec)
-            io.bind_output(name, "cuda", self.device.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+            self._bind_output(io, name, value)
         self._run(io, self._uncaptured())
         # get_outputs lists every bound output in binding order, preallocated ones included.
         for name, value in zip(computed, io.get_outputs()):
@@ -340,7 +357,7 @@ class OrtCudaSegment(SegmentRunner):
             if name in self.constants or name in self.copies:
                 continue
             value = outputs[name]
-            io.bind_output(name, "cuda", self.device.device_id, value.dtype.type, list(value.shape), value.data.ptr)
+            self._bind_output(io, name, value)
         self.bindings[parity] = io
 
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:

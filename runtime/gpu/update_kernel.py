@@ -13,7 +13,11 @@ cycles and saves a separate launch and its buffer.
 
 Work layout: each tensor is cut into chunks of CHUNK elements and every block runs one chunk
 (``chunks``: tensor index, first element). Each tensor's row in ``table`` holds its pointers, inputs
-then outputs (param, grad, *slots, param', *slots'), and its element count. GpuProgram double-buffers
+then outputs (param, grad, *slots, param', *slots'), its element count and how its gradient is
+stored (``GRAD_KINDS``): float32, or a bfloat16 gradient (gradient_casts.py) as its raw bits or,
+where it crossed between sessions as float32, as float32 rounded to bfloat16 when read, as the
+graph's narrowing would have rounded it. Every kind is read as the float32 the graph's update took,
+so the results do not depend on it. GpuProgram double-buffers
 state by step parity (runtime/gpu/program.py), so the pointers of a parity change only in the first
 calls: the table is rebuilt (one small host-to-device copy) only when a pointer differs from the
 last launch of that parity.
@@ -30,13 +34,15 @@ import numpy as np
 from runtime.errors import RunError
 from runtime.executor import SegmentRunner
 from runtime.gpu.cuda import compiled_module
+from runtime.gpu.elementwise_steps import PREAMBLE
+from runtime.gpu.gradient_casts import bfloat16_gradients
 from runtime.segments import place
 from runtime.update_reference import OPS, UpdateOp
 
 CHUNK = 8192  # elements per block
 THREADS = 256
 
-SOURCE = r"""
+SOURCE = PREAMBLE + r"""
 #define STEP_SCALARS_ADAM()                                                                        \
     __shared__ float s_neg_step_size, s_bc2_sqrt, s_decay;                                        \
     if (threadIdx.x == 0) {                                                                       \
@@ -52,18 +58,39 @@ SOURCE = r"""
 #define CHUNK_RANGE(stride)                                                                       \
     const long long t = chunks[2 * blockIdx.x], start = chunks[2 * blockIdx.x + 1];               \
     const long long* row = table + t * (stride);                                                  \
-    const long long n = row[(stride) - 1];                                                        \
+    const long long n = row[(stride) - 2];                                                        \
+    const int g_kind = (int)row[(stride) - 1];                                                    \
     const long long end = start + chunk < n ? start + chunk : n;
+
+// Gradient element i as float32, by GRAD_KINDS: 0 float32; 1 bfloat16 bits, widened exactly;
+// 2 float32 rounded to bfloat16 to nearest even (a bfloat16 gradient that crossed as float32).
+__device__ __forceinline__ float grad_at(const void* g, long long i, int kind) {
+    if (kind == 1) return gt_widen_bf16(((const unsigned short*)g)[i]);
+    const float x = ((const float*)g)[i];
+    return kind == 2 ? gt_round_bf16(x) : x;
+}
+
+// Four gradient elements from i (a multiple of 4) in one access: 16 bytes of float32, 8 of bfloat16.
+__device__ __forceinline__ float4 grad4_at(const void* g, long long i, int kind) {
+    if (kind == 1) {
+        const uint2 b = *reinterpret_cast<const uint2*>((const unsigned short*)g + i);
+        return make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xffff0000u),
+                           __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xffff0000u));
+    }
+    float4 x = *reinterpret_cast<const float4*>((const float*)g + i);
+    if (kind == 2) x = make_float4(gt_round_bf16(x.x), gt_round_bf16(x.y), gt_round_bf16(x.z), gt_round_bf16(x.w));
+    return x;
+}
 
 extern "C" __global__ void fused_sgd(const long long* __restrict__ table, const long long* __restrict__ chunks,
                                      const float* __restrict__ lr_ptr, float wd, int use_wd, long long chunk) {
-    CHUNK_RANGE(4)
+    CHUNK_RANGE(5)
     const float* p = (const float*)row[0];
-    const float* g = (const float*)row[1];
+    const void* g = (const void*)row[1];
     float* p_out = (float*)row[2];
     const float neg_lr = -lr_ptr[0];
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
-        float gi = g[i], pi = p[i];
+        float gi = grad_at(g, i, g_kind), pi = p[i];
         if (use_wd) gi = __fmaf_rn(pi, wd, gi);             // grad.add(param, alpha=wd)
         p_out[i] = __fmaf_rn(gi, neg_lr, pi);                // param.add_(grad, alpha=-lr)
     }
@@ -72,15 +99,15 @@ extern "C" __global__ void fused_sgd(const long long* __restrict__ table, const 
 extern "C" __global__ void fused_momentum(const long long* __restrict__ table, const long long* __restrict__ chunks,
                                           const float* __restrict__ lr_ptr, float wd, int use_wd, float mu,
                                           int nesterov, long long chunk) {
-    CHUNK_RANGE(6)
+    CHUNK_RANGE(7)
     const float* p = (const float*)row[0];
-    const float* g = (const float*)row[1];
+    const void* g = (const void*)row[1];
     const float* buf = (const float*)row[2];
     float* p_out = (float*)row[3];
     float* buf_out = (float*)row[4];
     const float neg_lr = -lr_ptr[0];
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
-        float gi = g[i], pi = p[i];
+        float gi = grad_at(g, i, g_kind), pi = p[i];
         if (use_wd) gi = __fmaf_rn(pi, wd, gi);
         float b = __fadd_rn(__fmul_rn(buf[i], mu), gi);    // buf.mul_(mu).add_(grad): two roundings
         buf_out[i] = b;
@@ -112,9 +139,9 @@ extern "C" __global__ void fused_adam(const long long* __restrict__ table, const
                                       float w, float w_minus_one, float one_minus_beta2, float beta2_f, float eps,
                                       float wd_f, int mode, long long chunk) {
     STEP_SCALARS_ADAM()
-    CHUNK_RANGE(8)
+    CHUNK_RANGE(9)
     const float* p = (const float*)row[0];
-    const float* g = (const float*)row[1];
+    const void* g = (const void*)row[1];
     const float* m = (const float*)row[2];
     const float* v = (const float*)row[3];
     float* p_out = (float*)row[4];
@@ -123,15 +150,16 @@ extern "C" __global__ void fused_adam(const long long* __restrict__ table, const
     const float neg_step_size = s_neg_step_size, bc2_sqrt = s_bc2_sqrt, decay = s_decay;
     const bool small_weight = fabsf(w) < 0.5f;
     long long i = start;  // chunks start at multiples of CHUNK, a multiple of 4
-    // Four elements per 16-byte access where all seven tensors are 16-byte aligned (a view into a
-    // flat bucket may not be): the update moves 28 bytes an element, so its speed is the memory's.
-    bool aligned = true;
-    for (int k = 0; k < 7; ++k) aligned = aligned && (row[k] & 15) == 0;
+    // Four elements per access where all seven tensors are aligned to one (16 bytes; 8 for bfloat16
+    // gradient bits; a view into a flat bucket may not be): the update moves 28 bytes an element
+    // (float32 gradients), so its speed is the memory's.
+    bool aligned = (row[1] & (g_kind == 1 ? 7 : 15)) == 0;
+    for (int k = 0; k < 7; ++k) aligned = aligned && (k == 1 || (row[k] & 15) == 0);
     if (aligned) {
         const long long quads = (end - start) >> 2;
         for (long long q = threadIdx.x; q < quads; q += blockDim.x) {
             const long long e = start + 4 * q;
-            float4 p4 = *reinterpret_cast<const float4*>(p + e), g4 = *reinterpret_cast<const float4*>(g + e);
+            float4 p4 = *reinterpret_cast<const float4*>(p + e), g4 = grad4_at(g, e, g_kind);
             float4 m4 = *reinterpret_cast<const float4*>(m + e), v4 = *reinterpret_cast<const float4*>(v + e);
             adam_element(p4.x, g4.x, m4.x, v4.x, mode, decay, wd_f, small_weight, w, w_minus_one, one_minus_beta2, beta2_f, bc2_sqrt, eps, neg_step_size);
             adam_element(p4.y, g4.y, m4.y, v4.y, mode, decay, wd_f, small_weight, w, w_minus_one, one_minus_beta2, beta2_f, bc2_sqrt, eps, neg_step_size);
@@ -145,13 +173,27 @@ extern "C" __global__ void fused_adam(const long long* __restrict__ table, const
     }
     for (i += threadIdx.x; i < end; i += blockDim.x) {
         float pi = p[i], mi = m[i], vi = v[i];
-        adam_element(pi, g[i], mi, vi, mode, decay, wd_f, small_weight, w, w_minus_one, one_minus_beta2, beta2_f, bc2_sqrt, eps, neg_step_size);
+        adam_element(pi, grad_at(g, i, g_kind), mi, vi, mode, decay, wd_f, small_weight, w, w_minus_one, one_minus_beta2, beta2_f, bc2_sqrt, eps, neg_step_size);
         p_out[i] = pi;
         m_out[i] = mi;
         v_out[i] = vi;
     }
 }
 """
+
+# How a gradient is stored, as the kernels' grad_at reads it: its float32 values; a bfloat16
+# gradient's raw bits (CuPy holds bfloat16 as uint16); a bfloat16 gradient's float32 widening (where
+# it crossed between items as float32: compile.WidenBfloat16), rounded to bfloat16 when read.
+GRAD_KINDS = {"float32": 0, "bfloat16": 1, "bfloat16 as float32": 2}
+
+
+def grad_kind(bfloat16: bool, dtype) -> int | None:
+    """The GRAD_KINDS entry of a gradient array of ``dtype`` whose graph value is bfloat16 (or
+    float32); None where the kernels cannot read it."""
+    if dtype == np.float32:
+        return GRAD_KINDS["bfloat16 as float32" if bfloat16 else "float32"]
+    return GRAD_KINDS["bfloat16"] if bfloat16 and dtype == np.uint16 else None
+
 
 _KERNEL = {"SGD": "fused_sgd", "Momentum": "fused_momentum", "Adam": "fused_adam", "AdamW": "fused_adam"}
 
@@ -173,28 +215,34 @@ def kernel_arguments(op: UpdateOp) -> tuple:
 class _Launch:
     """Consecutive update nodes with one launch key: one kernel launch per call."""
 
-    def __init__(self, ops: list[UpdateOp]):
+    def __init__(self, ops: list[UpdateOp], bfloat16_grads: frozenset[str]):
         self.ops = ops
         self.first = ops[0]
+        self.bfloat16_grads = bfloat16_grads  # gradients the graph gives in bfloat16 (gradient_casts.py)
         self.arguments = kernel_arguments(self.first)
-        self.stride = 2 * len(OPS[self.first.op_type][0]) + 4  # (2 + slots) inputs, (1 + slots) outputs, numel
+        # (2 + slots) inputs, (1 + slots) outputs, numel, the gradient's kind
+        self.stride = 2 * len(OPS[self.first.op_type][0]) + 5
         self.tables: list[tuple[tuple, Any] | None] = [None, None]  # per parity: (pointers, device table)
         self.chunks = None  # device (tensor, start) pairs, fixed once the sizes are known
         self.grid = 0
         self.names = [(*op.tensors_in, *op.outputs) for op in ops]  # table order, per node
         self.kernel = None
 
-    def _rows(self, values: dict[str, Any], where: str) -> list[list[Any]]:
-        """Each node's arrays in table order, checked: contiguous float32 of one element count."""
+    def _rows(self, values: dict[str, Any], where: str) -> list[tuple[list[Any], int]]:
+        """Each node's arrays in table order, checked (contiguous, of one element count, float32 but
+        for a bfloat16 gradient's raw bits), and its gradient's kind (GRAD_KINDS)."""
         rows = []
         for op, names in zip(self.ops, self.names):
             arrays = [values[name] for name in names]
             size = arrays[0].size
-            for name, array in zip(names, arrays):
-                if array.dtype != np.float32 or array.size != size or not array.flags.c_contiguous:
+            kind = grad_kind(op.grad in self.bfloat16_grads, arrays[1].dtype)
+            for k, (name, array) in enumerate(zip(names, arrays)):
+                ok = kind is not None if k == 1 else array.dtype == np.float32
+                if not ok or array.size != size or not array.flags.c_contiguous:
+                    needs = "float32" + (" or bfloat16" if op.grad in self.bfloat16_grads and k == 1 else "")
                     raise RunError(f"{where}: fused {op.op_type} of '{op.param}': '{name}' is {array.dtype} "
-                                   f"{list(array.shape)}; the kernel needs contiguous float32 of {size} elements")
-            rows.append(arrays)
+                                   f"{list(array.shape)}; the kernel needs contiguous {needs} of {size} elements")
+            rows.append((arrays, kind))
         return rows
 
     def launch(self, cp, parity: int, values: dict[str, Any], where: str) -> None:
@@ -203,12 +251,13 @@ class _Launch:
         cached = self.tables[parity]
         if cached is None or cached[0] != pointers:
             rows = self._rows(values, where)
-            table = np.array([[a.data.ptr for a in arrays] + [arrays[0].size] for arrays in rows], dtype=np.int64)
+            table = np.array([[a.data.ptr for a in arrays] + [arrays[0].size, kind] for arrays, kind in rows],
+                             dtype=np.int64)
             assert table.shape[1] == self.stride, (table.shape, self.stride)  # the kernel's row length
             cached = (pointers, cp.asarray(table.reshape(-1)))
             self.tables[parity] = cached
             if self.chunks is None:  # sizes never change after the first call
-                pairs = [(t, start) for t, arrays in enumerate(rows) for start in range(0, arrays[0].size, CHUNK)]
+                pairs = [(t, start) for t, (arrays, _) in enumerate(rows) for start in range(0, arrays[0].size, CHUNK)]
                 self.grid = len(pairs)
                 self.chunks = cp.asarray(np.array(pairs or [(0, 0)], dtype=np.int64).reshape(-1))
         if self.grid == 0:
@@ -229,7 +278,8 @@ class FusedUpdateRunner(SegmentRunner):
         self.cp = device.cp
         self.where = f"{where}: fused updates in {place(group)}"
         self.ops = [UpdateOp.from_node(node, where) for node in group.nodes]
-        self.launches = _launches(self.ops)
+        self.bfloat16_grads = bfloat16_gradients(group.nodes)
+        self.launches = _launches(self.ops, self.bfloat16_grads)
         self.inputs, self.outputs = list(group.inputs), list(group.outputs)
         self.prepared: list[dict[str, Any] | None] = [None, None]
         # The device's compute stream (the one onnxruntime runs on), whatever stream is current.
@@ -261,13 +311,17 @@ class FusedUpdateRunner(SegmentRunner):
         if any(late_written & {*op.tensors_in, op.lr} for op in early) or any(
                 early_written & {*op.tensors_in, op.lr} for op in rest):
             return "an early update and a late one read what the other writes"
-        self.early, self.launches = _launches(early), _launches(rest)
+        self.early, self.launches = _launches(early, self.bfloat16_grads), _launches(rest, self.bfloat16_grads)
         self.side, self.ready, self.early_done = side, ready, done
         return None
 
     def early_outputs(self) -> set[str]:
         """The outputs of the nodes that start early (none unless ``split``)."""
         return {name for launch in self.early for op in launch.ops for name in op.outputs}
+
+    def bfloat16_inputs(self) -> frozenset[str]:
+        """Inputs it reads as bfloat16 where they come so (GpuProgram.bfloat16_edges)."""
+        return self.bfloat16_grads
 
     def in_place_pairs(self) -> dict[str, str]:
         """Output -> the input it may overwrite: param' -> param, slot' -> slot. Each element is
@@ -309,7 +363,7 @@ class FusedUpdateRunner(SegmentRunner):
             self.stream.wait_event(self.early_done)
 
 
-def _launches(ops: list[UpdateOp]) -> list[_Launch]:
+def _launches(ops: list[UpdateOp], bfloat16_grads: frozenset[str]) -> list[_Launch]:
     """``ops`` in order as launches: consecutive nodes of one launch key, a new launch wherever a
     node reads what the launch before it writes."""
     runs: list[list[UpdateOp]] = []
@@ -321,4 +375,4 @@ def _launches(ops: list[UpdateOp]) -> list[_Launch]:
             runs.append([op])
             produced = set()
         produced |= set(op.outputs)
-    return [_Launch(run) for run in runs]
+    return [_Launch(run, bfloat16_grads) for run in runs]

@@ -1,0 +1,116 @@
+"""The fused update reading a bfloat16 gradient itself (runtime/gpu/gradient_casts.py), and which
+values a GPU program passes between its items as bfloat16 (runtime/gpu/buffers.py
+``bfloat16_edges``).
+
+CPU: on the GPT's bf16 step graph the rewrite gives every update whose gradient was a lone Cast of
+a bfloat16 value that value, marked, and drops the Cast; a Cast read elsewhere, a Cast from
+float16, a gradient the graph outputs, and every fp32 step stay as they were. The kernel reading
+the marked gradients is tested in tests/test_gpu_fused_update.py (GPU) and
+tests/test_fused_update_host.py (its source compiled for the host).
+"""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from commands.main import main
+from contract.ops import FUSED_UPDATE_DOMAIN
+from runtime.gpu.buffers import bfloat16_edges
+from runtime.gpu.gradient_casts import GRADIENT_TYPE, bfloat16_gradients, fold_gradient_casts
+
+
+def _step(model_dir, tmp_path, precision: str) -> onnx.ModelProto:
+    out = tmp_path / precision
+    assert main(["compile", str(model_dir("gpt") / "model.onnx"), "--gpus", "1", "--precision", precision,
+                 "--optimizer", "adamw", "-o", str(out)]) == 0
+    return onnx.load(str(out / "rank0.onnx"))
+
+
+def _types(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    return {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
+
+
+def test_every_weight_update_of_the_bf16_gpt_reads_its_bfloat16_gradient(model_dir, tmp_path):
+    step = _step(model_dir, tmp_path, "bf16")
+    producer = {o: n for n in step.graph.node for o in n.output}
+    lone_casts = [n.input[1] for n in step.graph.node if n.domain == FUSED_UPDATE_DOMAIN
+                  and producer[n.input[1]].op_type == "Cast" and _types(step)[producer[n.input[1]].input[0]] == TensorProto.BFLOAT16]
+    before = len(step.graph.node)
+    folded = fold_gradient_casts(step)
+    onnx.checker.check_model(folded)
+    updates = [n for n in folded.graph.node if n.domain == FUSED_UPDATE_DOMAIN]
+    marked = bfloat16_gradients(updates)
+    # The GPT's weights (4 blocks of 4 MatMuls, and the head): each one's gradient a bf16 product.
+    assert len(lone_casts) >= 17 and len(marked) == len(lone_casts)
+    assert len(folded.graph.node) == before - len(lone_casts)
+    types = _types(folded)
+    assert all(types[name] == TensorProto.BFLOAT16 for name in marked)
+    produced = {o for n in folded.graph.node for o in n.output}
+    assert not set(lone_casts) & produced  # the widened copies are gone, with their value_info
+    assert not set(lone_casts) & {v.name for v in folded.graph.value_info}
+    for node in updates:  # the rest read float32 gradients as before, unmarked
+        if node.input[1] not in marked:
+            assert types[node.input[1]] == TensorProto.FLOAT
+            assert not any(a.name == GRADIENT_TYPE for a in node.attribute)
+
+
+def test_an_fp32_step_is_left_as_it_is(model_dir, tmp_path):
+    step = _step(model_dir, tmp_path, "fp32")
+    expected = step.SerializeToString()
+    assert fold_gradient_casts(step).SerializeToString() == expected
+
+
+def _update_of(cast_from: int, second_reader: bool = False, output: bool = False) -> onnx.ModelProto:
+    """w' = SGD(w, Cast(g, float32), lr), g of type ``cast_from``."""
+    nodes = [helper.make_node("Cast", ["g"], ["wide"], to=TensorProto.FLOAT),
+             helper.make_node("SGD", ["w", "wide", "lr"], ["w2"], domain=FUSED_UPDATE_DOMAIN, weight_decay=0.0)]
+    outputs = [helper.make_tensor_value_info("w2", TensorProto.FLOAT, [4])]
+    if second_reader:
+        nodes.append(helper.make_node("Neg", ["wide"], ["other"]))
+        outputs.append(helper.make_tensor_value_info("other", TensorProto.FLOAT, [4]))
+    if output:
+        outputs.append(helper.make_tensor_value_info("wide", TensorProto.FLOAT, [4]))
+    inputs = [helper.make_tensor_value_info("w", TensorProto.FLOAT, [4]), helper.make_tensor_value_info("g", cast_from, [4]),
+              helper.make_tensor_value_info("lr", TensorProto.FLOAT, [])]
+    return helper.make_model(helper.make_graph(nodes, "g", inputs, outputs),
+                             opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(FUSED_UPDATE_DOMAIN, 1)])
+
+
+def test_a_lone_cast_from_bfloat16_is_folded():
+    folded = fold_gradient_casts(_update_of(TensorProto.BFLOAT16))
+    assert [n.op_type for n in folded.graph.node] == ["SGD"]
+    assert bfloat16_gradients(folded.graph.node) == {"g"}
+
+
+@pytest.mark.parametrize("case", ["float16", "second reader", "graph output"])
+def test_a_cast_the_update_does_not_read_alone_or_not_from_bfloat16_stays(case):
+    model = _update_of(TensorProto.FLOAT16 if case == "float16" else TensorProto.BFLOAT16,
+                       second_reader=case == "second reader", output=case == "graph output")
+    expected = model.SerializeToString()
+    assert fold_gradient_casts(model).SerializeToString() == expected
+
+
+# -- which values cross between items as bfloat16 --------------------------------------------------
+
+SESSION = None  # an item that reads any value as its graph types it
+
+
+@pytest.mark.parametrize("items, producer, io, expected", [
+    # a session's gradient read by the update that takes it: kept
+    ([(["x"], SESSION), (["g"], frozenset({"g"}))], {"g": 0}, set(), {"g"}),
+    # ... and by a later session too: kept (the session binds it as bfloat16)
+    ([(["x"], SESSION), (["g"], frozenset({"g"})), (["g"], SESSION)], {"g": 0}, set(), {"g"}),
+    # read also by a collective (takes nothing as bfloat16): widened
+    ([(["x"], SESSION), (["g"], frozenset({"g"})), (["g"], frozenset())], {"g": 0}, set(), set()),
+    # computed by a native runner, not a session: it writes float32
+    ([(["x"], frozenset()), (["g"], frozenset({"g"}))], {"g": 0}, set(), set()),
+    # a program output: the caller reads float32
+    ([(["x"], SESSION), (["g"], frozenset({"g"}))], {"g": 0}, {"g"}, set()),
+    # passed between sessions only: no runner asks for it
+    ([(["x"], SESSION), (["g"], SESSION)], {"g": 0}, set(), set()),
+])
+def test_a_value_crosses_as_bfloat16_only_where_every_reader_takes_it(items, producer, io, expected):
+    assert bfloat16_edges(items, producer, io) == expected
