@@ -1,6 +1,7 @@
-"""The fused update reading a bfloat16 gradient itself (runtime/gpu/gradient_casts.py), and which
+"""The fused update reading a bfloat16 gradient itself (runtime/gpu/gradient_casts.py), which
 values a GPU program passes between its items as bfloat16 (runtime/gpu/buffers.py
-``bfloat16_edges``).
+``bfloat16_edges``), and the element type of a collective's bucket between sessions
+(``bucket_dtype``).
 
 CPU: on the GPT's bf16 step graph the rewrite gives every update whose gradient was a lone Cast of
 a bfloat16 value that value, marked, and drops the Cast; a Cast read elsewhere, a Cast from
@@ -11,13 +12,16 @@ tests/test_fused_update_host.py (its source compiled for the host).
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
 from commands.main import main
 from contract.ops import FUSED_UPDATE_DOMAIN
-from runtime.gpu.buffers import bfloat16_edges
+from runtime.collectives import TensorSpec
+from runtime.errors import RunError
+from runtime.gpu.buffers import bfloat16_edges, bucket_dtype
 from runtime.gpu.gradient_casts import GRADIENT_TYPE, bfloat16_gradients, fold_gradient_casts
 
 
@@ -85,10 +89,24 @@ def test_a_lone_cast_from_bfloat16_is_folded():
     assert bfloat16_gradients(folded.graph.node) == {"g"}
 
 
-@pytest.mark.parametrize("case", ["float16", "second reader", "graph output"])
+def _with_a_body_reading_the_cast(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with an If whose branches read the Cast's output from the outer scope."""
+    branch = lambda name: helper.make_graph(  # noqa: E731
+        [helper.make_node("Identity", ["wide"], [f"{name}_y"])], name, [],
+        [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, [4])])
+    model.graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
+    model.graph.node.append(helper.make_node("If", ["flag"], ["picked"], then_branch=branch("then"),
+                                             else_branch=branch("else")))
+    model.graph.output.append(helper.make_tensor_value_info("picked", TensorProto.FLOAT, [4]))
+    return model
+
+
+@pytest.mark.parametrize("case", ["float16", "second reader", "graph output", "read in a subgraph"])
 def test_a_cast_the_update_does_not_read_alone_or_not_from_bfloat16_stays(case):
     model = _update_of(TensorProto.FLOAT16 if case == "float16" else TensorProto.BFLOAT16,
                        second_reader=case == "second reader", output=case == "graph output")
+    if case == "read in a subgraph":
+        model = _with_a_body_reading_the_cast(model)
     expected = model.SerializeToString()
     assert fold_gradient_casts(model).SerializeToString() == expected
 
@@ -114,3 +132,26 @@ SESSION = None  # an item that reads any value as its graph types it
 ])
 def test_a_value_crosses_as_bfloat16_only_where_every_reader_takes_it(items, producer, io, expected):
     assert bfloat16_edges(items, producer, io) == expected
+
+
+BF16 = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)  # the graph's type of a bfloat16 spec (ml_dtypes)
+
+
+def test_a_bfloat16_bucket_between_sessions_moves_as_the_float32_its_inputs_crossed_as():
+    """--grad-dtype bf16 with the collectives cut out of the sessions: the gradients reach the
+    AllReduce widened (a collective takes no bfloat16 between sessions), so its bucket is float32,
+    whatever the bfloat16 spec of its outputs says; the second call used to refuse it."""
+    specs = [TensorSpec((4,), BF16), TensorSpec((2, 3), BF16)]
+    seen = {"g0": np.float32, "g1": np.float32, "m0": np.float32, "m1": np.float32}
+    assert bucket_dtype(["g0", "g1"], ["m0", "m1"], specs, seen, "rank0.onnx: AllReduce") == np.float32
+    # A Reduce's outputs off its root: no values, the inputs decide.
+    assert bucket_dtype(["g0", "g1"], [], [], seen, "rank1.onnx: Reduce") == np.float32
+    # A Broadcast's receiver: no inputs, the spec decides.
+    assert bucket_dtype([], ["p"], [TensorSpec((4,), np.dtype(np.float32))], {}, "rank1.onnx: Broadcast") == np.float32
+
+
+def test_a_bucket_of_two_dtypes_is_an_error_naming_the_collective():
+    seen = {"g0": np.float32, "g1": np.float16}
+    with pytest.raises(RunError, match=r"rank0.onnx: AllReduce: the nccl backend needs one dtype per bucket, "
+                                       r"got \['float16', 'float32'\]"):
+        bucket_dtype(["g0", "g1"], [], [], seen, "rank0.onnx: AllReduce")

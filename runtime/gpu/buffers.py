@@ -4,10 +4,15 @@ need no device, each a pure function of the step's items.
 - ``value_lifetimes``: which values go in that block and from which item to which they live;
 - ``pack_buffers``: the offsets of the values passed between a step's items in one block;
 - ``carried_in_place``: the state outputs written over the buffer their input is read from;
-- ``bfloat16_edges``: the bfloat16 values that pass between items as they are, not widened.
+- ``bfloat16_edges``: the bfloat16 values that pass between items as they are, not widened;
+- ``bucket_dtype``: the element type of a collective's flat buffer.
 """
 
 from __future__ import annotations
+
+import numpy as np
+
+from runtime.errors import RunError
 
 BUFFER_ALIGN = 256  # bytes: where pack_buffers starts each value (cudaMalloc's own alignment)
 
@@ -109,3 +114,18 @@ def bfloat16_edges(items: list[tuple[list[str], frozenset[str] | None]], produce
             taken |= takes & set(inputs)
             refused |= set(inputs) - takes
     return frozenset(name for name in taken - refused - program_io if producer.get(name) in sessions)
+
+
+def bucket_dtype(inputs: list[str], outputs: list[str], specs, seen: dict[str, np.dtype], where: str) -> np.dtype:
+    """The one element type of a collective's flat buffer: that of the values its first call
+    moved (``seen``: value -> dtype, its inputs and the outputs it made); an output the first call
+    did not make on this rank by its spec (``specs``, the outputs' TensorSpecs). So a bfloat16
+    bucket between sessions (``--grad-dtype bf16`` where the collectives are cut out of the
+    sessions: no custom ops, or ``--timings``) moves as the float32 its inputs crossed as
+    (compile.WidenBfloat16; a collective takes no bfloat16 there, ``bfloat16_edges``): the right
+    numbers, float32 bytes on the wire. Its spec says bfloat16, which no CuPy buffer can be."""
+    dtypes = {np.dtype(seen[name]) for name in inputs}
+    dtypes |= {np.dtype(seen[name]) if name in seen else np.dtype(spec.dtype) for name, spec in zip(outputs, specs)}
+    if len(dtypes) != 1:
+        raise RunError(f"{where}: the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
+    return dtypes.pop()

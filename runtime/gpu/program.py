@@ -52,9 +52,8 @@ from typing import Any
 import numpy as np
 
 from runtime.collectives import CollectiveOp, Communicator
-from runtime.errors import RunError
 from runtime.executor import Backend, ProgramBase, median_timings, timing_key
-from runtime.gpu.buffers import bfloat16_edges, carried_in_place, pack_buffers, value_lifetimes
+from runtime.gpu.buffers import bfloat16_edges, bucket_dtype, carried_in_place, pack_buffers, value_lifetimes
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.session import OrtCudaSegment, agree_on_graphs, misaligned
 from runtime.segments import CutGraph
@@ -270,11 +269,10 @@ class GpuProgram(ProgramBase):
         for pos in self.collective_pos:
             op = self.steps[pos][0]
             in_shapes = [self.shapes[n][0] for n in op.inputs]
-            dtypes = {np.dtype(self.shapes[n][1]) for n in op.inputs} | {np.dtype(s.dtype) for s in op.output_specs}
-            if len(dtypes) != 1:
-                raise RunError(f"{op.where}: the nccl backend needs one dtype per bucket, got {sorted(map(str, dtypes))}")
+            dtype = bucket_dtype(list(op.inputs), list(op.outputs), op.output_specs,
+                                 {name: dtype for name, (_, dtype) in self.shapes.items()}, op.where)
             parities = 2 if any(n in program_outputs for n in op.outputs) else 1
-            self.slots[pos] = _Slots(op, in_shapes, dtypes.pop(), comm.size, comm.rank, parities, cp)
+            self.slots[pos] = _Slots(op, in_shapes, dtype, comm.size, comm.rank, parities, cp)
             self.copy_in[pos] = []
             for name in op.inputs:
                 src = self.producer.get(name)
