@@ -245,17 +245,29 @@ def used_bytes(mem_get_info) -> int:
 def process_memory(device: int) -> dict:
     """``device_processes_gib``: every process with memory on ``device`` as NVML lists it, ``"self"``
     for this one (what the device's used memory holds besides this process: another rank's
-    context, say); ``nvml_process_gib``: this one's. None where pynvml is not there."""
+    context, say); ``device_process_commands``: the command line of each other one (``finish``
+    names the run's own ranks ``rank K``), so a row tells a peer rank's context from the harness's;
+    ``nvml_process_gib``: this one's. None where pynvml is not there."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(device)
-        every = {("self" if p.pid == os.getpid() else str(p.pid)): round(int(p.usedGpuMemory or 0) / GIB, 3)
-                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        pids = {int(p.pid): round(int(p.usedGpuMemory or 0) / GIB, 3) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
     except Exception:
-        every = None
-    return {"device_processes_gib": every, "nvml_process_gib": (every or {}).get("self")}
+        return {"device_processes_gib": None, "nvml_process_gib": None, "pid": os.getpid()}
+    every = {("self" if pid == os.getpid() else str(pid)): gib for pid, gib in pids.items()}
+    commands = {str(pid): _command(pid) for pid in pids if pid != os.getpid()}
+    return {"device_processes_gib": every, "device_process_commands": commands, "nvml_process_gib": every.get("self"),
+            "pid": os.getpid()}
+
+
+def _command(pid: int) -> str:
+    """The first 120 characters of process ``pid``'s command line (this host's /proc), or "?"."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+    except OSError:
+        return "?"
 
 
 GIB = 2.0 ** 30
@@ -458,6 +470,9 @@ def finish(ranks: Ranks, result: dict) -> dict | None:
         # nvml_process_gib and device_processes_gib are the slowest rank's).
         out["rank_mem_used_delta_gib"] = [r.get("mem_used_delta_gib") for r in every]
         out["rank_nvml_process_gib"] = [r.get("nvml_process_gib") for r in every]
+        ranks_of = {str(r.get("pid")): f"rank {k}" for k, r in enumerate(every)}
+        commands = out.get("device_process_commands") or {}
+        out["device_process_commands"] = {pid: ranks_of.get(pid, command) for pid, command in commands.items()}
     out["peak_mem_gib"] = out.get("mem_used_delta_gib")
     out["python"] = platform.python_version()
     return out

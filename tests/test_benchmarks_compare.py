@@ -359,3 +359,33 @@ def test_the_kernel_profile_discards_one_warm_up_step_and_keeps_the_recorded_one
     ranges = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "bench_step"]
     assert len(ranges) == 3  # each recorded step in its range, for benchmarks/trace_steps.py
     assert summary.get("kernels_per_step") in (None, 0, 0.0)
+
+
+def test_a_row_names_the_other_processes_on_its_gpu_as_the_runs_ranks_or_by_command(monkeypatch):
+    """The rows' device_process_commands tell a peer rank's context on this GPU from any other
+    process's (benchmarks/bench_worker.py finish): the 4-GPU rows held 0.5 GiB a peer that no rank
+    was charged for, and a pid alone could not say whose."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_worker
+
+    class Ranks:
+        rank = 0
+
+        def __init__(self, every):
+            self.every = every
+
+        def gather(self, result):
+            return self.every
+
+        def barrier(self):
+            pass
+
+    def result(pid, step_ms, commands):
+        return {"windows_ms": [step_ms], "pid": pid, "step_ms": step_ms, "mem_used_delta_gib": 1.0,
+                "nvml_process_gib": 0.9, "device_processes_gib": {"self": 0.9, **{p: 0.5 for p in commands}},
+                "device_process_commands": commands}
+
+    slow = result(11, 5.0, {"12": "python3 bench_worker.py ours spec.json", "99": "python3 -m benchmarks compare"})
+    out = bench_worker.finish(Ranks([slow, result(12, 4.0, {"11": "python3 bench_worker.py ours spec.json"})]), dict(slow))
+    assert out["device_process_commands"] == {"12": "rank 1", "99": "python3 -m benchmarks compare"}
+    assert out["rank_nvml_process_gib"] == [0.9, 0.9]
