@@ -25,13 +25,7 @@ NATIVE_OFF = "GRAPH_TRANSPILER_NATIVE_OFF"
 # ~/.cache/graph-transpiler; runtime/ort_custom_ops.py).
 CACHE = "GRAPH_TRANSPILER_CACHE"
 
-# Experiment (issue 25), until a 4-GPU measurement decides it: "1": with the collectives inside the
-# sessions, the fused updates of every bucket but the step's last start on a side stream as soon
-# as the last-but-one collective is finished, beside the last one (docs/gpu.md, "What the 4-GPU
-# step still pays"). The same kernels on the same values: only when they run changes.
-EARLY_UPDATE = "GRAPH_TRANSPILER_EARLY_UPDATE"
-
-ALL = (DEBUG_SYNC, DUMP, NATIVE_OFF, CACHE, EARLY_UPDATE)
+ALL = (DEBUG_SYNC, DUMP, NATIVE_OFF, CACHE)
 
 
 def flag(name: str) -> bool:

@@ -46,16 +46,14 @@ def carried_in_place(items: list[tuple[list[str], list[str], bool]], readers: di
 
 
 def value_lifetimes(items: list[tuple[list[str], bool]], readers: dict[str, list[int]], nbytes: dict[str, int],
-                    own: set[str], once: dict[int, set[str]], early: dict[int, set[str]]) -> list[tuple[str, int, int, int]]:
+                    own: set[str], once: dict[int, set[str]]) -> list[tuple[str, int, int, int]]:
     """``(name, nbytes, first, last)`` of every value of the block (pack_buffers' input).
     ``items``: per position, (outputs, whether it runs on the compute stream; a collective between
     sessions does not and computes no value of the block); ``own``: values with a buffer of their
     own (a collective's slot, state, the program's outputs). A value lives from the item that
     computes it to its last reader, or to the step's end where a collective between sessions reads
     it (NCCL reads it on its own stream), or all the step where its session writes it once, when
-    bound (``once``, per position: a constant it folded). ``early``, per position: outputs of an
-    update that runs beside the item before it (GpuProgram._split_update), so they live from that
-    item on."""
+    bound (``once``, per position: a constant it folded)."""
     end = len(items)
     lifetimes = []
     for pos, (outputs, on_compute) in enumerate(items):
@@ -69,7 +67,7 @@ def value_lifetimes(items: list[tuple[list[str], bool]], readers: dict[str, list
             if name in once.get(pos, ()):
                 lifetimes.append((name, nbytes[name], 0, end))
             else:
-                lifetimes.append((name, nbytes[name], pos - 1 if name in early.get(pos, ()) else pos, last))
+                lifetimes.append((name, nbytes[name], pos, last))
     return lifetimes
 
 

@@ -128,8 +128,7 @@ class SessionCollectives(SegmentPass):
     def call(self, state):
         comm = self.registry.comm  # None where no communicator is joined (a segment of no collectives)
         state.model, originals = session_collectives.rewrite(state.model, state.where,
-                                                             world=None if comm is None else comm.size,
-                                                             early=self.registry.record_external is not None)
+                                                             world=None if comm is None else comm.size)
         self.registry.record(state.model, originals)
 
     def ensures(self, state):

@@ -91,42 +91,6 @@ def relax_capture_mode() -> bool:
     return False
 
 
-# CU_EVENT_RECORD_EXTERNAL: an event recorded in a stream capture becomes an event-record node of
-# the graph, which streams outside the graph may wait for (torch.cuda.Event(external=True)); a plain
-# record inside a capture may not be waited for out there (cudaErrorInvalidValue).
-_EVENT_RECORD_EXTERNAL = 1
-_CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
-
-
-def external_record():
-    """``record(event, stream)`` recording a CuPy event on a CuPy stream so that work outside a CUDA
-    graph captured from ``stream`` may wait for it: while ``stream`` is capturing, with
-    CU_EVENT_RECORD_EXTERNAL (cuEventRecordWithFlags); otherwise a plain record, since the flag is
-    invalid outside a capture (as PyTorch's CUDAEvent::record sets it only while capturing). None
-    where the driver lacks the calls."""
-    import ctypes
-
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-        record_with_flags, is_capturing = driver.cuEventRecordWithFlags, driver.cuStreamIsCapturing
-    except (OSError, AttributeError):
-        return None
-    record_with_flags.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
-    record_with_flags.restype = ctypes.c_int
-    is_capturing.argtypes = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
-    is_capturing.restype = ctypes.c_int
-
-    def record(event, stream) -> None:
-        status = ctypes.c_int(0)  # CU_STREAM_CAPTURE_STATUS_NONE / _ACTIVE (1) / _INVALIDATED (2)
-        result = is_capturing(stream.ptr, ctypes.byref(status))
-        if result == 0:
-            flags = _EVENT_RECORD_EXTERNAL if status.value == _CAPTURE_ACTIVE else 0
-            result = record_with_flags(event.ptr, stream.ptr, flags)
-        if result != 0:
-            raise RuntimeError(f"recording the early-update event failed: CUresult {result}")
-    return record
-
-
 _MODULES: dict[tuple[int, str], Any] = {}  # (device id, CUDA source) -> compiled RawModule
 
 

@@ -57,7 +57,6 @@ from runtime.gpu.buffers import bfloat16_edges, bucket_dtype, carried_in_place, 
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.session import OrtCudaSegment, agree_on_graphs, misaligned
 from runtime.segments import CutGraph
-from runtime.variables import EARLY_UPDATE
 
 
 class _Slots:
@@ -128,35 +127,6 @@ class GpuProgram(ProgramBase):
             # The first call's outputs (GPT-2-small: 1.8 GiB) were last read by call 2: given back.
             self._release_pool()
         return self._run_bound(feeds, self.calls % 2)
-
-    def _split_update(self) -> None:
-        """variables.EARLY_UPDATE: a fused update right after a session with an early finish starts
-        the buckets of all that session's collectives but its last on a side stream once that finish
-        passed (FusedUpdateRunner.split); decided at the first bound call, before the block of
-        values between items is planned (``_internal_buffers`` starts the early outputs' lifetimes
-        at the session they now run beside). Where none splits: why."""
-        registry = self.session_collectives
-        if registry is None or registry.record_external is None:
-            return
-        split, side, why = False, None, []
-        for pos in range(1, len(self.steps)):
-            before, runner = self.steps[pos - 1][1], self.steps[pos][1]
-            if not hasattr(runner, "split"):
-                continue
-            early = registry.early.get(getattr(before, "where", None)) if isinstance(before, OrtCudaSegment) else None
-            if early is None:
-                why.append(f"{runner.where}: no early finish in the session before it (marked in: "
-                           f"{', '.join(registry.early) or 'none'})")
-                continue
-            side = side or self.cp.cuda.Stream(non_blocking=True)  # one per program: its updates in step order
-            refused = runner.split(set(registry.nodes[early.late].output), early.event, side,
-                                   self.cp.cuda.Event(disable_timing=True))
-            if refused:
-                why.append(f"{runner.where}: {refused}")
-            split |= refused is None
-        if not split and why:
-            print(f"transpile: note: {self.cut.where}: {EARLY_UPDATE} is set, but no update of this step starts "
-                  f"early: {'; '.join(why)}", file=sys.stderr, flush=True)
 
     def release(self) -> None:
         """Drop every session and its CUDA graphs (the communicator's close calls it); not run again."""
@@ -289,7 +259,6 @@ class GpuProgram(ProgramBase):
         carried_out, carried_in = self._own_buffers(self._carried_in_place(feeds, bound_into.keys() | aliased.keys()), feeds)
         aliased.update(carried_out)
         moved.update(carried_in)
-        self._split_update()
         internal = self._internal_buffers(bound_into, aliased)
         for pos, (item, runner) in enumerate(self.steps):
             if runner is None:
@@ -317,14 +286,12 @@ class GpuProgram(ProgramBase):
         """A device array for every value passed between this step's items (the module docstring)."""
         cp = self.cp
         items = [(list(item.outputs), runner is not None) for item, runner in self.steps]
-        # A session writes a constant it folded once, when bound; an update split to start early
-        # (_split_update) writes its outputs while the session before it still runs.
+        # A session writes a constant it folded once, when bound.
         once = {pos: runner.written_once() for pos, (_, runner) in enumerate(self.steps) if isinstance(runner, OrtCudaSegment)}
-        early = {pos: runner.early_outputs() for pos, (_, runner) in enumerate(self.steps) if hasattr(runner, "early_outputs")}
         nbytes = {name: int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                   for name, (shape, dtype) in self.shapes.items()}
         own = set(bound_into) | set(aliased) | set(self.cut.outputs)
-        lifetimes = value_lifetimes(items, self.readers, nbytes, own, once, early)
+        lifetimes = value_lifetimes(items, self.readers, nbytes, own, once)
         offsets, total = pack_buffers(lifetimes)
         self.block_bytes = total  # reported by benchmarks/gpu_memory_steps.py
         block = cp.empty(max(total, 1), dtype=np.uint8)

@@ -73,9 +73,7 @@ from onnx import helper
 
 from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
 from runtime.errors import RunError
-from runtime.gpu.cuda import external_record
 from runtime.specialize import static_values
-from runtime.variables import EARLY_UPDATE, flag
 
 DOMAIN = "graph_transpiler.session_collectives"
 START, FINISH = "Start", "Finish"
@@ -88,19 +86,15 @@ STAGED = ".staged"  # suffix of a direct collective's staged output names
 # Collectives whose flat bucket is scratch, an output of the start (the module docstring).
 STAGED_FLAT = frozenset({"ReduceScatter"})
 FLAT = ".flat"  # suffix of a staged bucket's name
-# The element types an early finish may read besides its own inputs (those its custom op is made for).
-EARLY_INPUT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
 
 
-def rewrite(model: onnx.ModelProto, where: str, *, world: int | None, early: bool = False
-            ) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
+def rewrite(model: onnx.ModelProto, where: str, *, world: int | None) -> tuple[onnx.ModelProto, dict[int, onnx.NodeProto]]:
     """``model`` (a specialized segment) with each collective node replaced by its start and finish
     (the module docstring), the nodes reordered for the PRIORITY_BASED order, each token with its
     value_info; and the collective nodes replaced, by ``order``. The start and finish carry
     ``bucket`` (the collective's order); the start ``chained`` (whether its first input is the
     previous start's token); both ``flat`` where the bucket is the start's output (``STAGED_FLAT``,
-    ``world`` times its one output's elements). ``early`` (variables.EARLY_UPDATE): one finish marked for the early
-    update (``_mark_early_finish``); without it the session is what it was before that experiment."""
+    ``world`` times its one output's elements)."""
     graph = model.graph
     nodes = list(graph.node)
     collectives = sorted((n for n in nodes if n.domain == COLLECTIVE_DOMAIN), key=_order)
@@ -154,11 +148,6 @@ def rewrite(model: onnx.ModelProto, where: str, *, world: int | None, early: boo
     ordered = _order_nodes([n for n in nodes if n.domain != COLLECTIVE_DOMAIN], [starts[k] for k in orders],
                            [finishes[k] for k in orders], {i.name for i in graph.input} | {t.name for t in graph.initializer},
                            [o.name for o in graph.output], where)
-    if early:
-        made_here = {name for n in (*starts.values(), *finishes.values()) for name in n.output}
-        plain_outputs = [o.name for o in graph.output if o.name not in made_here and o.name in known
-                         and known[o.name][1] in EARLY_INPUT_TYPES]
-        _mark_early_finish(ordered, [finishes[k] for k in orders], orders, starts[orders[-1]].output[0], plain_outputs)
     del graph.node[:]
     graph.node.extend(ordered)
     graph.value_info.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, list(TOKEN_SHAPE)) for t in tokens)
@@ -166,30 +155,6 @@ def rewrite(model: onnx.ModelProto, where: str, *, world: int | None, early: boo
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model, originals
-
-
-def _mark_early_finish(ordered: list[onnx.NodeProto], finishes: list[onnx.NodeProto], orders: list[int],
-                       last_token: str, plain_outputs: list[str]) -> None:
-    """Marks the finish of the last-but-one collective ``early`` (with ``late``: the last one's
-    order) where every other finish but the last comes before it and only finishes after it: past
-    it every collective but the last is finished, so the updates of their buckets may start beside
-    the last one (variables.EARLY_UPDATE), which write parameters and optimizer state in place.
-    So that no node of the session reads those after it, whatever order onnxruntime picks (its
-    fusions make nodes of new, higher indices, which its priority order may run after the finish),
-    the finish also reads the last start's token (after every input of every collective: the tokens
-    chain the starts) and every float output of a plain node (after every sink); its runner reads
-    neither. A plain node whose only results are non-float outputs is not covered: none reads
-    parameters in the steps the transpiler writes."""
-    if len(finishes) < 2:
-        return
-    early = finishes[-2]
-    index = {id(n): i for i, n in enumerate(ordered)}
-    at = index[id(early)]
-    if any(index[id(f)] > at for f in finishes[:-2]) or not all(n.domain == DOMAIN and n.op_type == FINISH
-                                                                for n in ordered[at + 1:]):
-        return
-    early.input.extend([last_token, *(o for o in plain_outputs if o not in early.input)])
-    early.attribute.extend([helper.make_attribute("early", 1), helper.make_attribute("late", orders[-1])])
 
 
 def _order(node: onnx.NodeProto) -> int:
@@ -258,16 +223,6 @@ class Bucket:
     done: Any = None
 
 
-@dataclass
-class EarlyUpdate:
-    """What the early finish (``_mark_early_finish``) of one session and the update right after that
-    session share: ``event``, recorded (external, so that a stream outside the captured graph may
-    wait for it) once every collective of the session but the one of order ``late`` is finished."""
-
-    event: Any
-    late: int
-
-
 class Registry:
     """The buckets of one process's step sessions, by collective order, and how runners reach the
     communicator (set by GpuBackend.make_program before any session is compiled)."""
@@ -275,11 +230,6 @@ class Registry:
     def __init__(self):
         self.comm = None
         self.buckets: dict[int, Bucket] = {}
-        # variables.EARLY_UPDATE: the external event record, where the driver has it; ``early``, by
-        # the session's ``where``, is made by the early finish's runner (under sharded both the
-        # Reduces' session and the Broadcasts' have one: only the update after a session reads it).
-        self.record_external = external_record() if flag(EARLY_UPDATE) else None
-        self.early: dict[str, EarlyUpdate] = {}
         # From the compile pass (``record``): each collective node replaced, and its output specs.
         self.nodes: dict[int, onnx.NodeProto] = {}
         self.specs: dict[int, list[TensorSpec]] = {}
@@ -385,9 +335,6 @@ class FinishRunner:
         # Direct: output j may take the buffer of staged input 1 + j, which nothing reads after this
         # node (a hint to onnxruntime's planner: where it declines, launch copies).
         self.may_inplace = tuple((1 + j, j) for j in range(outputs)) if self.direct else ()
-        self.early = None
-        if _attr(node, "early", 0) and registry.record_external is not None:
-            self.early = registry.early[where] = EarlyUpdate(device.cp.cuda.Event(disable_timing=True), _attr(node, "late"))
 
     def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
         bucket = self.registry.buckets.get(self.k)
@@ -402,8 +349,6 @@ class FinishRunner:
                 source = values[self.node.input[1 + j]] if self.direct else bucket.outputs[name]
                 if values[name].data.ptr != source.data.ptr:
                     values[name][...] = source
-        if self.early is not None:
-            self.registry.record_external(self.early.event, compute)
 
 
 def runner(group, where: str, device, registry: Registry):

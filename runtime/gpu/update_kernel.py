@@ -284,40 +284,6 @@ class FusedUpdateRunner(SegmentRunner):
         self.prepared: list[dict[str, Any] | None] = [None, None]
         # The device's compute stream (the one onnxruntime runs on), whatever stream is current.
         self.stream = getattr(device, "compute", None)
-        # split(): the launches that start on ``side`` once ``ready`` happened, and their end.
-        self.early: list[_Launch] = []
-        self.side = self.ready = self.early_done = None
-
-    def split(self, late: set[str], ready, side, done) -> str | None:
-        """From the next bound call on, the nodes reading none of ``late`` (the last collective's
-        outputs) run on stream ``side`` after event ``ready``, the rest on the compute stream after
-        the segment before, which then waits for ``done`` (recorded on ``side``): the step ends with
-        every update done, as before. The late part may be empty (under ``sharded``, a rank that is
-        not the last Reduce's root). Returns None once split; else why not, and nothing changed:
-        no node would start early, or one part reads what the other writes.
-
-        Where the early outputs live is the program's to make safe: state written in place, a
-        parity buffer or a collective's slot is read by nothing before the update; a value in the
-        block of values between items is placed as if computed by the session before
-        (``early_outputs``, GpuProgram._internal_buffers). The first form refused every output but
-        the state written in place, so under ``sharded`` (the new parameters go to the Broadcasts)
-        and ``zero`` (the slices to the AllGathers) nothing split."""
-        early = [op for op in self.ops if not late & set(op.tensors_in)]
-        rest = [op for op in self.ops if late & set(op.tensors_in)]
-        early_written = {name for op in early for name in op.outputs}
-        late_written = {name for op in rest for name in op.outputs}
-        if not early:
-            return f"every update reads the last collective's outputs ({', '.join(sorted(late)[:3])})"
-        if any(late_written & {*op.tensors_in, op.lr} for op in early) or any(
-                early_written & {*op.tensors_in, op.lr} for op in rest):
-            return "an early update and a late one read what the other writes"
-        self.early, self.launches = _launches(early, self.bfloat16_grads), _launches(rest, self.bfloat16_grads)
-        self.side, self.ready, self.early_done = side, ready, done
-        return None
-
-    def early_outputs(self) -> set[str]:
-        """The outputs of the nodes that start early (none unless ``split``)."""
-        return {name for launch in self.early for op in launch.ops for name in op.outputs}
 
     def bfloat16_inputs(self) -> frozenset[str]:
         """Inputs it reads as bfloat16 where they come so (GpuProgram.bfloat16_edges)."""
@@ -336,7 +302,7 @@ class FusedUpdateRunner(SegmentRunner):
         cp = self.cp
         values = dict(feeds)
         with self._on_stream():
-            for launch in self.early + self.launches:
+            for launch in self.launches:
                 for op in launch.ops:
                     for source, name in zip((op.param, *op.slots), op.outputs):
                         values[name] = cp.empty_like(values[source])
@@ -350,17 +316,9 @@ class FusedUpdateRunner(SegmentRunner):
     def run_bound(self, parity: int, env: dict[str, Any]) -> None:
         # A view, not a merged copy: run every step, and the program's env holds every value of it.
         values = ChainMap(self.prepared[parity], env)
-        if self.early:
-            self.side.wait_event(self.ready)
-            with self.side:
-                for launch in self.early:
-                    launch.launch(self.cp, parity, values, self.where)
-            self.early_done.record(self.side)
         with self._on_stream():
             for launch in self.launches:
                 launch.launch(self.cp, parity, values, self.where)
-        if self.early:
-            self.stream.wait_event(self.early_done)
 
 
 def _launches(ops: list[UpdateOp], bfloat16_grads: frozenset[str]) -> list[_Launch]:
