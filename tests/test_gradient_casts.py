@@ -23,6 +23,7 @@ from runtime.collectives import TensorSpec
 from runtime.errors import RunError
 from runtime.gpu.buffers import bfloat16_edges, bucket_dtype
 from runtime.gpu.gradient_casts import GRADIENT_TYPE, bfloat16_gradients, fold_gradient_casts
+from runtime.plan import load_plan
 
 
 def _step(model_dir, tmp_path, precision: str) -> onnx.ModelProto:
@@ -155,3 +156,19 @@ def test_a_bucket_of_two_dtypes_is_an_error_naming_the_collective():
     with pytest.raises(RunError, match=r"rank0.onnx: AllReduce: the nccl backend needs one dtype per bucket, "
                                        r"got \['float16', 'float32'\]"):
         bucket_dtype(["g0", "g1"], [], [], seen, "rank0.onnx: AllReduce")
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sharded", "zero"])
+def test_with_bf16_gradients_on_the_wire_each_update_reads_its_collectives_output(strategy, model_dir, tmp_path):
+    """--grad-dtype bf16: a bucket's collective gives bfloat16 means and a Cast widens each for its
+    update; after the rewrite every update of the rank reads the collective's output itself."""
+    out = tmp_path / strategy
+    assert main(["compile", str(model_dir("gpt") / "model.onnx"), "--gpus", "2", "--precision", "bf16",
+                 "--grad-dtype", "bf16", "--strategy", strategy, "--optimizer", "adamw", "-o", str(out)]) == 0
+    plan = load_plan(out)
+    for rank in (0, 1):
+        folded = fold_gradient_casts(onnx.load(str(out / plan.graphs(rank).step.name)))
+        producer = {o: n for n in folded.graph.node for o in n.output}
+        updates = [n for n in folded.graph.node if n.domain == FUSED_UPDATE_DOMAIN]
+        assert updates and bfloat16_gradients(updates) == {n.input[1] for n in updates}
+        assert {producer[n.input[1]].op_type for n in updates} <= {"AllReduce", "Reduce", "ReduceScatter"}
