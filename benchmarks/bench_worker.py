@@ -255,7 +255,8 @@ def process_memory(device: int) -> dict:
         handle = pynvml.nvmlDeviceGetHandleByIndex(device)
         pids = {int(p.pid): round(int(p.usedGpuMemory or 0) / GIB, 3) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
     except Exception:
-        return {"device_processes_gib": None, "nvml_process_gib": None, "pid": os.getpid()}
+        return {"device_processes_gib": None, "device_process_commands": None, "nvml_process_gib": None,
+                "pid": os.getpid()}
     every = {("self" if pid == os.getpid() else str(pid)): gib for pid, gib in pids.items()}
     commands = {str(pid): _command(pid) for pid in pids if pid != os.getpid()}
     return {"device_processes_gib": every, "device_process_commands": commands, "nvml_process_gib": every.get("self"),
@@ -471,8 +472,9 @@ def finish(ranks: Ranks, result: dict) -> dict | None:
         out["rank_mem_used_delta_gib"] = [r.get("mem_used_delta_gib") for r in every]
         out["rank_nvml_process_gib"] = [r.get("nvml_process_gib") for r in every]
         ranks_of = {str(r.get("pid")): f"rank {k}" for k, r in enumerate(every)}
-        commands = out.get("device_process_commands") or {}
-        out["device_process_commands"] = {pid: ranks_of.get(pid, command) for pid, command in commands.items()}
+        if out.get("device_process_commands") is not None:  # None: no NVML, nothing known
+            out["device_process_commands"] = {pid: ranks_of.get(pid, command)
+                                              for pid, command in out["device_process_commands"].items()}
     out["peak_mem_gib"] = out.get("mem_used_delta_gib")
     out["python"] = platform.python_version()
     return out

@@ -136,6 +136,23 @@ def one_graph_model(nodes, inputs, outputs, inits=(), opset: int = 18):
     return model
 
 
+def with_a_body_reading(model, name: str):
+    """``model`` with an If whose two branches read ``name`` (a float32 value) from the outer scope
+    (an Identity of it, the If's output a graph output): for the rewrites, which must not drop a
+    value a body reads."""
+    from onnx import TensorProto, helper
+
+    def branch(label: str):
+        return helper.make_graph([helper.make_node("Identity", [name], [f"{label}_y"])], label, [],
+                                 [helper.make_tensor_value_info(f"{label}_y", TensorProto.FLOAT, None)])
+
+    model.graph.input.append(helper.make_tensor_value_info("body_flag", TensorProto.BOOL, []))
+    model.graph.node.append(helper.make_node("If", ["body_flag"], ["body_picked"], then_branch=branch("then"),
+                                             else_branch=branch("else")))
+    model.graph.output.append(helper.make_tensor_value_info("body_picked", TensorProto.FLOAT, None))
+    return model
+
+
 def refresh_manifest(directory: Path) -> None:
     """Make a checkpoint's manifest match its (edited) rank files, as a careful forger would."""
     import hashlib

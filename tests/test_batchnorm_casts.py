@@ -13,7 +13,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from conftest import cpu_and_gpu_losses
+from conftest import cpu_and_gpu_losses, with_a_body_reading
 from onnx import TensorProto, helper
 
 from commands.main import main
@@ -112,6 +112,16 @@ def test_a_batchnorm_whose_output_is_read_otherwise_is_left_alone():
     fused = fold_batchnorm_casts(model)
     kinds = [(n.domain, n.op_type) for n in fused.graph.node]
     assert (BATCHNORM_DOMAIN, BATCHNORM_TRAINING) in kinds and ("", "Relu") in kinds
+
+
+def test_a_widening_cast_a_subgraph_reads_stays():
+    """The fold drops the Casts to float32 it took in only where nothing reads them any more: a
+    body's outer-scope read counts (rewrite_nodes.readers_of)."""
+    folded = fold_batchnorm_casts(with_a_body_reading(_model(), "x32"))
+    producers = [k for k, n in enumerate(folded.graph.node) if "x32" in n.output]
+    body = next(k for k, n in enumerate(folded.graph.node) if n.op_type == "If")
+    assert producers and producers[0] < body  # still computed, before the If reads it
+    assert any(n.domain == DOMAIN for n in folded.graph.node)  # the BatchNorm is still folded
 
 
 def test_the_bf16_resnet_step_reads_and_writes_its_batchnorms_in_bf16(model_dir, tmp_path):

@@ -389,3 +389,6 @@ def test_a_row_names_the_other_processes_on_its_gpu_as_the_runs_ranks_or_by_comm
     out = bench_worker.finish(Ranks([slow, result(12, 4.0, {"11": "python3 bench_worker.py ours spec.json"})]), dict(slow))
     assert out["device_process_commands"] == {"12": "rank 1", "99": "python3 -m benchmarks compare"}
     assert out["rank_nvml_process_gib"] == [0.9, 0.9]
+    # Without NVML nothing is known: None, not an empty map that reads as "no other process".
+    blind = {**slow, "device_processes_gib": None, "device_process_commands": None}
+    assert bench_worker.finish(Ranks([blind, dict(blind, pid=12)]), dict(blind))["device_process_commands"] is None

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import with_a_body_reading
 from onnx import TensorProto, helper
 
 from commands.main import main
@@ -102,10 +103,14 @@ def test_the_fused_node_computes_what_the_pair_computed(model_dir, tmp_path, pre
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_pair_whose_log_prob_is_read_elsewhere_is_left(model_dir, tmp_path):
+@pytest.mark.parametrize("reader", ["graph output", "subgraph"])
+def test_a_pair_whose_log_prob_is_read_elsewhere_is_left(model_dir, tmp_path, reader):
     model = _step_graph(model_dir, tmp_path, "fp32")
     forward = next(n for n in model.graph.node if n.op_type == "SoftmaxCrossEntropyLoss")
-    model.graph.output.append(helper.make_tensor_value_info(forward.output[1], TensorProto.FLOAT, None))
+    if reader == "subgraph":
+        model = with_a_body_reading(model, forward.output[1])
+    else:
+        model.graph.output.append(helper.make_tensor_value_info(forward.output[1], TensorProto.FLOAT, None))
     before = _ops(model)
     assert _ops(fuse_cross_entropy(model)) == before
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import with_a_body_reading
 from onnx import TensorProto, helper
 
 from commands.main import main
@@ -90,24 +91,12 @@ def test_a_lone_cast_from_bfloat16_is_folded():
     assert bfloat16_gradients(folded.graph.node) == {"g"}
 
 
-def _with_a_body_reading_the_cast(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with an If whose branches read the Cast's output from the outer scope."""
-    branch = lambda name: helper.make_graph(  # noqa: E731
-        [helper.make_node("Identity", ["wide"], [f"{name}_y"])], name, [],
-        [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, [4])])
-    model.graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
-    model.graph.node.append(helper.make_node("If", ["flag"], ["picked"], then_branch=branch("then"),
-                                             else_branch=branch("else")))
-    model.graph.output.append(helper.make_tensor_value_info("picked", TensorProto.FLOAT, [4]))
-    return model
-
-
 @pytest.mark.parametrize("case", ["float16", "second reader", "graph output", "read in a subgraph"])
 def test_a_cast_the_update_does_not_read_alone_or_not_from_bfloat16_stays(case):
     model = _update_of(TensorProto.FLOAT16 if case == "float16" else TensorProto.BFLOAT16,
                        second_reader=case == "second reader", output=case == "graph output")
     if case == "read in a subgraph":
-        model = _with_a_body_reading_the_cast(model)
+        model = with_a_body_reading(model, "wide")
     expected = model.SerializeToString()
     assert fold_gradient_casts(model).SerializeToString() == expected
 

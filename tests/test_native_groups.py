@@ -1,5 +1,5 @@
-"""What the GPU program builds from a cut, checked on CPU: where its items' values lie in one block
-(runtime/gpu/buffers.pack_buffers) and the order in which a native group's domains run
+"""What the GPU program builds from a cut, checked on CPU: how long its items' values live and where
+they lie in one block (runtime/gpu/buffers.value_lifetimes, pack_buffers) and the order in which a native group's domains run
 (runtime/segments.NativeGroup.by_domain)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from runtime.gpu.buffers import pack_buffers
+from runtime.gpu.buffers import pack_buffers, value_lifetimes
 from runtime.segments import NativeGroup
 
 
@@ -35,6 +35,22 @@ def test_a_chain_of_equal_values_takes_two_places():
     # An activation passed from item to item, each read only by the next: two places in turn.
     offsets, total = pack_buffers([(f"a{i}", 256, i, i + 1) for i in range(10)])
     assert total == 512 and [offsets[f"a{i}"] for i in range(4)] == [0, 256, 0, 256]
+
+
+def test_a_value_lives_from_its_item_to_its_last_reader_or_to_the_steps_end():
+    """value_lifetimes' rules: an item's output lives to its last reader; one a collective between
+    sessions reads, to the step's end (NCCL reads it on its own stream); a constant a session writes
+    once when bound, the whole step; values with buffers of their own, and the collective's own
+    outputs, are not in the block."""
+    items = [(["a", "b", "c", "own"], True),   # 0: a session
+             (["d"], True),                    # 1: a session
+             (["r"], False),                   # 2: a collective between sessions
+             (["e"], True),                    # 3: a native group
+             ([], True)]                       # 4: a session
+    readers = {"a": [1], "b": [2], "d": [3, 4], "e": [4], "c": [], "r": [3]}
+    nbytes = dict.fromkeys(["a", "b", "c", "d", "e", "own", "r"], 64)
+    lifetimes = value_lifetimes(items, readers, nbytes, own={"own"}, once={0: {"c"}})
+    assert sorted(lifetimes) == [("a", 64, 0, 1), ("b", 64, 0, 5), ("c", 64, 0, 5), ("d", 64, 1, 4), ("e", 64, 3, 4)]
 
 
 def _node(domain: str, inputs: list[str], output: str) -> helper.NodeProto:

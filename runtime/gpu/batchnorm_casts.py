@@ -95,7 +95,7 @@ def fold_batchnorm_casts(model: onnx.ModelProto) -> onnx.ModelProto:
         node.domain, node.op_type = DOMAIN, op_type
         fused += 1
     if fused:
-        still_read = {name for k, n in enumerate(nodes) if k not in dropped for name in n.input}
+        still_read = {name for name, at in readers_of(nodes).items() if any(k not in dropped for k in at)}
         dropped |= {k for k in widened if nodes[k].output[0] not in still_read and nodes[k].output[0] not in outputs}
         drop_nodes(graph, nodes, dropped)
     return model

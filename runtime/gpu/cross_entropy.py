@@ -48,7 +48,7 @@ from contract.ops import CROSS_ENTROPY_GRAD, LOSS_DOMAIN, LOSS_VERSION, NO_IGNOR
 from runtime.errors import RunError
 from runtime.gpu.elementwise_steps import PREAMBLE
 from runtime.gpu.kernel_runner import RawKernelRunner, aligned, refuse_unless
-from runtime.gpu.rewrite_nodes import add_function, attribute
+from runtime.gpu.rewrite_nodes import add_function, attribute, readers_of
 
 DOMAIN = "graph_transpiler.gpu.cross_entropy"  # the runtime's own: the fused nodes of this rewrite
 OP = "SoftmaxCrossEntropy"  # (scores, labels, dloss) -> (loss, dscores), attribute ignore_index
@@ -186,10 +186,7 @@ def _next_pair(nodes: list, outputs: set[str]) -> tuple[int, int, int | None, in
     """The positions of (forward, grad, widen or None, narrow or None) of the first pair the rewrite
     takes (positions: a protobuf gives a new Python object at each access, so no identities)."""
     producer = {o: k for k, n in enumerate(nodes) for o in n.output}
-    readers = defaultdict(list)
-    for k, n in enumerate(nodes):
-        for name in n.input:
-            readers[name].append(k)
+    readers = defaultdict(list, readers_of(nodes))
     for g, grad in enumerate(nodes):
         if (grad.domain, grad.op_type) != (LOSS_DOMAIN, CROSS_ENTROPY_GRAD):
             continue

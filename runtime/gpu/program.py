@@ -236,11 +236,11 @@ class GpuProgram(ProgramBase):
         cp, comm = self.cp, self.comm
         program_outputs = set(self.cut.outputs)
         bound_into: dict[str, tuple[int, str]] = {}  # segment output -> (collective pos, input name)
+        seen = {name: dtype for name, (_, dtype) in self.shapes.items()}
         for pos in self.collective_pos:
             op = self.steps[pos][0]
             in_shapes = [self.shapes[n][0] for n in op.inputs]
-            dtype = bucket_dtype(list(op.inputs), list(op.outputs), op.output_specs,
-                                 {name: dtype for name, (_, dtype) in self.shapes.items()}, op.where)
+            dtype = bucket_dtype(list(op.inputs), list(op.outputs), op.output_specs, seen, op.where)
             parities = 2 if any(n in program_outputs for n in op.outputs) else 1
             self.slots[pos] = _Slots(op, in_shapes, dtype, comm.size, comm.rank, parities, cp)
             self.copy_in[pos] = []
