@@ -138,7 +138,7 @@ class SessionCollectives(SegmentPass):
 class WidenBfloat16(SegmentPass):
     """A bfloat16 value (--precision bf16) crosses a segment's edges as float32, exactly (every
     bfloat16 is a float32), except those the program passes as bfloat16 (``bfloat16_edges``:
-    GpuProgram.bfloat16_edges, held as raw bits): NumPy and CuPy have no bfloat16, so the native
+    buffers.bfloat16_edges, held as raw bits): NumPy and CuPy have no bfloat16, so the native
     runners between sessions read float32. A bfloat16 input is read as float32 and cast once
     inside, a bfloat16 output cast once at the end; inside, the session computes as the graph
     says. A native node run between sessions then reads and writes float32 (its kernels' dtype),

@@ -9,7 +9,7 @@ Why: GPT-2-small's bf16 step ran 73 such Casts on an H200 (0.31 ms a step), each
 copy of a weight's gradient that the update then read again: 6 bytes of traffic an element plus
 the update's 4, where the update now reads 2. The gradients between the session and the update
 also take half the memory, since the bfloat16 value crosses between them as it is
-(GpuProgram.bfloat16_edges).
+(buffers.bfloat16_edges).
 
 Only for the GPU backend's native update (native.py's ``update`` row): the node's ONNX function
 takes a float32 gradient, so the rewrite runs only where no session runs the node as its function.

@@ -198,7 +198,7 @@ class OrtCudaSegment(SegmentRunner):
         self.capture_allowed = True
         # Set by the backend: allocate from the arena every session shares (SessionPolicy.share_arena).
         self.shared_arena = False
-        # Set by the program: inputs and outputs that cross as bfloat16 (GpuProgram.bfloat16_edges).
+        # Set by the program: inputs and outputs that cross as bfloat16 (buffers.bfloat16_edges).
         self.bfloat16_edges: frozenset[str] = frozenset()
         self.bfloat16: set[str] = set()  # the session's bfloat16 inputs and outputs: bound by their ONNX type
         self.bindings: list[Any] = [None, None]  # per parity, once the output buffers exist

@@ -286,7 +286,7 @@ class FusedUpdateRunner(SegmentRunner):
         self.stream = getattr(device, "compute", None)
 
     def bfloat16_inputs(self) -> frozenset[str]:
-        """Inputs it reads as bfloat16 where they come so (GpuProgram.bfloat16_edges)."""
+        """Inputs it reads as bfloat16 where they come so (buffers.bfloat16_edges)."""
         return self.bfloat16_grads
 
     def in_place_pairs(self) -> dict[str, str]:
