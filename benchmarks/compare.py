@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -77,9 +78,15 @@ def log(message: str) -> None:
 
 # -- options ----------------------------------------------------------------------------------
 
+ENV_FLAG = re.compile(r"[A-Z][A-Z0-9_]*=")  # an ours variant's flag that is an environment variable
+
+
 def parse_ours_variant(spec: str, default_path: str | None) -> dict:
     """``LABEL``, ``LABEL=FLAGS`` or ``LABEL[=FLAGS]@DIR``: transpile flags (space-separated) and
-    the source tree whose transpiler and runtime run it (DIR is put first on PYTHONPATH).
+    the source tree whose transpiler and runtime run it (DIR is put first on PYTHONPATH). A flag
+    ``NAME=VALUE`` with an upper-case NAME is an environment variable of the row's processes
+    (``cumem0=NCCL_CUMEM_ENABLE=0``), so one call A/Bs a setting of NCCL's or the runtime's; the
+    row records it in ``env``, and its OUT is the one its transpile flags make.
     A preset label (default, allreduce, sharded, zero, hash, bf16) needs no flags; so does any
     label with @DIR (that tree's defaults)."""
     spec = original = spec.strip()
@@ -97,12 +104,14 @@ def parse_ours_variant(spec: str, default_path: str | None) -> dict:
         flags = OURS_PRESETS.get(label, [])  # LABEL@DIR: that tree with no extra flags
     if not label:
         raise ValueError(f"--ours-variants: empty label in {spec!r}")
+    env = dict(flag.split("=", 1) for flag in flags if ENV_FLAG.match(flag))
+    flags = [flag for flag in flags if not ENV_FLAG.match(flag)]
     if path:
         tree = Path(path).expanduser().resolve()
         if not (tree / "runtime").is_dir() or not (tree / "transpiler").is_dir():
             raise ValueError(f"--ours-path {path}: not a graph-transpiler source tree (no runtime/ and transpiler/)")
         path = str(tree)
-    return {"label": label, "flags": list(flags), "path": path}
+    return {"label": label, "flags": list(flags), "path": path, "env": env}
 
 
 def model_settings(name: str, args) -> dict:
@@ -192,8 +201,8 @@ def run_env() -> dict[str, str]:
             if k.startswith(("NCCL_", "GRAPH_TRANSPILER_", "CUBLAS_")) and k != "NCCL_NVLS_ENABLE"}
 
 
-def child_env(tree: str | None, device: str) -> dict:
-    env = dict(os.environ)
+def child_env(tree: str | None, device: str, extra: dict[str, str] | None = None) -> dict:
+    env = {**os.environ, **(extra or {})}
     env["NCCL_NVLS_ENABLE"] = "0"
     env["PYTHONUNBUFFERED"] = "1"
     first = tree or str(ROOT)
@@ -382,7 +391,7 @@ class Session:
                 "dtype": "float32, TF32 matmul/conv" if self.device == "cuda" else "float32",
                 "config": describe(m), "commit": self.commit, "mem_method": "device used (cudaMemGetInfo) after the "
                 "timed steps minus after CUDA context creation", "steps_per_window": m["steps"],
-                "windows": m["windows"], "warmup": m["warmup"], "env": run_env()}
+                "windows": m["windows"], "warmup": m["warmup"], "env": {**run_env(), **(ours or {}).get("env", {})}}
         if ours is not None:
             _, (commit, source) = self.tree(ours)
             base.update(transpile_flags=ours["flags"], ours_path=ours["path"], ours_commit=commit, ours_source=source)
@@ -413,7 +422,7 @@ class Session:
                 cmd = mpiexec_prefix(gpus) + cmd[1:]
             log(f"{label}: running")
             logfile = self.logs / f"{label.replace('/', '-')}.log"
-            code, secs = run_child(cmd, child_env(ours["path"] if ours else None, self.device), self.work,
+            code, secs = run_child(cmd, child_env(ours["path"] if ours else None, self.device, (ours or {}).get("env")), self.work,
                                    self.args.child_timeout, logfile)
             measured, err = None, None
             if code == 0 and result.exists():
@@ -483,7 +492,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="eager,fused,sdpa",
                    help="PyTorch rows: " + "; ".join(f"{k}: {v}" for k, v in TORCH_VARIANTS.items()) + " ('' for none)")
     p.add_argument("--ours-variants", default="default",
-                   help="graph-transpiler rows, comma-separated LABEL[=TRANSPILE FLAGS][@DIR]; presets: "
+                   help="graph-transpiler rows, comma-separated LABEL[=TRANSPILE FLAGS][@DIR] (a flag NAME=VALUE with an "
+                        "upper-case NAME: an environment variable of the row's processes); presets: "
                         + ", ".join(f"{k} ({' '.join(v) or 'no flags'})" for k, v in OURS_PRESETS.items()) + " ('' for none)")
     p.add_argument("--ours-variant", action="append", metavar="SPEC", help="one more ours row (a SPEC with commas)")
     p.add_argument("--ours-path", help="source tree (a checkout) whose transpiler and runtime run the ours rows "

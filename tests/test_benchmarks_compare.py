@@ -201,7 +201,11 @@ def test_render_command_from_jsonl(jsonl, tmp_path):
 # -- options ----------------------------------------------------------------------------------
 
 def test_ours_variant_specs(tmp_path):
-    assert parse_ours_variant("default", None) == {"label": "default", "flags": [], "path": None}
+    assert parse_ours_variant("default", None) == {"label": "default", "flags": [], "path": None, "env": {}}
+    # NAME=VALUE with an upper-case NAME: the row's environment, not a transpile flag
+    assert parse_ours_variant("cumem0=--strategy zero NCCL_CUMEM_ENABLE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8", None) == {
+        "label": "cumem0", "flags": ["--strategy", "zero"], "path": None,
+        "env": {"NCCL_CUMEM_ENABLE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}}
     assert parse_ours_variant("allreduce", None)["flags"] == ["--strategy", "allreduce"]
     with pytest.raises(ValueError, match="unknown preset 'flat-update'"):  # transpile --flat-update was removed
         parse_ours_variant("flat-update", None)
@@ -209,7 +213,7 @@ def test_ours_variant_specs(tmp_path):
     (tree / "runtime").mkdir(parents=True)
     (tree / "transpiler").mkdir()
     v = parse_ours_variant("old=--flat-update --bucket-mb 4@" + str(tree), None)
-    assert v == {"label": "old", "flags": ["--flat-update", "--bucket-mb", "4"], "path": str(tree.resolve())}
+    assert v == {"label": "old", "flags": ["--flat-update", "--bucket-mb", "4"], "path": str(tree.resolve()), "env": {}}
     assert parse_ours_variant("base@" + str(tree), None)["flags"] == []
     assert parse_ours_variant("zero", str(tree))["path"] == str(tree.resolve())  # --ours-path for all
     with pytest.raises(ValueError, match="unknown preset"):
@@ -269,10 +273,12 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     assert len(every) == 4 and every[3]["variant"] == "default" and every[3]["run"] == records[0]["run"]
     table = [line for line in doc.read_text().splitlines() if line.startswith("| perceptron")]
     assert len(table) == 3 and f"| {every[3]['step_ms']:.3f} |" in [line for line in table if "| default |" in line][0]
-    relabelled = subprocess.run(cmd + ["--variants", "", "--ours-variants", "again=", "--run-id", records[0]["run"]],
-                                cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    # ... and under another label whose only flag is an environment variable of its processes
+    relabelled = subprocess.run(cmd + ["--variants", "", "--ours-variants", "again=NCCL_DEBUG=INFO", "--run-id",
+                                       records[0]["run"]], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert relabelled.returncode == 0 and "transpiling" not in relabelled.stdout, relabelled.stdout + relabelled.stderr
-    assert bench_lib.load_jsonl([results])[-1]["variant"] == "again"
+    last = bench_lib.load_jsonl([results])[-1]
+    assert last["variant"] == "again" and last["env"] == {"NCCL_DEBUG": "INFO"} and last["transpile_flags"] == []
 
 
 def test_ratio_uses_the_baseline_of_the_same_world_size():
