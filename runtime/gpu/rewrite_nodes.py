@@ -12,6 +12,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from contract.collectives import consumed
+
 
 def attribute(node: onnx.NodeProto, name: str, default=None):
     """The value of ``node``'s attribute ``name``, ``default`` where it has none."""
@@ -27,23 +29,14 @@ def constant_value(node: onnx.NodeProto | None) -> np.ndarray | None:
 
 
 def readers_of(nodes: list[onnx.NodeProto]) -> dict[str, list[int]]:
-    """Each value's readers: the positions in ``nodes`` of the nodes that take it as an input,
-    or whose subgraphs (If, Loop, Scan bodies) name it (an outer-scope read, counted as the
-    node's; a name a body defines itself is over-counted, which only keeps a rewrite off)."""
+    """Each value's readers: the positions in ``nodes`` of the nodes that take it as an input, or
+    whose subgraphs (If, Loop, Scan bodies) read it from the outer scope (``consumed``), so that no
+    rewrite drops a value a body reads."""
     readers: dict[str, list[int]] = {}
     for k, node in enumerate(nodes):
-        outer = [name for name in dict.fromkeys(_subgraph_inputs(node)) if name not in node.input]
-        for name in [*node.input, *outer]:
+        for name in consumed(node):
             readers.setdefault(name, []).append(k)
     return readers
-
-
-def _subgraph_inputs(node: onnx.NodeProto):
-    for attribute in node.attribute:
-        for graph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-            for inner in graph.node:
-                yield from inner.input
-                yield from _subgraph_inputs(inner)
 
 
 def value_types(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | None] | None]]:
