@@ -11,8 +11,8 @@ Where the width is a multiple of 4 and the pointers 16-byte aligned (kernel_runn
 4 adjacent columns, one vector load a row (a strip then 128 columns wide): a warp reads 512 bytes of
 a float32 row per load instead of 128 (the float32 bias sums of GPT-2-small ran at 1.5 TB/s).
 
-- ``SOURCE``: ``PART_LANES``, ``gt_load<V>`` (V adjacent values of bfloat16 bits or float32,
-  widened) and ``gt_last_block(counters)``, which every thread of a block calls
+- ``SOURCE``: ``PART_LANES`` (with elementwise_steps' PREAMBLE and its ``gt_load<V>``, V adjacent
+  values of bfloat16 bits or float32 widened) and ``gt_last_block(counters)``, which every thread of a block calls
   after writing its partial sums: whether the block is its strip's last to finish (the CUDA
   samples' threadfence reduction: its partials are visible device-wide before it is counted). That
   block alone goes on, and the strip's counter is set back to 0 for the next launch (a captured
@@ -35,22 +35,6 @@ MIN_PART_ROWS = 64  # a run shorter than this costs more in its partial sums tha
 
 # With elementwise_steps' PREAMBLE (its bfloat16 helpers), which a source including this one has.
 SOURCE = PREAMBLE + f"#define PART_LANES {PART_LANES}\n" + r"""
-__device__ __forceinline__ float gt_value(unsigned short b) { return gt_widen_bf16(b); }
-__device__ __forceinline__ float gt_value(float f) { return f; }
-// V adjacent values from p (4: one aligned 16-byte float32 or 8-byte bfloat16 load), widened.
-template <int V, typename X>
-__device__ __forceinline__ void gt_load(const X* __restrict__ p, float* v) {
-    if (V == 4 && sizeof(X) == 4) {
-        const float4 a = *reinterpret_cast<const float4*>(p);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    } else if (V == 4) {
-        const uint2 a = *reinterpret_cast<const uint2*>(p);
-        v[0] = __uint_as_float(a.x << 16); v[1] = __uint_as_float(a.x & 0xffff0000u);
-        v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xffff0000u);
-    } else {
-        for (int k = 0; k < V; ++k) v[k] = gt_value(p[k]);
-    }
-}
 // V adjacent partial sums, read past L1 (another block wrote them): one 16-byte load for 4.
 template <int V>
 __device__ __forceinline__ void gt_load_cg(const float* __restrict__ p, float* v) {

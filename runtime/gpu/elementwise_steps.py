@@ -97,7 +97,8 @@ OPS: dict[str, _Op] = {
     WIDEN: _Op(1, lambda a: f"({a[0]})", lambda a: a[0]),
     ROUND: _Op(1, lambda a: f"gt_round_bf16({a[0]})", lambda a: widen_bf16_numpy(round_bf16_numpy(a[0]))),
 }
-# Device functions every fused kernel may call (ElementwiseKernel's preamble).
+# Device functions every fused kernel may call (ElementwiseKernel's preamble), and the other raw
+# kernels that read or write bfloat16 bits: widen, round, the bits, V adjacent values widened.
 PREAMBLE = r"""
 __device__ __forceinline__ float gt_widen_bf16(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
 __device__ __forceinline__ float gt_round_bf16(float f) {
@@ -106,6 +107,22 @@ __device__ __forceinline__ float gt_round_bf16(float f) {
     return __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
 __device__ __forceinline__ unsigned short gt_bf16_bits(float rounded) { return (unsigned short)(__float_as_uint(rounded) >> 16); }
+__device__ __forceinline__ float gt_value(unsigned short b) { return gt_widen_bf16(b); }
+__device__ __forceinline__ float gt_value(float f) { return f; }
+// V adjacent values from p (4: one aligned 16-byte float32 or 8-byte bfloat16 load), widened.
+template <int V, typename X>
+__device__ __forceinline__ void gt_load(const X* __restrict__ p, float* v) {
+    if (V == 4 && sizeof(X) == 4) {
+        const float4 a = *reinterpret_cast<const float4*>(p);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    } else if (V == 4) {
+        const uint2 a = *reinterpret_cast<const uint2*>(p);
+        v[0] = __uint_as_float(a.x << 16); v[1] = __uint_as_float(a.x & 0xffff0000u);
+        v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xffff0000u);
+    } else {
+        for (int k = 0; k < V; ++k) v[k] = gt_value(p[k]);
+    }
+}
 """
 
 

@@ -65,21 +65,19 @@ SOURCE = PREAMBLE + r"""
 // Gradient element i as float32, by GRAD_KINDS: 0 float32; 1 bfloat16 bits, widened exactly;
 // 2 float32 rounded to bfloat16 to nearest even (a bfloat16 gradient that crossed as float32).
 __device__ __forceinline__ float grad_at(const void* g, long long i, int kind) {
-    if (kind == 1) return gt_widen_bf16(((const unsigned short*)g)[i]);
+    if (kind == 1) return gt_value(((const unsigned short*)g)[i]);
     const float x = ((const float*)g)[i];
     return kind == 2 ? gt_round_bf16(x) : x;
 }
 
 // Four gradient elements from i (a multiple of 4) in one access: 16 bytes of float32, 8 of bfloat16.
 __device__ __forceinline__ float4 grad4_at(const void* g, long long i, int kind) {
-    if (kind == 1) {
-        const uint2 b = *reinterpret_cast<const uint2*>((const unsigned short*)g + i);
-        return make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xffff0000u),
-                           __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xffff0000u));
-    }
-    float4 x = *reinterpret_cast<const float4*>((const float*)g + i);
-    if (kind == 2) x = make_float4(gt_round_bf16(x.x), gt_round_bf16(x.y), gt_round_bf16(x.z), gt_round_bf16(x.w));
-    return x;
+    float x[4];
+    if (kind == 1) gt_load<4>((const unsigned short*)g + i, x);
+    else gt_load<4>((const float*)g + i, x);
+    if (kind == 2)
+        for (int k = 0; k < 4; ++k) x[k] = gt_round_bf16(x[k]);
+    return make_float4(x[0], x[1], x[2], x[3]);
 }
 
 extern "C" __global__ void fused_sgd(const long long* __restrict__ table, const long long* __restrict__ chunks,
