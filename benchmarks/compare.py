@@ -385,13 +385,14 @@ class Session:
         return errors
 
     def measure(self, system: str, variant: str, m: dict, gpus: int, ours: dict | None, error: str | None) -> dict:
+        env = (ours or {}).get("env", {})  # the variant's own environment variables
         base = {"run": self.run_id, "date": self.date, "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "host": self.host, "system": system, "variant": variant,
                 "model": m["name"], "gpus": gpus, "device": self.device, "batch": m["batch"],
                 "dtype": "float32, TF32 matmul/conv" if self.device == "cuda" else "float32",
                 "config": describe(m), "commit": self.commit, "mem_method": "device used (cudaMemGetInfo) after the "
                 "timed steps minus after CUDA context creation", "steps_per_window": m["steps"],
-                "windows": m["windows"], "warmup": m["warmup"], "env": {**run_env(), **(ours or {}).get("env", {})}}
+                "windows": m["windows"], "warmup": m["warmup"], "env": {**run_env(), **env}}
         if ours is not None:
             _, (commit, source) = self.tree(ours)
             base.update(transpile_flags=ours["flags"], ours_path=ours["path"], ours_commit=commit, ours_source=source)
@@ -422,7 +423,7 @@ class Session:
                 cmd = mpiexec_prefix(gpus) + cmd[1:]
             log(f"{label}: running")
             logfile = self.logs / f"{label.replace('/', '-')}.log"
-            code, secs = run_child(cmd, child_env(ours["path"] if ours else None, self.device, (ours or {}).get("env")), self.work,
+            code, secs = run_child(cmd, child_env(ours["path"] if ours else None, self.device, env), self.work,
                                    self.args.child_timeout, logfile)
             measured, err = None, None
             if code == 0 and result.exists():
