@@ -7,7 +7,8 @@ batch 256, one H100: ~8.7 against ~1.9 ms per step), which is what PyTorch runs.
 
 Algorithm: chosen once per node on its first call by ``cudnnFindConvolutionBackwardFilterAlgorithmEx``
 (cuDNN times every algorithm on the real buffers, as onnxruntime's default EXHAUSTIVE search and
-``torch.backends.cudnn.benchmark`` do), among those needing at most cudnn.WORKSPACE_LIMIT bytes. Every
+``torch.backends.cudnn.benchmark`` do; each algorithm's median over cudnn.FIND_RUNS such timings
+decides), among those needing at most cudnn.WORKSPACE_LIMIT bytes. Every
 runner of a device shares one cuDNN handle and one workspace (``CudnnContext``): they all run in
 turn on the device's compute stream. The workspace only grows, and each launch reads its current
 pointer, so a node's chosen algorithm always fits it. TF32 follows the device (tensor-core
