@@ -43,9 +43,20 @@ def test_the_median_over_the_finds_picks_the_algorithm_not_one_lucky_run():
 
 
 def test_an_algorithm_timed_with_two_math_types_is_two_candidates_and_none_found_is_none():
-    runs = [[_perf(3, 1.0, math=cudnn.DEFAULT_MATH), _perf(3, 2.0, math=cudnn.FMA_MATH)]] * cudnn.FIND_RUNS
+    # The FMA form of algorithm 3 wins the first Find; its tensor-op form wins the other four.
+    runs = [[_perf(3, 0.9, math=cudnn.FMA_MATH), _perf(3, 1.0, math=cudnn.DEFAULT_MATH)]]
+    runs += [[_perf(3, 1.0, math=cudnn.DEFAULT_MATH), _perf(3, 2.0, math=cudnn.FMA_MATH)]
+             for _ in range(cudnn.FIND_RUNS - 1)]
     calls = iter(runs)
     cp, _ = _device()
     best = cudnn.fastest(cp, lambda algo: 0, 4, lambda scratch, size: next(calls))
-    assert (best.algo, best.mathType) == (3, cudnn.DEFAULT_MATH)
+    assert (best.algo, best.mathType, best.time) == (3, cudnn.DEFAULT_MATH, 1.0)
     assert cudnn.fastest(cp, lambda algo: None, 4, lambda scratch, size: []) is None
+
+
+def test_an_algorithm_only_one_find_could_run_is_no_candidate():
+    # Algorithm 1 ran (and looked fastest) in the first Find only: its one timing is noise, not a median.
+    runs = [[_perf(1, 0.5), _perf(0, 0.9)]] + [[_perf(0, 0.9)] for _ in range(cudnn.FIND_RUNS - 1)]
+    calls = iter(runs)
+    cp, _ = _device()
+    assert cudnn.fastest(cp, lambda algo: 0, 2, lambda scratch, size: next(calls)).algo == 0

@@ -111,10 +111,10 @@ class CudnnConvRunner(LaunchRunner):
         return self.context.handle
 
     def choose(self, op, conv, workspace_of, algorithms: int, find, what: str) -> None:
-        """``op``'s algorithm: the fastest cuDNN's Find times on these buffers within
-        cudnn.WORKSPACE_LIMIT (``cudnn.fastest``), kept with its workspace need and the math type it
-        was timed with (for float32, tensor-op math only where tf32 allowed it); a RunError naming
-        the node where none fits (``what``: the call and the shapes)."""
+        """``op``'s algorithm: the fastest by its median over cudnn.FIND_RUNS of cuDNN's Finds on
+        these buffers within cudnn.WORKSPACE_LIMIT (``cudnn.fastest``), kept with its workspace
+        need and the math type it was timed with (for float32, tensor-op math only where tf32
+        allowed it); a RunError naming the node where none fits (``what``: the call and the shapes)."""
         best = cudnn.fastest(self.cp, workspace_of, algorithms, find)
         if best is None:
             raise RunError(f"{self.where}: '{op.name}': cuDNN has no {what} within "
