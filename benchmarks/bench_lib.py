@@ -178,9 +178,33 @@ def select_run(records: Sequence[dict], run: str | None = None) -> list[dict]:
     chosen = [r for r in records if r["run"] == run]
     if not chosen:
         raise ValueError(f"no records of run {run!r} (runs: {', '.join(sorted({r['run'] for r in records}))})")
-    # a row measured again within the run (same --run-id) replaces the earlier one
-    last = {(r["system"], r["variant"], r["model"], r["gpus"]): r for r in chosen}
-    return [r for r in chosen if last[(r["system"], r["variant"], r["model"], r["gpus"])] is r]
+    # A row measured again within the run (same --run-id) replaces the earlier one; a row measured
+    # in rounds (compare --repeat) is its latest series, shown as its median round (_series).
+    rows: dict[tuple, list[dict]] = {}
+    for r in chosen:
+        rows.setdefault((r["system"], r["variant"], r["model"], r["gpus"]), []).append(r)
+    shown = {key: _series(group) for key, group in rows.items()}
+    return [shown[key] for key in dict.fromkeys((r["system"], r["variant"], r["model"], r["gpus"]) for r in chosen)]
+
+
+def _series(rows: list[dict]) -> dict:
+    """What a table shows of one row's records in a run: the last record, or where it is a round of
+    ``compare --repeat`` (it has ``round``), the median round of its series (the records from the
+    last round 0 on): that round's record plus every round's step and memory (``rounds_step_ms``,
+    ``rounds_peak_mem_gib``), which the table shows as a range. The median record, not the median
+    of each figure: its kernels, memory and step are one run's."""
+    last = rows[-1]
+    if "round" not in last:
+        return last
+    start = max(i for i, r in enumerate(rows) if r.get("round") == 0) if any(r.get("round") == 0 for r in rows) else 0
+    series = [r for r in rows[start:] if "round" in r]
+    measured = sorted((r for r in series if r.get("step_ms") is not None), key=lambda r: r["step_ms"])
+    if not measured:
+        return last
+    shown = dict(measured[(len(measured) - 1) // 2])
+    shown["rounds_step_ms"] = [r.get("step_ms") for r in series]
+    shown["rounds_peak_mem_gib"] = [r.get("peak_mem_gib") for r in series]
+    return shown
 
 
 def ratios(records: Sequence[dict]) -> dict[tuple, float | None]:
@@ -233,15 +257,28 @@ def render_table(records: Sequence[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in _order(records):
         ratio = r_of[(r["system"], r["variant"], r["model"], r["gpus"])]
-        step = _fmt(r.get("step_ms"), 3 if (r.get("step_ms") or 99) < 10 else 1)
+        digits = 3 if (r.get("step_ms") or 99) < 10 else 1
+        step = _fmt(r.get("step_ms"), digits) + _spread(r.get("rounds_step_ms"), digits, rounds=True)
         if r.get("error"):
             step = "error: " + str(r["error"]).replace("|", "/").splitlines()[0][:80]
         lines.append(f"| {r['model']} | {r['gpus']} | {r['system']} | {r['variant']} | {step} | "
                      f"{_fmt(r.get('p90_ms'), 3 if (r.get('p90_ms') or 99) < 10 else 1)} | "
                      f"{_fmt(ratio, 2) + 'x' if ratio is not None else '-'} | "
                      f"{_fmt(r.get('kernels_per_step'), 0)} | {_fmt(r.get('gpu_kernel_ms'), 2)} | "
-                     f"{_fmt(r.get('peak_mem_gib'), 2)} |")
+                     f"{_fmt(r.get('peak_mem_gib'), 2)}{_spread(r.get('rounds_peak_mem_gib'), 2)} |")
     return "\n".join(lines)
+
+
+def _spread(values: Sequence | None, digits: int, rounds: bool = False) -> str:
+    """" (low-high, K rounds)" of a row measured in rounds (only the range where it is one value);
+    "" for a row measured once."""
+    known = [v for v in values or () if v is not None]
+    if len(values or ()) < 2 or not known:
+        return ""
+    low, high = min(known), max(known)
+    text = f"{low:.{digits}f}-{high:.{digits}f}" if f"{low:.{digits}f}" != f"{high:.{digits}f}" else ""
+    count = f"{len(values)} rounds" if rounds else ""
+    return f" ({', '.join(part for part in (text, count) if part)})" if text or count else ""
 
 
 def render_summary(records: Sequence[dict]) -> str:

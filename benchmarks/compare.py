@@ -279,6 +279,8 @@ class Session:
         self.gpus = [int(g) for g in str(args.gpus).split(",") if g.strip()]
         if not self.gpus or min(self.gpus) < 1:
             raise ValueError("--gpus: a comma-separated list of world sizes >= 1")
+        if args.repeat < 1:
+            raise ValueError(f"--repeat: a number of rounds >= 1, got {args.repeat}")
         self.models = [model_settings(n.strip(), args) for n in args.models.split(",") if n.strip()]
         for m in self.models:
             m["windows"] = args.windows
@@ -384,7 +386,8 @@ class Session:
                         errors[key] = f"transpile failed (exit {code}): {tail(logfile)}"
         return errors
 
-    def measure(self, system: str, variant: str, m: dict, gpus: int, ours: dict | None, error: str | None) -> dict:
+    def measure(self, system: str, variant: str, m: dict, gpus: int, ours: dict | None, error: str | None,
+                round_: int | None = None) -> dict:
         env = (ours or {}).get("env", {})  # the variant's own environment variables
         base = {"run": self.run_id, "date": self.date, "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "host": self.host, "system": system, "variant": variant,
@@ -393,10 +396,12 @@ class Session:
                 "config": describe(m), "commit": self.commit, "mem_method": "device used (cudaMemGetInfo) after the "
                 "timed steps minus after CUDA context creation", "steps_per_window": m["steps"],
                 "windows": m["windows"], "warmup": m["warmup"], "env": {**run_env(), **env}}
+        if round_ is not None:  # --repeat: the row's round (bench_lib._series shows the median one)
+            base["round"] = round_
         if ours is not None:
             _, (commit, source) = self.tree(ours)
             base.update(transpile_flags=ours["flags"], ours_path=ours["path"], ours_commit=commit, ours_source=source)
-        label = f"{system}/{variant}/{m['name']}/g{gpus}"
+        label = f"{system}/{variant}/{m['name']}/g{gpus}" + (f"/round{round_}" if round_ is not None else "")
         if error is None and self.device == "cuda":
             have = self.gpu_count()
             if gpus > have:
@@ -458,19 +463,25 @@ class Session:
         log(f"run {self.run_id}: device {self.device}, models {', '.join(m['name'] for m in self.models)}, "
             f"gpus {self.gpus}, pytorch {self.variants}, ours {[o['label'] for o in self.ours]}; work {self.work}")
         errors = self.prepare()
+        repeat = self.args.repeat
         for m in self.models:
             for g in self.gpus:
-                for v in self.variants:
-                    self.measure("pytorch", v, m, g, None, None)
-                for o in self.ours:
-                    self.measure("graph-transpiler", o["label"], m, g, o, errors.get((m["name"], o["label"], g)))
+                # Rounds interleave the rows (every row once, then again): a drift of the machine
+                # over the call (clocks, another tenant) reaches every row alike, not one row's rounds.
+                for round_ in range(repeat):
+                    tag = round_ if repeat > 1 else None
+                    for v in self.variants:
+                        self.measure("pytorch", v, m, g, None, None, tag)
+                    for o in self.ours:
+                        self.measure("graph-transpiler", o["label"], m, g, o, errors.get((m["name"], o["label"], g)), tag)
         log(f"results appended to {self.results}")
         if self.records and not self.args.no_docs:
             # every row of this run id, earlier calls with the same --run-id included
             render(bench_lib.select_run(bench_lib.load_jsonl([self.results]), self.run_id),
                    Path(self.args.docs), Path(self.args.image))
-        print(bench_lib.render_table(self.records), flush=True)
-        print(bench_lib.render_summary(self.records), flush=True)
+        shown = bench_lib.select_run(self.records, self.run_id) if self.records else []
+        print(bench_lib.render_table(shown), flush=True)
+        print(bench_lib.render_summary(shown), flush=True)
         return 0 if all(not r.get("error") for r in self.records) else 1
 
 
@@ -502,6 +513,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--steps", type=int, help="steps per timed window (default: 5; perceptron 50)")
     p.add_argument("--windows", type=int, default=6, help="timed windows (default 6)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure every row this many times, in rounds (each row once, then again), each a record "
+                        "with its round; tables show each row's median round and the range (default 1)")
     p.add_argument("--warmup", type=int, help="warm-up steps before timing (default: 8 GPT, 10 ResNet, 20 perceptron)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps recorded by torch.profiler on GPU (0: none)")
     p.add_argument("--traces", action="store_true",

@@ -121,6 +121,24 @@ def test_load_and_select_latest_run(jsonl, tmp_path):
         bench_lib.load_jsonl([bad])
 
 
+def test_a_row_measured_in_rounds_shows_its_median_round_and_the_range():
+    base = {"run": RUN, "system": "graph-transpiler", "variant": "bf16", "model": "resnet18", "gpus": 1, "device": "cuda"}
+    rounds = [dict(base, round=k, step_ms=step, p90_ms=step, peak_mem_gib=mem, kernels_per_step=376.0 + k)
+              for k, (step, mem) in enumerate([(6.25, 1.195), (5.96, 1.074), (6.01, 1.074)])]
+    once = dict(base, variant="base", step_ms=6.30, p90_ms=6.31, peak_mem_gib=1.262)
+    (shown, other) = bench_lib.select_run(rounds + [once])
+    # the median round's own record (its kernels too), with every round's step and memory
+    assert shown["step_ms"] == 6.01 and shown["kernels_per_step"] == 378.0
+    assert shown["rounds_step_ms"] == [6.25, 5.96, 6.01] and shown["rounds_peak_mem_gib"] == [1.195, 1.074, 1.074]
+    assert other is once and "rounds_step_ms" not in other
+    row = next(line for line in bench_lib.render_table([shown, other]).splitlines() if "| bf16 |" in line).split(" | ")
+    assert row[4] == "6.010 (5.960-6.250, 3 rounds)" and row[9] == "1.07 (1.07-1.20) |"
+    # a later series (round 0 again, the same --run-id) replaces the earlier one; a failed round counts
+    again = [dict(base, round=0, step_ms=7.0), dict(base, round=1, step_ms=None, error="timed out")]
+    (shown,) = bench_lib.select_run(rounds + again)
+    assert shown["step_ms"] == 7.0 and shown["rounds_step_ms"] == [7.0, None]
+
+
 def test_append_jsonl_appends(tmp_path):
     path = tmp_path / "sub" / "r.jsonl"
     bench_lib.append_jsonl(path, {"a": 1})
@@ -234,6 +252,8 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys):
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert main(["compare", "--variants", "turbo", "--work", str(tmp_path), "--device", "cpu"]) == 2
     assert "--variants: unknown 'turbo'" in capsys.readouterr().err
+    assert main(["compare", "--repeat", "0", "--work", str(tmp_path), "--device", "cpu"]) == 2
+    assert "--repeat: a number of rounds >= 1, got 0" in capsys.readouterr().err
 
 
 # -- end to end on CPU --------------------------------------------------------------------------
@@ -279,6 +299,14 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     assert relabelled.returncode == 0 and "transpiling" not in relabelled.stdout, relabelled.stdout + relabelled.stderr
     last = bench_lib.load_jsonl([results])[-1]
     assert last["variant"] == "again" and last["env"] == {"NCCL_DEBUG": "INFO"} and last["transpile_flags"] == []
+    # --repeat 2: every row twice, round after round, each a record; the table shows one row per row
+    rounds = subprocess.run(cmd + ["--variants", "eager", "--ours-variants", "default", "--repeat", "2", "--run-id",
+                                   "rounds"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert rounds.returncode == 0, rounds.stdout + rounds.stderr
+    measured = [r for r in bench_lib.load_jsonl([results]) if r["run"] == "rounds"]
+    assert [(r["variant"], r["round"]) for r in measured] == [("eager", 0), ("default", 0), ("eager", 1), ("default", 1)]
+    table = [line for line in doc.read_text().splitlines() if line.startswith("| perceptron")]
+    assert len(table) == 2 and all("2 rounds)" in line for line in table)
 
 
 def test_ratio_uses_the_baseline_of_the_same_world_size():
