@@ -136,6 +136,44 @@ def one_graph_model(nodes, inputs, outputs, inits=(), opset: int = 18):
     return model
 
 
+# CUDA source compiled for the host (tests/test_fused_update_host.py, test_elementwise_vector_host.py):
+# ``__global__`` and ``__device__`` plain functions, the thread indices globals a launcher sets, the
+# vector types with CUDA's alignments, the ``_rn`` intrinsics as IEEE operations (compile with
+# -ffp-contract=off, so nothing else is fused) and the math library in the global namespace.
+CUDA_HOST_SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <math.h>
+struct Dim3 { unsigned x, y, z; };
+static Dim3 threadIdx, blockIdx, blockDim, gridDim;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __syncthreads() ((void)0)
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) ushort4 { unsigned short x, y, z, w; };
+struct alignas(4) uchar4 { unsigned char x, y, z, w; };
+struct alignas(8) uint2 { unsigned int x, y; };
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
+static inline double __dsqrt_rn(double a) { return std::sqrt(a); }
+using std::pow;
+using std::fabs;
+"""
+
+
 def with_a_body_reading(model, name: str):
     """``model`` with an If whose two branches read ``name`` (a float32 value) from the outer scope
     (an Identity of it, the If's output a graph output): for the rewrites, which must not drop a

@@ -1,8 +1,8 @@
 """runtime/gpu/elementwise.py's vectorized kernel, compiled for the host and run on CPU.
 
-No GPU here, so ``vector_source``'s kernel is compiled with the host C++ compiler behind a small
-shim (``__global__`` a plain function, the ``_rn`` intrinsics as IEEE float operations,
-``-ffp-contract=off``) and launched block by block, thread by thread, on grids of several shapes:
+No GPU here, so ``vector_source``'s kernel is compiled with the host C++ compiler behind
+conftest.CUDA_HOST_SHIM (``__global__`` a plain function, the ``_rn`` intrinsics as IEEE float
+operations, ``-ffp-contract=off``) and launched block by block, thread by thread, on grids of several shapes:
 one thread or many, a grid-stride loop that runs once or several times, a stride that is not a
 multiple of the row input's length. The reference is the node's own ``code`` (CuPy's
 ElementwiseKernel body: the same statements) run element by element; the two must agree bit for
@@ -17,7 +17,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import one_graph_model
+from conftest import CUDA_HOST_SHIM, one_graph_model
 from onnx import TensorProto, helper
 
 from runtime.gpu.elementwise import input_kinds, vector_source
@@ -27,36 +27,10 @@ from runtime.gpu.elementwise_steps import CUPY_DTYPES, DOMAIN, PREAMBLE, fused_t
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
 
-SHIM = r"""
-#include <cmath>
-#include <cstring>
-struct Dim3 { unsigned x, y, z; };
-static Dim3 threadIdx, blockIdx, blockDim, gridDim;
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__ __restrict
-// CUDA's alignments for the vector types (the test hands the kernel 16-byte aligned arrays, as the
-// runner does).
-struct alignas(16) float4 { float x, y, z, w; };
-struct alignas(8) ushort4 { unsigned short x, y, z, w; };
-struct alignas(4) uchar4 { unsigned char x, y, z, w; };
-struct alignas(8) uint2 { unsigned int x, y; };
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fdiv_rn(float a, float b) { return a / b; }
-static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
-#include <math.h>  // erff, expf and the rest in the global namespace, as CUDA has them
-"""
-
 
 def _gelu_model(dtype: int):
     """GELU(x + bias) as an exporter writes it, in float32 or (``dtype`` bf16) between the casts
-    of --precision bf16: x [batch, 3, 16] (a symbolic batch: fusion_elementwise leaves small static
+    of --precision bf16: x [batch, 3, 16] (a symbolic batch: elementwise_fusion leaves small static
     clusters to onnxruntime), bias [16]."""
     f = TensorProto.FLOAT
     nodes, x = [], "x"
@@ -119,7 +93,7 @@ def _library(tmp_path, node, kinds):
     types = [c[CUPY_DTYPES[t]] for t in ins] + [c[CUPY_DTYPES[t]] for t in outs]
     args = [f"({'const ' if i < len(ins) else ''}{t}*)a[{i}]" for i, t in enumerate(types)]
     args += [f"*(long long*)a[{params + k}]" for k in range(1 + rows)]
-    source = (SHIM + PREAMBLE.replace("__device__ __forceinline__", "static inline") + vector_source(node, kinds, "k")
+    source = (CUDA_HOST_SHIM + PREAMBLE + vector_source(node, kinds, "k")
               + _scalar_source(node, kinds) + LAUNCHER.replace("CALL", f"k({', '.join(args)})"))
     (tmp_path / "k.cpp").write_text(source)
     target = tmp_path / "k.so"

@@ -1,9 +1,9 @@
 """The GPU fused update kernel's CUDA source, compiled for the host and run on CPU.
 
 No GPU here, so the kernel source (runtime/gpu/update_kernel.py's SOURCE) is compiled with the host
-C++ compiler behind a small shim (``__global__`` a plain function, the ``_rn`` intrinsics as IEEE
-float/double operations, ``__fmaf_rn`` as ``std::fmaf``, ``-ffp-contract=off`` so that nothing else
-is fused) and launched block by block, thread by thread (thread 0 first, which is all that the
+C++ compiler behind conftest.CUDA_HOST_SHIM (``__global__`` a plain function, the ``_rn`` intrinsics
+as IEEE float/double operations, ``__fmaf_rn`` as ``std::fmaf``, ``-ffp-contract=off`` so that
+nothing else is fused) and launched block by block, thread by thread (thread 0 first, which is all that the
 kernel's one ``__syncthreads`` needs; a ``float4`` is four floats, so the 16-byte path runs too). A stand-in for CuPy hands it host arrays, so the launcher's
 pointer tables, chunk table and argument marshalling run exactly as on the GPU. The comparison with
 the NumPy reference is tests/test_gpu_fused_update.py's. Skipped without a C++ compiler.
@@ -18,6 +18,7 @@ import types
 
 import numpy as np
 import pytest
+from conftest import CUDA_HOST_SHIM
 from test_gpu_fused_update import compare_kernel_with_reference
 from test_optimizer import CASES
 
@@ -26,35 +27,6 @@ import runtime.gpu.update_kernel as fused
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
-
-SHIM = r"""
-#include <cmath>
-struct Dim3 { unsigned x, y, z; };
-static Dim3 threadIdx, blockIdx, blockDim;
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-#include <cstring>
-struct float4 { float x, y, z, w; };
-struct uint2 { unsigned int x, y; };
-static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-#define __syncthreads() ((void)0)
-static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-static inline float __fdiv_rn(float a, float b) { return a / b; }
-static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
-static inline double __dmul_rn(double a, double b) { return a * b; }
-static inline double __dsub_rn(double a, double b) { return a - b; }
-static inline double __ddiv_rn(double a, double b) { return a / b; }
-static inline double __dsqrt_rn(double a) { return std::sqrt(a); }
-using std::pow;
-using std::fabs;
-"""
 
 LAUNCHERS = r"""
 template <class F, class... A> static void run(F f, int grid, int block, A... a) {
@@ -85,7 +57,7 @@ extern "C" void launch_fused_adam(int g, int b, P t, P c, F lr, F step, double b
 def library(tmp_path_factory):
     directory = tmp_path_factory.mktemp("kernel")
     source = directory / "kernel.cpp"
-    source.write_text(SHIM + fused.SOURCE + LAUNCHERS)
+    source.write_text(CUDA_HOST_SHIM + fused.SOURCE + LAUNCHERS)
     target = directory / "kernel.so"
     subprocess.run([CXX, "-std=c++14", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(target), str(source)],
                    check=True, capture_output=True)
