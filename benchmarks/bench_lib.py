@@ -196,8 +196,8 @@ def _series(rows: list[dict]) -> dict:
     last = rows[-1]
     if "round" not in last:
         return last
-    start = max(i for i, r in enumerate(rows) if r.get("round") == 0) if any(r.get("round") == 0 for r in rows) else 0
-    series = [r for r in rows[start:] if "round" in r]
+    starts = [i for i, r in enumerate(rows) if r.get("round") == 0]
+    series = [r for r in rows[starts[-1] if starts else 0:] if "round" in r]
     measured = sorted((r for r in series if r.get("step_ms") is not None), key=lambda r: r["step_ms"])
     if not measured:
         return last
