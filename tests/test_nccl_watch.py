@@ -64,10 +64,25 @@ def test_a_cut_step_makes_no_step_entry():
     assert comm.tracked == {} and program.step_done.recorded == 0
 
 
+class _PerThreadDevice:
+    """CuPy's ``cuda.Device`` as CUDA keeps it: the current device is each thread's own, None until set."""
+
+    def __init__(self):
+        self.current = threading.local()
+        self.cuda = SimpleNamespace(Device=self._device)
+
+    def _device(self, index: int):
+        return SimpleNamespace(use=lambda: setattr(self.current, "index", index))
+
+    def of_this_thread(self):
+        return getattr(self.current, "index", None)
+
+
 def _watchdog_only(monkeypatch, timeout: float, stop) -> NcclCommunicator:
     """A communicator with no device: only what its watchdog (``_watch``) uses."""
     monkeypatch.setattr(nccl_module, "relax_capture_mode", lambda: True)
     comm = object.__new__(NcclCommunicator)
+    comm.cp, comm.device = _PerThreadDevice(), 3
     comm.rank, comm.timeout, comm.comm = 0, timeout, None
     comm._inflight, comm._inflight_lock = {}, threading.Lock()
     comm._stop, comm._relaxed_known = stop, threading.Event()
@@ -131,3 +146,29 @@ def test_a_step_that_blocks_the_host_times_out(monkeypatch):
     assert failed and failed[0].startswith("the first step of rank 0's step (its collectives run inside its "
                                            "sessions) did not complete within 0 s")
     assert time.monotonic() - started < 3
+
+
+def test_the_watchdog_thread_calls_cuda_on_the_ranks_own_device(monkeypatch):
+    """Its first CUDA call (the capture mode) and its event queries run with the rank's device
+    current in the watchdog's own thread: a thread's first CUDA call on no device set binds device
+    0 and makes the process a context there (0.5 GiB of GPU 0's memory per rank)."""
+    comm = _watchdog_only(monkeypatch, 1e9, _StopAfter(1))
+    seen: list = []
+    monkeypatch.setattr(nccl_module, "relax_capture_mode", lambda: seen.append(comm.cp.of_this_thread()) or True)
+
+    class _Queried(_Event):
+        @property
+        def done(self):
+            seen.append(comm.cp.of_this_thread())
+            return False
+
+        @done.setter
+        def done(self, _value):
+            pass
+
+    comm.track("step", _Queried(), "step 1")
+    watchdog = threading.Thread(target=comm._watch, daemon=True)
+    watchdog.start()
+    watchdog.join(5)
+    assert seen == [3, 3]
+    assert comm.cp.of_this_thread() is None  # set in the watchdog's thread, not this one's

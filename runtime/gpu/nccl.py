@@ -150,9 +150,7 @@ class NcclCommunicator(Communicator):
 
         def destroy() -> None:
             try:
-                device = self.cp.cuda.Device(self.device)
-                device.use()
-                device.synchronize()
+                self._on_own_device().synchronize()
                 while releases:
                     releases.pop(0)()
                 gc.collect()  # a session held in a reference cycle goes now, before the destroy
@@ -175,7 +173,20 @@ class NcclCommunicator(Communicator):
         with self._inflight_lock:
             self._inflight[key] = (time.monotonic(), event, label)
 
+    def _on_own_device(self):
+        """Make this rank's GPU the calling thread's current device. Every thread of ours that calls
+        CUDA does this first: the CUDA runtime binds a thread's first call to the thread's current
+        device, device 0 unless set, and creates that device's context for the process if it has
+        none: a watchdog thread of rank r > 0 would put a second context (0.5 GiB) of its process on
+        GPU 0 with its first event query. (On 2 H200s rank 0's GPU held 0.5 GiB more than rank
+        1's and listed another process's 0.506 GiB, run h200x2-s55.) PyTorch's NCCL watchdog sets
+        its device for the same reason."""
+        device = self.cp.cuda.Device(self.device)
+        device.use()
+        return device
+
     def _watch(self) -> None:
+        self._on_own_device()  # before any CUDA call of this thread (the event queries below)
         self.relaxed = relax_capture_mode()  # this thread's event queries must not break a capture
         self._relaxed_known.set()
         while not self._stop.wait(1.0):
@@ -218,6 +229,7 @@ class NcclCommunicator(Communicator):
                 return
             self._aborted = True
             try:
+                self._on_own_device()  # a helper thread's (_within): not device 0's context
                 self.comm.abort()
             except Exception:  # noqa: BLE001 - already broken; the exit follows anyway
                 pass
