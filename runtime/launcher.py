@@ -223,7 +223,12 @@ def mpiexec_command(mpiexec: str, flavor: str, n: int, worker_args: Sequence[str
     flags = []
     if flavor == "openmpi":
         # Open MPI refuses more ranks than cores and running as root unless told; both are normal here.
-        flags.append("--oversubscribe")
+        # Unbound, as Horovod runs it: unasked, Open MPI binds each of 1 or 2 ranks to one core (its
+        # documented default), so all of a rank's threads (onnxruntime's intra-op pool, NCCL's
+        # proxy, the watchdogs) share that core. Two CPU ranks of the built-in GPT, 16 onnxruntime
+        # threads each, did not finish 20 steps in 300 s on a 32-core host with 2 H200s (6 s on a
+        # 2-core machine under MPICH, which does not bind). Each rank sizes its own thread pool.
+        flags += ["--oversubscribe", "--bind-to", "none"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             flags.append("--allow-run-as-root")
         if hostfile is not None:

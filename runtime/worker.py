@@ -63,8 +63,17 @@ def _version() -> str:
 
 
 def _threads_per_rank(comm: MpiCommunicator) -> int:
-    # Ranks on one host share its cores; onnxruntime's default (all cores each) oversubscribes them.
-    return max(1, (os.cpu_count() or 1) // _mpi_local(comm)[1])
+    return threads_per_rank(_mpi_local(comm)[1])
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """onnxruntime intra-op threads for one of ``local_ranks`` ranks of this host: its share of the
+    host's cores (onnxruntime's default, all cores each, oversubscribes them), and no more than the
+    cores this process may run on: a launcher that binds each rank to its own cores (Slurm's
+    --cpu-bind, a user's mpirun) has already split them, and threads beyond them only queue."""
+    share = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else share
+    return max(1, min(share, allowed))
 
 
 def _mpi_local(comm: MpiCommunicator) -> tuple[int, int]:
