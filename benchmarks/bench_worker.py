@@ -457,6 +457,7 @@ class Phases:
 def finish(ranks: Ranks, result: dict) -> dict | None:
     """Rank 0 gets the slowest rank's result, with every rank's step time."""
     result.update(bench_lib.summarize(result["windows_ms"]))
+    result["cpu_affinity"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     every = ranks.gather(result)
     ranks.barrier()
     if ranks.rank != 0:
@@ -471,6 +472,9 @@ def finish(ranks: Ranks, result: dict) -> dict | None:
         # nvml_process_gib and device_processes_gib are the slowest rank's).
         out["rank_mem_used_delta_gib"] = [r.get("mem_used_delta_gib") for r in every]
         out["rank_nvml_process_gib"] = [r.get("nvml_process_gib") for r in every]
+        # The cores each rank may run on: a launcher that binds (Open MPI's default for 1 or 2
+        # ranks, before runtime/launcher.py asked for none) leaves a host-bound step one core.
+        out["rank_cpu_affinity"] = [r.get("cpu_affinity") for r in every]
         ranks_of = {str(r.get("pid")): f"rank {k}" for k, r in enumerate(every)}
         if out.get("device_process_commands") is not None:  # None: no NVML, nothing known
             out["device_process_commands"] = {pid: ranks_of.get(pid, command)

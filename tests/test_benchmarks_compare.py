@@ -426,3 +426,25 @@ def test_a_row_names_the_other_processes_on_its_gpu_as_the_runs_ranks_or_by_comm
     # Without NVML nothing is known: None, not an empty map that reads as "no other process".
     blind = {**slow, "device_processes_gib": None, "device_process_commands": None}
     assert bench_worker.finish(Ranks([blind, dict(blind, pid=12)]), dict(blind))["device_process_commands"] is None
+
+
+def test_a_row_records_the_cores_each_rank_may_run_on(monkeypatch):
+    """A launcher that binds each rank to one core (Open MPI's default for 2 ranks) slows a
+    host-bound step: every rank's row says how many cores it had."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_worker
+
+    monkeypatch.setattr(bench_worker.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+    peer = {"windows_ms": [4.0], "step_ms": 4.0, "cpu_affinity": 1}
+
+    class Ranks:
+        rank = 0
+
+        def gather(self, result):
+            return [result, peer]
+
+        def barrier(self):
+            pass
+
+    out = bench_worker.finish(Ranks(), {"windows_ms": [5.0]})
+    assert out["cpu_affinity"] == 3 and out["rank_cpu_affinity"] == [3, 1]
