@@ -6,7 +6,6 @@ is needed and the tests run everywhere.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import numpy as np
 from runtime.accumulation import micro_batches
 from runtime.collectives import LocalGroup
 from runtime.config import RunConfig
+from runtime.cores import allowed_cores, threads_per_rank
 from runtime.data import Dataset, shard_size
 from runtime.errors import PeerFailed, RunError
 from runtime.evaluate import Evaluator, make_evaluator
@@ -112,7 +112,8 @@ def run_in_process(plan: Plan, dataset: Dataset, config: RunConfig, *, log: Call
     if config.backend != "cpu":
         raise RunError(f"in-process ranks run on the cpu backend, not {config.backend} (start 'transpile run' for GPUs)")
     group = LocalGroup(plan.world_size)
-    threads = max(1, (os.cpu_count() or 1) // plan.world_size)  # the ranks share this machine's cores
+    own = allowed_cores()
+    threads = threads_per_rank(own, [own] * plan.world_size)  # the ranks, threads here, share these cores
 
     def run_rank(r: int) -> list[float]:
         trainer = Trainer(plan, group.communicator(r), rank=r, backend=CpuBackend(threads=threads),

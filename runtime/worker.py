@@ -39,6 +39,7 @@ from runtime.bootstrap import HostGroup, MpiHost, torch_style_host
 from runtime.collectives.base import Communicator
 from runtime.collectives.mpi import MpiCommunicator
 from runtime.config import AGREEMENT, DEFAULT_TIMEOUT_S, RunConfig, agreed_fields
+from runtime.cores import allowed_cores, threads_per_rank
 from runtime.data import Dataset
 from runtime.devices import pick_gpu, resolve_backend
 from runtime.errors import PeerFailed, RunError, os_error_text
@@ -63,17 +64,15 @@ def _version() -> str:
 
 
 def _threads_per_rank(comm: MpiCommunicator) -> int:
-    return threads_per_rank(_mpi_local(comm)[1])
+    """This rank's share of its cores, among the MPI ranks of its host (runtime/cores.py)."""
+    from mpi4py import MPI
 
-
-def threads_per_rank(local_ranks: int) -> int:
-    """onnxruntime intra-op threads for one of ``local_ranks`` ranks of this host: its share of the
-    host's cores (onnxruntime's default, all cores each, oversubscribes them), and no more than the
-    cores this process may run on: a launcher that binds each rank to its own cores (Slurm's
-    --cpu-bind, a user's mpirun) has already split them, and threads beyond them only queue."""
-    share = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else share
-    return max(1, min(share, allowed))
+    own = allowed_cores()
+    local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return threads_per_rank(own, local.allgather(own))
+    finally:
+        local.Free()
 
 
 def _mpi_local(comm: MpiCommunicator) -> tuple[int, int]:

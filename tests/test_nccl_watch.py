@@ -172,3 +172,37 @@ def test_the_watchdog_thread_calls_cuda_on_the_ranks_own_device(monkeypatch):
     watchdog.join(5)
     assert seen == [3, 3]
     assert comm.cp.of_this_thread() is None  # set in the watchdog's thread, not this one's
+
+
+class _BrokenDevice:
+    """CuPy whose device cannot be made current (CUDA broken, as on the way to an abort)."""
+
+    def __init__(self):
+        self.cuda = SimpleNamespace(Device=self._device)
+
+    def _device(self, index: int):
+        def use():
+            raise RuntimeError(f"cudaErrorLaunchFailure on device {index}")
+        return SimpleNamespace(use=use)
+
+
+def test_the_abort_runs_where_the_device_cannot_be_set():
+    """The abort unblocks the peers' kernels: a device that cannot be made current skips nothing."""
+    aborted: list[bool] = []
+    comm = object.__new__(NcclCommunicator)
+    comm.cp, comm.device, comm._aborted = _BrokenDevice(), 1, False
+    comm._abort_lock = threading.Lock()
+    comm.comm = SimpleNamespace(abort=lambda: aborted.append(True))
+    comm._abort_quietly()
+    assert aborted == [True] and comm._aborted
+    comm._abort_quietly()  # once only
+    assert aborted == [True]
+
+
+def test_a_watchdog_that_cannot_use_its_device_ends_the_run_saying_so(monkeypatch):
+    failed: list[str] = []
+    comm = _watchdog_only(monkeypatch, 1e9, _StopAfter(0))
+    comm.cp = _BrokenDevice()
+    comm._fail = failed.append
+    comm._watch()
+    assert failed == ["the NCCL watchdog cannot use device 3: cudaErrorLaunchFailure on device 3"]

@@ -137,16 +137,3 @@ def test_two_mpi_processes_train_like_the_simulator(tmp_path):
     assert done.stderr.startswith("transpile: error: rank 1: rank1.onnx: value 'dpred' enters segment 1 but has no type")
     assert done.stderr.count("\n") == 1
 
-
-@pytest.mark.parametrize(("cores", "allowed", "local_ranks", "threads"), [
-    (32, 32, 2, 16),  # unbound: each rank its share of the host
-    (32, 1, 2, 1),  # bound to one core by the launcher: no more threads than it
-    (32, 8, 2, 8),  # bound to 8 cores: all of them
-    (32, 32, 64, 1),  # more ranks than cores: one thread each
-])
-def test_a_rank_sizes_its_threads_by_its_share_and_its_cores(monkeypatch, cores, allowed, local_ranks, threads):
-    from runtime import worker
-
-    monkeypatch.setattr(worker.os, "cpu_count", lambda: cores)
-    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda _pid: set(range(allowed)))
-    assert worker.threads_per_rank(local_ranks) == threads

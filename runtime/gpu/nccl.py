@@ -15,6 +15,7 @@ process; under mpiexec the others then exit too (a rank that died outright is na
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -186,7 +187,10 @@ class NcclCommunicator(Communicator):
         return device
 
     def _watch(self) -> None:
-        self._on_own_device()  # before any CUDA call of this thread (the event queries below)
+        try:
+            self._on_own_device()  # before any CUDA call of this thread (the event queries below)
+        except Exception as exc:  # noqa: BLE001 - no hang detection without it: end the run, said
+            self._fail(f"the NCCL watchdog cannot use device {self.device}: {exc}")
         self.relaxed = relax_capture_mode()  # this thread's event queries must not break a capture
         self._relaxed_known.set()
         while not self._stop.wait(1.0):
@@ -228,8 +232,11 @@ class NcclCommunicator(Communicator):
             if self._aborted or self.comm is None:
                 return
             self._aborted = True
+            # A helper thread's (_within): not device 0's context. Where CUDA is too broken to
+            # set it, the abort is still tried: it unblocks the peers' kernels.
+            with contextlib.suppress(Exception):
+                self._on_own_device()
             try:
-                self._on_own_device()  # a helper thread's (_within): not device 0's context
                 self.comm.abort()
             except Exception:  # noqa: BLE001 - already broken; the exit follows anyway
                 pass
