@@ -270,6 +270,12 @@ def mpiexec_prefix(n: int) -> list[str]:
     return cmd[:cmd.index("-m")]
 
 
+def _rows_in_name(name: str) -> int | None:
+    """R of a data file named data-R.npz (None for any other name: a partial .tmp.npz)."""
+    match = re.fullmatch(r"data-(\d+)\.npz", name)
+    return int(match.group(1)) if match else None
+
+
 # -- the command ------------------------------------------------------------------------------
 
 class Session:
@@ -312,7 +318,14 @@ class Session:
         return self.work / "models" / f"{m['name']}-{digest([m['kind'], m['config'], self.args.seed])}"
 
     def data_path(self, m: dict) -> Path:
-        return self.model_dir(m) / f"data-{m['batch'] * max(self.gpus)}.npz"
+        """The model's data: the smallest file already in --work with rows enough for the largest
+        world (rank r reads rows [r*B, (r+1)*B)), else a new one with exactly those. So a call with
+        fewer GPUs than the `prepare` before it measures the prepared data, not data of its own
+        (whose export took the model's time again), and its rank 0 reads what the larger world's did."""
+        needed = m["batch"] * max(self.gpus)
+        held = sorted((rows, path) for path in self.model_dir(m).glob("data-*.npz")
+                      if (rows := _rows_in_name(path.name)) is not None and rows >= needed)
+        return held[0][1] if held else self.model_dir(m) / f"data-{needed}.npz"
 
     def out_dir(self, m: dict, ours: dict, gpus: int) -> Path:
         tree, (_, source) = self.tree(ours)

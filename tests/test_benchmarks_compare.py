@@ -448,3 +448,30 @@ def test_a_row_records_the_cores_each_rank_may_run_on(monkeypatch):
 
     out = bench_worker.finish(Ranks(), {"windows_ms": [5.0]})
     assert out["cpu_affinity"] == 3 and out["rank_cpu_affinity"] == [3, 1]
+
+
+def test_a_call_with_fewer_gpus_measures_the_prepared_data(tmp_path):
+    """`compare --gpus 1` after `prepare --gpus 1,2` reads the prepared data-2B file (rank 0 reads
+    its first B rows, as in the 2-GPU rows), not a data file of its own that needs the export again."""
+    import argparse
+
+    from benchmarks import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_options(parser)
+
+    def data_path(gpus: str) -> Path:
+        args = parser.parse_args(["--models", "perceptron", "--gpus", gpus, "--device", "cpu", "--work", str(tmp_path),
+                                  "--run-id", "t", "--results", str(tmp_path / "r.jsonl")])
+        session = compare.Session(args)
+        return session.data_path(session.models[0])
+
+    assert data_path("1,2").name == "data-2000.npz"  # nothing prepared yet: exactly the largest world's rows
+    prepared = data_path("1,2")
+    prepared.parent.mkdir(parents=True)
+    prepared.write_bytes(b"")
+    (prepared.parent / "data-8000.npz").write_bytes(b"")
+    (prepared.parent / "data-4000.tmp.npz").write_bytes(b"")  # a partial write is no data file
+    assert data_path("1") == prepared  # the smallest with rows enough
+    assert data_path("4").name == "data-8000.npz"  # 4000 rows: the partial data-4000 does not count
+    assert data_path("16").name == "data-16000.npz"  # none holds enough: a new file
