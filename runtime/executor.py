@@ -126,6 +126,7 @@ class OrtCpuSegment(SegmentRunner):
     def __init__(self, segment: Segment, where: str, threads: int | None):
         import onnxruntime as ort
 
+        from runtime.cpu_scatter import race_free_scatters
         from runtime.low_precision import lower
 
         self.where = f"{where}: segment {segment.index}"
@@ -139,6 +140,11 @@ class OrtCpuSegment(SegmentRunner):
             # bf16/fp16 nodes as float32 compute rounded like a GPU (runtime/low_precision.py); a
             # step graph is lowered whole before the cut (prepare_step_graph), this catches the rest.
             model = lower(segment.model)
+            # onnxruntime's CPU ScatterND(add) races between threads where indices repeat
+            # (runtime/cpu_scatter.py): rewritten race-free, or the session runs on one thread.
+            model, racy = race_free_scatters(model)
+            if racy:
+                options.intra_op_num_threads = 1
             self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/NotImplemented types
             raise RunError(f"{self.where}: onnxruntime cannot load it: {_first_line(exc)}") from None
@@ -169,6 +175,7 @@ class CpuBackend(Backend):
         """A step graph with bfloat16/float16 values (--precision, --grad-dtype) as float32 compute
         with the low-precision roundings (runtime/low_precision.py): onnxruntime's CPU provider
         has almost no bf16 kernel. Others unchanged."""
+        from runtime.cpu_scatter import race_free_scatters
         from runtime.low_precision import lower
 
         return lower(model)
