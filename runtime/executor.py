@@ -175,7 +175,6 @@ class CpuBackend(Backend):
         """A step graph with bfloat16/float16 values (--precision, --grad-dtype) as float32 compute
         with the low-precision roundings (runtime/low_precision.py): onnxruntime's CPU provider
         has almost no bf16 kernel. Others unchanged."""
-        from runtime.cpu_scatter import race_free_scatters
         from runtime.low_precision import lower
 
         return lower(model)
