@@ -94,3 +94,14 @@ def test_a_graph_without_one_is_left_alone():
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     model = helper.make_model(graph)
     assert race_free_scatters(model) == (model, False)
+
+
+def test_a_scatter_of_single_elements():
+    """Index tuples as long as data's rank: each update is one element (the trailing shape empty)."""
+    rng = np.random.default_rng(3)
+    data = rng.integers(-4, 5, (10,)).astype(np.float32)
+    idx = rng.integers(-10, 10, (50, 1)).astype(np.int64)
+    upd = rng.integers(-4, 5, (50,)).astype(np.float32)
+    rewritten, racy = race_free_scatters(_model([10], [50, 1], [50]))
+    assert not racy
+    np.testing.assert_array_equal(_run(rewritten, {"data": data, "idx": idx, "upd": upd}, 2), _expected(data, idx, upd))
