@@ -372,13 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def doc_command(doc: Path = DOC) -> list[str]:
-    """The arguments of the `python -m benchmarks chart ... -o docs/images/scaling.svg` command that
-    docs/benchmarks.md says made its chart (tests and docs/images/make_images.py run it again)."""
+def doc_command(doc: Path = DOC, output: str = "docs/images/scaling.svg") -> list[str]:
+    """The arguments of the `python -m benchmarks chart ... -o OUTPUT` command that
+    docs/benchmarks.md says made that chart (tests and docs/images/make_images.py run it again)."""
     text = re.sub(r"\s*\n\s*", " ", doc.read_text())
-    m = re.search(r"`python3? -m benchmarks chart ([^`]*-o docs/images/scaling\.svg[^`]*)`", text)
+    m = re.search(rf"`python3? -m benchmarks chart ([^`]*-o {re.escape(output)}(?:\s[^`]*)?)`", text)
     if not m:
-        raise ValueError(f"{doc}: no `python -m benchmarks chart ... -o docs/images/scaling.svg` command")
+        raise ValueError(f"{doc}: no `python -m benchmarks chart ... -o {output}` command")
     return shlex.split(m.group(1))
 
 

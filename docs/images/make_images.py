@@ -11,8 +11,8 @@ runs it in the full suite). What is made, and from what:
   AdamW), run from a scratch directory with this checkout first on PYTHONPATH.
 - ``benchmarks.png``: the run docs/benchmarks.md shows (its ``### Run `ID``` heading), drawn from
   benchmarks/results/*.jsonl by ``benchmarks.bench_lib.plot``, as ``python -m benchmarks render`` does.
-- ``scaling.svg``: step time and efficiency against GPUs, the command docs/benchmarks.md gives
-  (``python -m benchmarks chart --runs ...``), from benchmarks/results/*.jsonl by benchmarks/chart.py
+- ``scaling.svg``, ``scaling-h200x2.svg``: step time and efficiency against GPUs, each by the
+  command docs/benchmarks.md gives for it (``python -m benchmarks chart --runs ... -o ...``), from benchmarks/results/*.jsonl by benchmarks/chart.py
   (tests/test_benchmarks_chart.py also compares the points written into it with the rows).
 - ``digits_loss.png``: models/digits.py's recipe (4 CPU ranks, 15 epochs). Its loss curve and held-out
   accuracy are kept beside it in ``digits_loss.json`` and the picture is drawn from that file: floating
@@ -97,14 +97,18 @@ def make_benchmarks(into: Path, work: Path) -> None:
     bench_lib.plot(bench_lib.select_run(records, benchmarks_run()), into / "benchmarks.png")
 
 
-def make_scaling(into: Path, work: Path) -> None:
-    sys.path.insert(0, str(REPO))
-    from benchmarks import chart
+def _chart(name: str):
+    """The maker of docs/images/NAME: the `python -m benchmarks chart ... -o docs/images/NAME`
+    command docs/benchmarks.md gives, run again from benchmarks/results/*.jsonl."""
+    def make(into: Path, work: Path) -> None:
+        sys.path.insert(0, str(REPO))
+        from benchmarks import chart
 
-    args = chart.doc_command()
-    args[args.index("-o") + 1] = str(into / "scaling.svg")
-    if chart.main(args) != 0:
-        raise RuntimeError("python -m benchmarks chart " + " ".join(args) + " failed")
+        args = chart.doc_command(output=f"docs/images/{name}")
+        args[args.index("-o") + 1] = str(into / name)
+        if chart.main(args) != 0:
+            raise RuntimeError("python -m benchmarks chart " + " ".join(args) + " failed")
+    return make
 
 
 def _digits_plot(curve_file: Path, png: Path) -> None:
@@ -143,7 +147,8 @@ def make_digits(into: Path, work: Path) -> None:
 MAKERS = {  # picture -> (maker, every file it writes)
     "inspect": (make_inspect, ["inspect_gpt_rank0.svg", "inspect_gpt_rank0_blocks.svg", "inspect_gpt_timeline.png"]),
     "benchmarks": (make_benchmarks, ["benchmarks.png"]),
-    "scaling": (make_scaling, ["scaling.svg"]),
+    "scaling": (_chart("scaling.svg"), ["scaling.svg"]),
+    "scaling-h200x2": (_chart("scaling-h200x2.svg"), ["scaling-h200x2.svg"]),
     "digits": (make_digits, ["digits_loss.json", "digits_loss.png"]),
 }
 
