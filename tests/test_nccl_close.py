@@ -80,3 +80,16 @@ def test_a_release_that_fails_leaves_the_communicator_undestroyed_and_says_why(c
     comm.close()
     assert ("destroy",) not in log  # a graph may still hold it: NCCL's destroy would spin
     assert "rank 1: the NCCL communicator was not destroyed (RuntimeError: cudaErrorIllegalAddress)" in capsys.readouterr().err
+
+
+def test_the_destroy_helper_thread_works_on_the_ranks_own_device():
+    """close() destroys from a helper thread (bounded wait): that thread makes the rank's device
+    current before its first CUDA call, or it would make the process a context on device 0."""
+    log: list = []
+    comm = _communicator(log)
+    comm.device = 1
+    comm.cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda index: SimpleNamespace(
+        use=lambda: log.append(("use", index, threading.current_thread().name)),
+        synchronize=lambda: log.append(("synchronize", threading.current_thread().name)))))
+    comm.close()
+    assert log[:2] == [("use", 1, "nccl-destroy"), ("synchronize", "nccl-destroy")] and log[-1] == ("destroy",)
