@@ -21,6 +21,7 @@ Failure handling keeps the "one line per error, no hang" promise in two phases:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -65,23 +66,25 @@ def _version() -> str:
 
 def _threads_per_rank(comm: MpiCommunicator) -> int:
     """This rank's share of its cores, among the MPI ranks of its host (runtime/cores.py)."""
-    from mpi4py import MPI
-
     own = allowed_cores()
-    local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
+    with _host_ranks(comm) as local:
         return threads_per_rank(own, local.allgather(own))
-    finally:
-        local.Free()
 
 
 def _mpi_local(comm: MpiCommunicator) -> tuple[int, int]:
     """This rank's index among the MPI ranks of its host, and their number."""
+    with _host_ranks(comm) as local:
+        return local.Get_rank(), local.Get_size()
+
+
+@contextlib.contextmanager
+def _host_ranks(comm: MpiCommunicator):
+    """The MPI communicator of the ranks on this rank's host, freed after use."""
     from mpi4py import MPI
 
     local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return local.Get_rank(), local.Get_size()
+        yield local
     finally:
         local.Free()
 
