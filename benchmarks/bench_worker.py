@@ -457,6 +457,7 @@ class Phases:
 def finish(ranks: Ranks, result: dict) -> dict | None:
     """Rank 0 gets the slowest rank's result, with every rank's step time."""
     result.update(bench_lib.summarize(result["windows_ms"]))
+    # (runtime.cores.allowed_cores says the same, but an ours row's @DIR tree may predate it)
     result["cpu_affinity"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     every = ranks.gather(result)
     ranks.barrier()
