@@ -11,7 +11,7 @@ runs it in the full suite). What is made, and from what:
   AdamW), run from a scratch directory with this checkout first on PYTHONPATH.
 - ``benchmarks.png``: the run docs/benchmarks.md shows (its ``### Run `ID``` heading), drawn from
   benchmarks/results/*.jsonl by ``benchmarks.bench_lib.plot``, as ``python -m benchmarks render`` does.
-- ``scaling.svg``, ``scaling-h200x2.svg``: step time and efficiency against GPUs, each by the
+- ``scaling.svg``, ``scaling-h200x2.svg``, ``scaling-h200x4.svg``: step time and efficiency against GPUs, each by the
   command docs/benchmarks.md gives for it (``python -m benchmarks chart --runs ... -o ...``), from benchmarks/results/*.jsonl by benchmarks/chart.py
   (tests/test_benchmarks_chart.py also compares the points written into it with the rows).
 - ``digits_loss.png``: models/digits.py's recipe (4 CPU ranks, 15 epochs). Its loss curve and held-out
@@ -149,6 +149,7 @@ MAKERS = {  # picture -> (maker, every file it writes)
     "benchmarks": (make_benchmarks, ["benchmarks.png"]),
     "scaling": (_chart("scaling.svg"), ["scaling.svg"]),
     "scaling-h200x2": (_chart("scaling-h200x2.svg"), ["scaling-h200x2.svg"]),
+    "scaling-h200x4": (_chart("scaling-h200x4.svg"), ["scaling-h200x4.svg"]),
     "digits": (make_digits, ["digits_loss.json", "digits_loss.png"]),
 }
 
