@@ -10,7 +10,7 @@ import pytest
 
 from contract.plan import load_plan
 from transpiler import OptimizerConfig, Options, transpile
-from transpiler.bucketing import make_buckets
+from transpiler.bucketing import AUTO_MAX_MB, AUTO_MIN_MB, auto_cap_mb, make_buckets
 from transpiler.placement import place
 
 DOMAIN = "graph_transpiler"
@@ -152,6 +152,32 @@ def test_the_first_bucket_takes_its_own_cap():
     assert [(b.root, b.params) for b in by_root] == [(0, ["w6"]), (1, ["w5"]), (0, ["w4", "w2"]), (1, ["w3", "w1"])]
     assert make_buckets(order, sizes, roots, cap_bytes=200, group_by_root=False) == \
         make_buckets(order, sizes, roots, cap_bytes=200, group_by_root=False, first_cap_bytes=None)
+
+
+def test_the_automatic_cap_keeps_about_eight_buckets():
+    """Without --bucket-mb: DDP's 25 MiB up to 200 MiB of gradients (ResNet-18's 45 MB: as before),
+    an eighth of them above (GPT-2-small's 650 MB: about eight buckets, not 26), at most 100 MiB."""
+    mib = 2**20
+    assert auto_cap_mb(45 * 10**6) == AUTO_MIN_MB
+    assert auto_cap_mb(650 * 10**6) == pytest.approx(650 * 10**6 / 8 / mib)
+    assert auto_cap_mb(10**11) == AUTO_MAX_MB
+    order = [f"w{i}" for i in range(100)]
+    sizes = dict.fromkeys(order, 6_500_000)  # 650 MB in 100 equal tensors
+    roots = dict.fromkeys(order, 0)
+    auto = make_buckets(order, sizes, roots, cap_bytes=int(auto_cap_mb(sum(sizes.values())) * mib), group_by_root=False)
+    ddp = make_buckets(order, sizes, roots, cap_bytes=int(25 * mib), group_by_root=False)
+    assert 8 <= len(auto) <= 9 and len(ddp) == 25
+
+
+def test_the_plan_records_the_bucket_cap_used(model_dir, tmp_path):
+    """plan.json's ``bucket_mb`` is the cap the buckets were made with: the automatic one (25 MiB
+    for this small GPT) or --bucket-mb's."""
+    for out, options in ((tmp_path / "auto", Options(world_size=2)), (tmp_path / "four", Options(world_size=2, bucket_mb=0.004))):
+        transpile(model_dir("gpt") / "model.onnx", out, options)
+    auto, four = (load_plan(tmp_path / name).raw for name in ("auto", "four"))
+    assert auto["bucket_mb"] == AUTO_MIN_MB and four["bucket_mb"] == 0.004
+    assert all(b["bytes"] <= 0.004 * 2**20 or len(b["params"]) == 1 for b in four["buckets"])
+    assert len(four["buckets"]) > len(auto["buckets"])
 
 
 def test_first_bucket_mb_reaches_the_plan(model_dir, tmp_path):

@@ -7,12 +7,32 @@ first bucket of each root (or the first of all, where buckets do not follow root
 ``first_cap_bytes``, as DDP makes its first bucket 1 MiB: the first collective then starts after the
 first gradients of the backward instead of after ``cap_bytes`` of them.
 Buckets are ordered by when they become ready: the backward position of their last gradient.
+
+The cap, unless --bucket-mb sets it (``auto_cap_mb``): an eighth of the model's gradient bytes,
+within [AUTO_MIN_MB, AUTO_MAX_MB]. Why: on 4 H200s (run h200x4-s64b, docs/benchmarks.md) the
+GPT-2-small step (650 MB of gradients) was 29.4 / 28.2 / 27.8 / 27.8 ms at 10 / 25 / 50 / 100 MiB
+(`allreduce`; `sharded` 30.0 at 25, 28.9 at 100): fewer collectives, fewer of the compute stream's
+stalls at a collective's start, and the contention no larger. ResNet-18 (45 MB) went the other
+way, 10.22 / 10.34 / 10.35 ms at 25 / 50 / 100: one bucket leaves nothing to overlap. So a model
+keeps about eight buckets or more, and DDP's 25 MiB where that would make buckets smaller; the
+upper bound keeps the last bucket, which nothing overlaps, from growing with the model past what
+was measured.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+AUTO_MIN_MB = 25.0  # DDP's bucket_cap_mb
+AUTO_MAX_MB = 100.0
+AUTO_BUCKETS = 8
+
+
+def auto_cap_mb(total_bytes: int) -> float:
+    """The bucket cap in MiB for a model of ``total_bytes`` of gradients when --bucket-mb is not
+    given (the module docstring)."""
+    return min(max(total_bytes / AUTO_BUCKETS / 2**20, AUTO_MIN_MB), AUTO_MAX_MB)
 
 
 @dataclass

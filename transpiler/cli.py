@@ -42,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{name}: {STRATEGIES[name].summary}" + (" (default)" if name == DEFAULT_STRATEGY else "")
         for name in user_strategies()))
     p.add_argument("--placement", default="balanced", help="root of each parameter: balanced (greedy by bytes, default) or hash (crc32 of the name)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (default 25)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient bucket size cap in MiB (default: an eighth of the model's gradients, within "
+                        "[25, 100]: 25 for models up to 200 MiB, as DDP's)")
     p.add_argument("--first-bucket-mb", type=float, default=None,
                    help="cap of the first bucket (of each root, under sharded) in MiB, as DDP's 1 MiB first bucket: "
                         "the first collective starts earlier in the backward (default: --bucket-mb)")

@@ -71,7 +71,7 @@ class Options:
     strategy: str = DEFAULT_STRATEGY
     placement: str = "balanced"
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd"))
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = None  # the bucket cap, MiB; None: bucketing.auto_cap_mb of the model's size
     first_bucket_mb: float | None = None  # the first bucket's cap (DDP's is 1 MiB); None: bucket_mb
     sync_bn: bool = False  # BatchNormalization statistics all-reduced across ranks
     # Update each bucket of several parameters as one flat vector (fewer, larger ops: for GPUs,
@@ -94,7 +94,7 @@ class Options:
                 1 <= self.grad_accumulation <= MAX_GRAD_ACCUMULATION):
             raise TranspileError(f"--grad-accumulation must be an integer in [1, {MAX_GRAD_ACCUMULATION}] "
                                  f"(got {self.grad_accumulation})")
-        if not 0 < self.bucket_mb < float("inf"):
+        if self.bucket_mb is not None and not 0 < self.bucket_mb < float("inf"):
             raise TranspileError(f"--bucket-mb must be a positive finite number (got {self.bucket_mb})")
         if self.first_bucket_mb is not None and not 0 < self.first_bucket_mb < float("inf"):
             raise TranspileError(f"--first-bucket-mb must be a positive finite number (got {self.first_bucket_mb})")
@@ -161,6 +161,7 @@ class Job:
     grad_names: dict[str, str] = field(default_factory=dict)  # parameter -> gradient value name
     placement: Placement | None = None
     buckets: list[Bucket] = field(default_factory=list)
+    bucket_mb: float | None = None  # the cap the buckets were made with (BucketingPass): --bucket-mb or the automatic one
     single: RankGraphs | None = None
     ranks: list[RankGraphs] = field(default_factory=list)
     # The forward with BatchNormalization decomposed, per variant: "single" for the single-device

@@ -206,7 +206,7 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         "loss": problem.loss,
         "lr_input": LR_INPUT,
         "optimizer": opts.optimizer.to_json(),
-        "bucket_mb": opts.bucket_mb,
+        "bucket_mb": job.bucket_mb,  # the cap used: --bucket-mb, or the automatic one (transpiler/bucketing.py)
         # Optional: present only with --first-bucket-mb.
         **({"first_bucket_mb": opts.first_bucket_mb} if opts.first_bucket_mb is not None else {}),
         "grad_accumulation": opts.grad_accumulation,

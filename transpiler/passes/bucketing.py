@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
-from transpiler.bucketing import make_buckets
+from transpiler.bucketing import auto_cap_mb, make_buckets
 from transpiler.job import Job
 from transpiler.strategies import strategy_for
 
@@ -17,11 +17,13 @@ class BucketingPass(InPlacePass):
 
     def call(self, model: ir.Model) -> PassResult:
         opts = self.job.options
+        cap_mb = opts.bucket_mb if opts.bucket_mb is not None else auto_cap_mb(sum(self.job.sizes.values()))
+        self.job.bucket_mb = cap_mb
         self.job.buckets = make_buckets(
             self.job.grad_order,
             self.job.sizes,
             self.job.placement.roots,
-            int(opts.bucket_mb * 2**20),
+            int(cap_mb * 2**20),
             # The strategy's placement need: a bucket reduced to one root holds that root's parameters.
             group_by_root=strategy_for(opts.strategy, opts.world_size).group_by_root,
             first_cap_bytes=None if opts.first_bucket_mb is None else int(opts.first_bucket_mb * 2**20),
