@@ -11,11 +11,17 @@ writes every rank's final parameters to DIR/<OUT name>.rank<r>.npz. ``--compare`
 every step, every rank's parameters with the CPU backend's in-process simulation of the same number
 of steps (slow: one simulation per step) and prints the error and whether the replicas agree. Set
 GRAPH_TRANSPILER_DEBUG_SYNC=1 to synchronize the device after every segment and collective.
+``--stacks-after S``: every rank writes its threads' Python stacks to stderr every S seconds while it
+runs (faulthandler), so a run that hangs where no watchdog looks (making a session, cuDNN's Find, a
+host collective) shows where each rank is when the caller's timeout ends it.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +39,7 @@ def max_rel(a: dict, b: dict) -> float:
 
 
 def run_plan(host: MpiCommunicator, out: str, data: dict, args: argparse.Namespace) -> None:
+    started = time.monotonic()
     plan = load_plan(out)
     dataset = Dataset(data, plan.data_inputs, args.data)
     if args.backend == "nccl":
@@ -61,7 +68,8 @@ def run_plan(host: MpiCommunicator, out: str, data: dict, args: argparse.Namespa
         np.savez(Path(args.save) / f"{Path(out).name}.rank{host.rank}.npz", **trainer.parameters())
     if host.rank == 0:
         where = "GPU(s)" if args.backend == "nccl" else "CPU rank(s)"
-        print(f"{out}: {args.steps} steps on {host.size} {where}, final loss {loss:.6f}", flush=True)
+        print(f"{out}: {args.steps} steps on {host.size} {where}, final loss {loss:.6f}, "
+              f"{time.monotonic() - started:.1f} s", flush=True)
         if rows:
             print("\n".join(rows), flush=True)
     if comm is not host:
@@ -78,7 +86,10 @@ def main() -> None:
     p.add_argument("--save")
     p.add_argument("--compare", action="store_true")
     p.add_argument("--backend", choices=("nccl", "cpu"), default="nccl")
+    p.add_argument("--stacks-after", type=float, default=0, help="seconds: dump every thread's stack that often (0: never)")
     args = p.parse_args()
+    if args.stacks_after > 0:
+        faulthandler.dump_traceback_later(args.stacks_after, repeat=True, file=sys.stderr)
     host = MpiCommunicator()
     data = dict(np.load(args.data))
     for out in args.outs:

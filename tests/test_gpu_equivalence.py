@@ -24,6 +24,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 STEPS = 20
 TOLERANCE = 1e-5
+RUN_TIMEOUT = 600  # seconds for one mpiexec of every strategy
+STACKS_AFTER = 240  # seconds: each rank then prints its stacks (gpu_diag.py --stacks-after), again every 240 s
 STRATEGIES = ("allreduce", "sharded", "zero")
 # Learning rates at which training is stable. At lr 0.01 the perceptron's loss jumps about (1469, 21,
 # 211, 1376, ..., 32, 1629 at step 9): such chaotic steps amplify fp32 rounding differences, and
@@ -46,6 +48,10 @@ needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA 
 def _max_rel(a: dict, b: dict) -> float:
     return max(float(np.max(np.abs(a[k].astype(np.float64) - v.astype(np.float64)))) / (float(np.max(np.abs(v))) or 1.0)
                for k, v in b.items())
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _model(name: str, tmp: Path) -> tuple[Path, int]:
@@ -92,8 +98,14 @@ def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path
     command = mpiexec_command(mpiexec, mpiexec_flavor(mpiexec), world, [])
     command = command[:command.index("-m")] + [str(REPO / "benchmarks" / "gpu_diag.py"), "--backend", backend,
                                                "--data", str(directory / "data.npz"), "--batch", str(batch),
-                                               "--steps", str(STEPS), "--save", str(saved), *map(str, outs)]
-    done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=600)
+                                               "--steps", str(STEPS), "--save", str(saved),
+                                               "--stacks-after", str(STACKS_AFTER), *map(str, outs)]
+    try:
+        done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:  # what each rank was doing (its stacks), not only "timed out"
+        pytest.fail(f"{world} ranks ran past {RUN_TIMEOUT} s; stdout: {_text(exc.stdout)[-2000:]}\n"
+                    f"stderr: {_text(exc.stderr)[-6000:]}")
+    print(done.stdout)
     assert done.returncode == 0, done.stderr[-3000:]
     reference = simulate(outs[0], data, batch=batch, steps=STEPS, single_device=True).parameters[0]
     for out in outs:
