@@ -296,7 +296,7 @@ def run_torch(spec: dict) -> dict:
     # cl-bf16: channels-last weights and images (NHWC), which cuDNN's bf16 convolutions run fastest.
     layout = torch.channels_last if spec["variant"].startswith("cl-") else torch.contiguous_format
     module = module.to(memory_format=layout)
-    if spec["variant"] in ("compile", "sdpa-compile"):
+    if "compile" in spec["variant"].split("-"):  # compile, sdpa-compile, sdpa-compile-bf16, cl-compile-bf16
         module = torch.compile(module)
     net = module
     if ranks.world > 1:

@@ -59,9 +59,11 @@ TORCH_VARIANTS = {
     "fused-bf16": "fused under torch.autocast(bfloat16): the match of ours with --precision bf16",
     "sdpa-bf16": "GPT only: sdpa under torch.autocast(bfloat16)",
     "cl-bf16": "CNN only: fused, channels-last module and images under torch.autocast(bfloat16): NVIDIA's AMP recipe",
+    "sdpa-compile-bf16": "GPT only: sdpa-bf16 with torch.compile (not in the defaults)",
+    "cl-compile-bf16": "CNN only: cl-bf16 with torch.compile (not in the defaults)",
 }
-GPT_ONLY = ("sdpa", "sdpa-compile", "sdpa-bf16")
-CNN_ONLY = ("cl-bf16",)
+GPT_ONLY = ("sdpa", "sdpa-compile", "sdpa-bf16", "sdpa-compile-bf16")
+CNN_ONLY = ("cl-bf16", "cl-compile-bf16")
 OURS_PRESETS = {
     "default": [],
     "allreduce": ["--strategy", "allreduce"],
