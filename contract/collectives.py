@@ -15,7 +15,7 @@ from onnx import numpy_helper
 
 DOMAIN = "graph_transpiler"
 VERSION = 1
-OPS = ("AllReduce", "Reduce", "Broadcast", "ReduceScatter", "AllGather")
+OPS = ("AllReduce", "Reduce", "Broadcast", "ReduceScatter", "AllGather", "AllConcat")
 # Ops whose inputs are the bucket's full tensors (the others hold them as outputs).
 SENDS_BUCKET = frozenset({"AllReduce", "Reduce", "ReduceScatter"})
 PHASES = ("init", "step")
@@ -27,7 +27,12 @@ ATTRIBUTES = {
     "Broadcast": ("order", "bucket", "phase", "root"),
     "ReduceScatter": ("order", "bucket", "phase", "reduction"),
     "AllGather": ("order", "bucket", "phase"),
+    "AllConcat": ("order", "bucket", "phase"),
 }
+# Ops whose output's first dimension is N times the input's and may stay symbolic in the graph (the
+# rows of a sparse gradient: the per-rank batch is known only when a run starts); every other
+# collective output has a complete static type.
+SHAPED_BY_INPUT = frozenset({"AllConcat"})
 NO_BUCKET = -1  # ``bucket`` of a collective that moves no parameter gradient (init broadcasts, sync-bn, clip norm)
 
 

@@ -54,7 +54,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from contract.collectives import CutError, constants_as_initializers, consumed, place_alap
+from contract.collectives import SHAPED_BY_INPUT, CutError, constants_as_initializers, consumed, place_alap
 from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
 from runtime.errors import RunError
 
@@ -262,7 +262,9 @@ def _static_spec(name: str, types: dict[str, onnx.TypeProto], where: str) -> Ten
 
 def _collectives(nodes: list[onnx.NodeProto], types, rank: int, where: str) -> dict[int, CollectiveOp]:
     """Executors of the collective nodes, keyed by node index; their orders must be 0..K-1."""
-    ops = {i: make_collective(n, [_static_spec(o, types, where) for o in n.output], rank, where)
+    # An op of SHAPED_BY_INPUT takes its output's shape from its input's when it runs: no spec.
+    ops = {i: make_collective(n, [] if n.op_type in SHAPED_BY_INPUT else [_static_spec(o, types, where) for o in n.output],
+                              rank, where)
            for i, n in enumerate(nodes) if n.domain == COLLECTIVE_DOMAIN}
     orders = sorted(op.order for op in ops.values())
     if orders != list(range(len(ops))):

@@ -19,6 +19,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from contract.collectives import DOMAIN as COLLECTIVE_DOMAIN
+from contract.collectives import SHAPED_BY_INPUT
+
 # A folded value becomes an initializer: shape computations are tiny; a large constant tensor is
 # cheaper computed on the device (ConstantOfShape) than stored and copied.
 # (1 << 18 elements: a [512, 512] attention mask, folded here once instead of rebuilt each step
@@ -39,14 +42,22 @@ _EXACT_FLOAT_OPS = frozenset({
 })
 
 
-def specialize(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
+def specialize(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]], *,
+               world: int | None = None) -> onnx.ModelProto:
     """A copy of ``model`` whose graph inputs named in ``input_shapes`` have those static shapes and
-    whose shape computations are folded into initializers."""
+    whose shape computations are folded into initializers. ``world``: the ranks, for the outputs of
+    collectives shaped by their input (contract SHAPED_BY_INPUT: an AllConcat kept in the segment),
+    which onnx's inference cannot type; without it they stay untyped."""
     model = _with_static_inputs(model, input_shapes)
     for _ in range(_MAX_ROUNDS):
         model = _infer(model)
-        if not _fold_once(model):
+        typed = world is not None and _type_concatenations(model.graph, world)
+        if not _fold_once(model) and not typed:
             break
+    if world is not None:  # the last round's inference may have typed an AllConcat's input
+        model = _infer(model)
+        if _type_concatenations(model.graph, world):
+            model = _infer(model)
     _drop_unused_initializers(model.graph)
     return model
 
@@ -84,6 +95,22 @@ def _with_static_inputs(model: onnx.ModelProto, input_shapes: dict[str, tuple[in
                 value.name in foreign and all(d.HasField("dim_value") for d in value.type.tensor_type.shape.dim)):
             value.type.tensor_type.ClearField("shape")
     return copy
+
+
+def _type_concatenations(graph: onnx.GraphProto, world: int) -> bool:
+    """Give each AllConcat output whose input has a static shape its type (N times the input's first
+    dimension); whether any was new."""
+    known = static_values(graph)
+    typed = {v.name for v in graph.value_info} | {v.name for v in graph.output}
+    new = False
+    for node in graph.node:
+        if node.domain != COLLECTIVE_DOMAIN or node.op_type not in SHAPED_BY_INPUT or node.output[0] in typed:
+            continue
+        if node.input[0] in known:
+            shape, dtype = known[node.input[0]]
+            graph.value_info.append(helper.make_tensor_value_info(node.output[0], dtype, [world * shape[0], *shape[1:]]))
+            new = True
+    return new
 
 
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:

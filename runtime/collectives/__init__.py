@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import onnx
 
 from contract.collectives import DOMAIN as COLLECTIVE_DOMAIN
+from runtime.collectives.allconcat import AllConcat
 from runtime.collectives.allgather import AllGather
 from runtime.collectives.allreduce import AllReduce
 from runtime.collectives.base import Communicator, TensorSpec
@@ -22,7 +23,7 @@ from runtime.collectives.reduce import Reduce
 from runtime.collectives.reducescatter import ReduceScatter
 from runtime.errors import RunError
 
-_EXECUTORS: dict[str, type[CollectiveOp]] = {cls.op_type: cls for cls in (AllReduce, Reduce, Broadcast, ReduceScatter, AllGather)}
+_EXECUTORS: dict[str, type[CollectiveOp]] = {cls.op_type: cls for cls in (AllReduce, Reduce, Broadcast, ReduceScatter, AllGather, AllConcat)}
 
 
 def make_collective(node: onnx.NodeProto, output_specs: Sequence[TensorSpec], rank: int, where: str) -> CollectiveOp:

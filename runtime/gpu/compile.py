@@ -88,8 +88,15 @@ class InlineFunctions(SegmentPass):
 
 
 class Specialize(SegmentPass):
+    """``registry``: where the step's collectives run inside the session, the one whose communicator
+    gives the world size that types an AllConcat's output (specialize.py)."""
+
+    def __init__(self, registry=None):
+        self.registry = registry
+
     def call(self, state):
-        state.model = specialize(state.model, state.shapes)
+        comm = None if self.registry is None else self.registry.comm
+        state.model = specialize(state.model, state.shapes, world=None if comm is None else comm.size)
 
     def ensures(self, state):
         dynamic = [i.name for i in state.model.graph.input
@@ -279,5 +286,5 @@ def compile_segment(segment: Segment, shapes: dict[str, tuple[int, ...]], where:
 def default_passes(ort, runner: Callable, device, registry=None) -> list[SegmentPass]:
     """``registry``: a session_collectives.Registry where the step's collectives run inside."""
     inside = [SessionCollectives(registry)] if registry is not None else []
-    return [InlineFunctions(), Specialize(), LowerForCuda(), *inside, WidenBfloat16(), FixedOutputs(ort),
+    return [InlineFunctions(), Specialize(registry), LowerForCuda(), *inside, WidenBfloat16(), FixedOutputs(ort),
             TakeNativeNodes(runner, device)]
