@@ -196,6 +196,7 @@ class Plan:
     grad_norm: str | None = None  # the step graphs' squared-gradient-norm output (--clip-grad-norm)
     eval: EvalGraph | None = None  # None: an OUT written before evaluation graphs existed
     precision: Precision | None = None  # None: float32 everywhere (the field is absent)
+    sparse_gradients: tuple[str, ...] = ()  # tables whose gradients go as rows (--sparse-grads)
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the JSON document, as read
 
     @property
@@ -356,8 +357,18 @@ def parse_plan(raw: Any, path: Path, *, report_fields: bool = False) -> Plan:
         grad_norm=r.get(raw, "grad_norm_output", str, "", optional=True),
         eval=_eval_graph(r.get(raw, EVAL_FIELD, dict, "", optional=True), r),
         precision=_precision(r.get(raw, PRECISION_FIELD, dict, "", optional=True), r),
+        sparse_gradients=_sparse_gradients(r.get(raw, "sparse_gradients", list, "", optional=True), trained, r),
         raw=raw,
     )
+
+
+def _sparse_gradients(raw: list | None, trained: list[str], r: _Reader) -> tuple[str, ...]:
+    """``sparse_gradients``: where present, trained parameters, each once."""
+    if raw is None:
+        return ()
+    if any(not isinstance(p, str) or p not in trained for p in raw) or len(set(raw)) != len(raw):
+        raise r.fail("sparse_gradients", "must name trained parameters of 'parameters', each once")
+    return tuple(raw)
 
 
 def _eval_graph(section: dict | None, r: _Reader) -> EvalGraph | None:

@@ -53,6 +53,10 @@ def micro_batches(plan: Plan, given: int | None) -> int:
         raise RunError(f"--grad-accumulation {given}: {plan.out_dir} was transpiled with --grad-accumulation "
                        f"{transpiled}, which its graphs do; give {transpiled} or leave the option out (to choose K "
                        "at run time, transpile without --grad-accumulation)")
+    if given > 1 and plan.sparse_gradients:
+        raise RunError(f"--grad-accumulation {given}: {plan.path} sends the gradients of "
+                       f"{', '.join(plan.sparse_gradients[:3])} as rows (--sparse-grads), which micro-batches cannot "
+                       "add up at run time; transpile without --sparse-grads to accumulate")
     if given > 1 and transpiled == 1 and not plan.single.gradients:
         raise RunError(f"--grad-accumulation {given}: {plan.path} does not name the step graphs' gradients (written "
                        "by an older transpiler); transpile the model again, or with --grad-accumulation "

@@ -11,6 +11,7 @@ and the comparison that the GPU machine relies on.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ STRATEGIES = ("allreduce", "sharded", "zero")
 # on one H200 (TF32 off) the error vs the CPU backend went 2.3e-6 at step 8 to 2.7e-5 at step 9,
 # from 2.7e-7 after step 1 (so no TF32 there: that would be ~1e-3). 1e-4 is flashlight's own rate for
 # this example; the loss falls steadily and the comparison measures the implementations again.
-LR = {"perceptron": 1e-4, "gpt": 0.01, "cnn": 0.01}
+LR = {"perceptron": 1e-4, "gpt": 0.01, "cnn": 0.01, "gpt_rows": 0.01}
 
 
 def _gpus() -> int:
@@ -67,16 +68,19 @@ def _model(name: str, tmp: Path) -> tuple[Path, int]:
     if name == "cnn":  # Conv + BatchNorm: the GPU's cuDNN weight gradients (runtime/gpu/conv_grad.py)
         models.generate("cnn_small", directory, seed=0, rows=128)
         return directory, 16
+    if name == "gpt_rows":  # the exported GPT: its token lookup is a Gather, whose gradient --sparse-grads sends as rows
+        models.generate("gpt", directory, seed=0, rows=64)
+        return directory, 8
     directory.mkdir()
     onnx.save(gpu_gpt.build(**gpu_gpt.TINY), directory / "model.onnx")
     np.savez(directory / "data.npz", **gpu_gpt.make_data(gpu_gpt.TINY["vocab"], gpu_gpt.TINY["seq"], 64))
     return directory, 16
 
 
-def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path: Path) -> None:
-    """Transpile ``model`` for ``world`` ranks with every strategy, train STEPS steps in one
-    ``mpiexec -n world`` of gpu_diag.py on ``backend``, and compare every rank's parameters with
-    the CPU backend's single device."""
+def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path: Path, *, sparse: bool = False) -> None:
+    """Transpile ``model`` for ``world`` ranks with every strategy (``sparse``: --sparse-grads, with
+    the strategies that take it), train STEPS steps in one ``mpiexec -n world`` of gpu_diag.py on
+    ``backend``, and compare every rank's parameters with the CPU backend's single device."""
     from runtime import simulate
     from runtime.launcher import child_environment, find_mpiexec, mpiexec_command, mpiexec_flavor
     from transpiler import OptimizerConfig, Options, transpile
@@ -84,14 +88,16 @@ def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path
     directory, batch = _model(model, tmp_path)
     data = dict(np.load(directory / "data.npz"))
     outs = []
-    for strategy in STRATEGIES:
+    for strategy in STRATEGIES if not sparse else ("allreduce", "sharded"):
         out = tmp_path / f"{model}-{strategy}-{world}"
         # Small buckets: several collectives per step, so the overlap paths run.
         # BatchNorm models with --sync-bn, so that N ranks equal one device (SyncBatchNorm).
         transpile(directory / "model.onnx", out, Options(world_size=world, strategy=strategy, bucket_mb=0.05,
-                                                         sync_bn=model == "cnn",
+                                                         sync_bn=model == "cnn", sparse_grads=sparse,
                                                          optimizer=OptimizerConfig("momentum", lr=LR[model])))
         outs.append(out)
+        if sparse:  # the rows path is what is under test: the token table must take it
+            assert json.loads((out / "plan.json").read_text()).get("sparse_gradients"), out.name
     saved = tmp_path / "saved"
     saved.mkdir()
     mpiexec = find_mpiexec()
@@ -129,3 +135,15 @@ def test_n_gpus_equal_the_cpu_backend(model, world, tmp_path):
 def test_the_harness_on_cpu_ranks(world, tmp_path):
     """The GPU test's driver on CPU ranks: the small GPT on 1, 2 and 4 MPI ranks equals one device."""
     _check_ranks_equal_one_device("gpt", world, "cpu", tmp_path)
+
+
+@pytest.mark.parametrize("world", [pytest.param(w, marks=needs_gpu) for w in (2, 4) if w <= max(GPUS, 1)])
+def test_token_rows_on_gpus_equal_the_cpu_backend(world, tmp_path):
+    """--sparse-grads: the GPT's token table sent as rows (AllConcat inside the session, the
+    scatter-add after it) on N GPUs equals one device."""
+    _check_ranks_equal_one_device("gpt_rows", world, "nccl", tmp_path, sparse=True)
+
+
+def test_token_rows_on_cpu_ranks(tmp_path):
+    """The same on 2 MPI CPU ranks (CI)."""
+    _check_ranks_equal_one_device("gpt_rows", 2, "cpu", tmp_path, sparse=True)

@@ -54,17 +54,22 @@ def make_buckets(
     *,
     group_by_root: bool,
     first_cap_bytes: int | None = None,
+    alone: frozenset[str] = frozenset(),
 ) -> list[Bucket]:
     """Group ``order`` (gradients in backward order) into buckets.
 
     With ``group_by_root`` each root has its own open bucket; otherwise parameters are grouped in
     order regardless of root and the bucket's root is that of its first parameter (it is used only
-    to initialize the bucket's parameters with one Broadcast).
+    to initialize the bucket's parameters with one Broadcast). Each parameter of ``alone`` gets a
+    bucket of its own (--sparse-grads: its collective is not the others').
     """
     closed: list[tuple[int, Bucket]] = []  # (backward position of the last gradient, bucket)
     open_: dict[int, tuple[int, Bucket]] = {}
     started: set[int] = set()  # keys whose first bucket is closed
     for position, name in enumerate(order):
+        if name in alone:  # a bucket of its own, ready with its gradient; the open ones go on filling
+            closed.append((position, Bucket(id=-1, root=roots[name], params=[name], bytes=sizes[name])))
+            continue
         key = roots[name] if group_by_root else 0
         if key in open_:
             _, bucket = open_[key]

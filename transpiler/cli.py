@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step: each rank's shard is cut into K, their gradients are "
                         "averaged before the collectives (default 1)")
+    p.add_argument("--sparse-grads", action="store_true",
+                   help="a table whose gradient is a scatter of the batch's rows (an embedding lookup) sends those "
+                        "rows (an all-gather) instead of the dense table; allreduce and sharded (docs/gpu.md)")
     p.add_argument("--sync-bn", action="store_true",
                    help="BatchNormalization statistics over the global batch (all-reduced), so N ranks equal one device")
     m = p.add_argument_group("mixed precision (docs/precision.md)")
@@ -122,6 +125,7 @@ def execute(args: argparse.Namespace) -> int:
         first_bucket_mb=args.first_bucket_mb,
         sync_bn=args.sync_bn,
         grad_accumulation=args.grad_accumulation,
+        sparse_grads=args.sparse_grads,
         precision=args.precision,
         grad_dtype=args.grad_dtype,
     )

@@ -79,6 +79,9 @@ class Options:
     # Micro-batches per optimizer step: K-1 accumulate-graph runs, then the step graph, whose
     # gradients are the mean over the K micro-batches (DDP's no_sync, Horovod's backward_passes_per_step).
     grad_accumulation: int = 1
+    # --sparse-grads: a table whose gradient is a scatter of the batch's rows sends the rows
+    # (AllConcat), not the dense table (transpiler/sparse_grads.py).
+    sparse_grads: bool = False
     # Mixed precision (docs/precision.md): the compute dtype of the matrix products, the dtype of the
     # gradient collectives, and fp16's dynamic loss scaling. fp32/fp32 leaves every graph as it was.
     precision: str = "fp32"
@@ -94,6 +97,12 @@ class Options:
                 1 <= self.grad_accumulation <= MAX_GRAD_ACCUMULATION):
             raise TranspileError(f"--grad-accumulation must be an integer in [1, {MAX_GRAD_ACCUMULATION}] "
                                  f"(got {self.grad_accumulation})")
+        if self.sparse_grads and self.strategy == "zero":
+            raise TranspileError("--sparse-grads: not with --strategy zero (its ReduceScatter slices cut across a "
+                                 "table's rows); use allreduce or sharded")
+        if self.sparse_grads and self.grad_accumulation > 1:
+            raise TranspileError("--sparse-grads: not with --grad-accumulation (the mean of the micro-batches' "
+                                 "gradients is a dense table)")
         if self.bucket_mb is not None and not 0 < self.bucket_mb < float("inf"):
             raise TranspileError(f"--bucket-mb must be a positive finite number (got {self.bucket_mb})")
         if self.first_bucket_mb is not None and not 0 < self.first_bucket_mb < float("inf"):
@@ -161,6 +170,7 @@ class Job:
     grad_names: dict[str, str] = field(default_factory=dict)  # parameter -> gradient value name
     placement: Placement | None = None
     buckets: list[Bucket] = field(default_factory=list)
+    sparse: list[str] = field(default_factory=list)  # parameters whose gradient goes as rows (--sparse-grads)
     bucket_mb: float | None = None  # the cap the buckets were made with (BucketingPass): --bucket-mb or the automatic one
     single: RankGraphs | None = None
     ranks: list[RankGraphs] = field(default_factory=list)

@@ -17,6 +17,7 @@ import onnx
 import onnx.checker
 import onnx_ir as ir
 
+from contract.collectives import SHAPED_BY_INPUT
 from contract.names import GRAD_NORM_OUTPUT, LR_INPUT, NEXT
 from contract.plan import (
     EVAL_FIELD,
@@ -39,6 +40,7 @@ from transpiler.eval_graph import build_eval_graph, eval_entry
 from transpiler.job import Job, RankGraphs, reduced_gradient_name
 from transpiler.passes.precision import precision_json
 from transpiler.placement import METHODS, place
+from transpiler.sparse_grads import ALL_ROWS_SUFFIX, ROWS_SUFFIX
 from transpiler.weights import attach_weights, detach_weights
 
 # Protobuf cannot serialize a message over 2 GiB; larger graphs keep their tensors beside them.
@@ -129,6 +131,7 @@ def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
     for p in job.problem.params:
         slots = [f"{p}.{slot}" for slot in job.options.optimizer.slots()]
         for name in (p, p + NEXT, p + ".updated", job.grad_names[p], job.grad_names[p] + ".mean",
+                     job.grad_names[p] + ROWS_SUFFIX, job.grad_names[p] + ALL_ROWS_SUFFIX,
                      reduced_gradient_name(job, p), *slots):
             by_param[name] = p
     out = []
@@ -144,7 +147,8 @@ def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
                 "reduction": attrs.get("reduction"),
                 # Collectives inside the forward (--sync-bn statistics) move no parameter: named by tensor.
                 "params": [by_param.get(v.name, v.name) for v in tensors],
-                "bytes": sum(v.dtype.bitwidth // 8 * _numel(v) for v in tensors),
+                # An AllConcat's rows grow with the batch: no size before a run (null).
+                "bytes": None if node.op_type in SHAPED_BY_INPUT else sum(v.dtype.bitwidth // 8 * _numel(v) for v in tensors),
             }
         )
     return out
@@ -187,7 +191,8 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         entry["optimizer_state_bytes"] = sum(s.bytes for s in g.state if s.kind == "optimizer")
         entry["updates"] = list(g.updates)
         # Each trained parameter's local gradient in this step graph (transpile run --grad-accumulation).
-        entry["gradients"] = [{"param": p, "value": v} for p, v in g.gradients.items()]
+        if not job.sparse:  # with tables sent as rows there is no dense gradient to wrap at run time
+            entry["gradients"] = [{"param": p, "value": v} for p, v in g.gradients.items()]
         if g.accum is not None:
             entry["accum"] = names["accum"]
             entry["accumulators"] = [a.to_json() for a in g.accumulators]
@@ -210,6 +215,8 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
         # Optional: present only with --first-bucket-mb.
         **({"first_bucket_mb": opts.first_bucket_mb} if opts.first_bucket_mb is not None else {}),
         "grad_accumulation": opts.grad_accumulation,
+        # Optional: present only with --sparse-grads: the tables whose gradients go as rows.
+        **({"sparse_gradients": list(job.sparse)} if job.sparse else {}),
         # Optional: present only for --precision bf16|fp16 or --grad-dtype (docs/precision.md).
         **({PRECISION_FIELD: section} if (section := precision_json(job)) is not None else {}),
         # Optional: the step graphs' squared gradient norm (only with --clip-grad-norm).

@@ -34,7 +34,8 @@ def _gradient_names(step) -> dict[str, str]:
     ``gradients``), each checked to be computed there."""
     graph = step.graph
     computed = {out.name for node in graph for out in node.outputs} | {v.name for v in graph.inputs} | set(graph.initializers)
-    names = {param: value.name for param, value in step.gradients.items()}
+    # A table sent as rows (--sparse-grads) has no dense local gradient in the graph: not named.
+    names = {param: value.name for param, value in step.gradients.items() if param not in step.job.sparse}
     lost = [f"{p} ({v})" for p, v in names.items() if v not in computed]
     if lost:
         raise TranspileError(f"internal error: the step graph no longer computes the gradient of {', '.join(lost)}")

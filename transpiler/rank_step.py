@@ -160,9 +160,11 @@ def build_step(job: Job, rank: int | None, strategy: Strategy, protos: dict[str,
         _gradients_in(step, wire)
     held = []
     for bucket in job.buckets:
-        grads = strategy.reduce(step, bucket)
+        # A table sent as rows (--sparse-grads) keeps float32 rows on the wire: its rows are few.
+        rows = step.world > 1 and bucket.params[0] in job.sparse
+        grads = strategy.reduce_rows(step, bucket) if rows else strategy.reduce(step, bucket)
         if grads is not None:
-            held.append((bucket, grads if wire is None else _received_as_float(step, grads, wire)))
+            held.append((bucket, grads if wire is None or rows else _received_as_float(step, grads, wire)))
     if scaling is not None:
         unscaled = iter(_unscale_and_check(step, [g for _, grads in held for g in grads]))
         held = [(bucket, [next(unscaled) for _ in grads]) for bucket, grads in held]
@@ -251,6 +253,8 @@ def _gradients_in(step: RankStep, dtype: ir.DataType) -> None:
     as that value: the round trip is exact."""
     graph = step.graph
     for param, grad in list(step.grads.items()):
+        if param in step.job.sparse:  # sent as float32 rows (transpiler/sparse_grads.py)
+            continue
         name = reduced_gradient_name(step.job, param)
         producer = grad.producer()
         source = producer.inputs[0] if producer is not None and producer.op_type == "Cast" else None

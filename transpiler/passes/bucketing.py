@@ -7,6 +7,7 @@ from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
 from transpiler.bucketing import auto_cap_mb, make_buckets
 from transpiler.job import Job
+from transpiler.sparse_grads import sparse_params
 from transpiler.strategies import strategy_for
 
 
@@ -17,6 +18,8 @@ class BucketingPass(InPlacePass):
 
     def call(self, model: ir.Model) -> PassResult:
         opts = self.job.options
+        if opts.sparse_grads and opts.world_size > 1:
+            self.job.sparse = sparse_params(self.job, self.job.variants["ranks"][0].graph)
         cap_mb = opts.bucket_mb if opts.bucket_mb is not None else auto_cap_mb(sum(self.job.sizes.values()))
         self.job.bucket_mb = cap_mb
         self.job.buckets = make_buckets(
@@ -27,6 +30,7 @@ class BucketingPass(InPlacePass):
             # The strategy's placement need: a bucket reduced to one root holds that root's parameters.
             group_by_root=strategy_for(opts.strategy, opts.world_size).group_by_root,
             first_cap_bytes=None if opts.first_bucket_mb is None else int(opts.first_bucket_mb * 2**20),
+            alone=frozenset(self.job.sparse),
         )
         return PassResult(model, modified=False)
 

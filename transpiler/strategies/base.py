@@ -34,6 +34,7 @@ from onnx_ir.passes import PostconditionError
 
 from transpiler.bucketing import Bucket
 from transpiler.collectives import collective_nodes
+from transpiler.sparse_grads import emit_rows_mean
 from transpiler.update import emit_bucket_update
 
 if TYPE_CHECKING:
@@ -68,6 +69,12 @@ class Strategy(ABC):
     def reduce(self, step: RankStep, bucket: Bucket) -> list[ir.Value] | None:
         """Append the bucket's gradient collective; the reduced gradients this rank holds (None:
         none of this bucket)."""
+
+    def reduce_rows(self, step: RankStep, bucket: Bucket) -> list[ir.Value] | None:
+        """--sparse-grads: the bucket's one table gradient from every rank's rows (AllConcat,
+        transpiler/sparse_grads.py) instead of ``reduce``; the mean gradient where this rank updates
+        the table. Default: every rank updates it (as ``reduce`` of allreduce)."""
+        return emit_rows_mean(step, bucket, holds=True)
 
     def update(self, step: RankStep, bucket: Bucket, grads: list[ir.Value]) -> list[ir.Value]:
         """The new values of the bucket's parameters from the gradients this rank holds. Default:
@@ -116,8 +123,13 @@ class Strategy(ABC):
             sent = sent_to_reduction(r.step.graph)
             for p in job.problem.params:
                 count = sent[reduced_gradient_name(job, p)]
-                if count != self.reductions_per_gradient:
+                # A table sent as rows (--sparse-grads) is reduced by no reducing collective: its
+                # rows go through one AllConcat instead.
+                if count != (0 if p in job.sparse else self.reductions_per_gradient):
                     raise PostconditionError(f"rank {r.rank}: gradient of '{p}' is reduced {count} times")
+            concats = sum(n.op_type == "AllConcat" for n in collective_nodes(r.step.graph))
+            if concats != len(job.sparse):
+                raise PostconditionError(f"rank {r.rank}: {concats} AllConcats for {len(job.sparse)} tables sent as rows")
 
 
 def sent_to_reduction(graph: ir.Graph) -> Counter:

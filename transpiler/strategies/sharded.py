@@ -18,6 +18,7 @@ from onnx_ir.passes import PostconditionError
 
 from transpiler.collectives import append_collective, collective_nodes
 from transpiler.names import NEXT
+from transpiler.sparse_grads import emit_rows_mean
 from transpiler.strategies.base import Strategy
 from transpiler.update import emit_bucket_update
 
@@ -38,6 +39,9 @@ class Sharded(Strategy):
             order=step.next_order(), bucket=bucket.id, phase="step", root=bucket.root, reduction="mean",
         )
         return grads if root else None
+
+    def reduce_rows(self, step, bucket):
+        return emit_rows_mean(step, bucket, holds=bucket.root == step.rank)
 
     def update(self, step, bucket, grads):
         new_values = emit_bucket_update(step, bucket, grads)

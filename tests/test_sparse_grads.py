@@ -1,0 +1,68 @@
+"""--sparse-grads (transpiler/sparse_grads.py): a token table's gradient goes as the batch's rows
+through one AllConcat; N ranks still equal one device, under allreduce and sharded."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from runtime import simulate
+from transpiler import transpile
+from transpiler.errors import TranspileError
+from transpiler.passes import Options
+
+STEPS = 4
+BATCH = 8
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[k] - v))) / (float(np.max(np.abs(v))) or 1.0) for k, v in b.items())
+
+
+@pytest.mark.parametrize("strategy, world", [("allreduce", 2), ("sharded", 2), ("allreduce", 4)])
+def test_n_ranks_sending_rows_equal_one_device(model_dir, tmp_path, strategy, world):
+    directory = model_dir("gpt")
+    out = tmp_path / f"{strategy}-{world}"
+    transpile(directory / "model.onnx", out, Options(world_size=world, strategy=strategy, sparse_grads=True))
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["sparse_gradients"] == ["wte.weight"]
+    step = onnx.load(out / plan["graphs"]["ranks"][0]["step"], load_external_data=False)
+    ops = [n.op_type for n in step.graph.node if n.domain == "graph_transpiler"]
+    assert ops.count("AllConcat") == 1
+    # The token table's rows are not also reduced dense: no collective moves its [vocab, width] gradient.
+    moved = {i for n in step.graph.node if n.domain == "graph_transpiler" and n.op_type != "AllConcat" for i in n.input}
+    assert not any(name.startswith("grad.wte.weight") for name in moved)
+    data = dict(np.load(directory / "data.npz"))
+    ranks = simulate(out, data, batch=BATCH, steps=STEPS)
+    one = simulate(out, data, batch=BATCH, steps=STEPS, single_device=True)
+    assert _max_rel(ranks.parameters[0], one.parameters[0]) < 1e-5
+    for params in ranks.parameters[1:]:
+        for name, value in params.items():
+            np.testing.assert_array_equal(value, ranks.parameters[0][name])
+    np.testing.assert_allclose(ranks.losses, one.losses, rtol=1e-5)
+
+
+def test_a_model_without_a_table_sends_nothing_as_rows(model_dir, tmp_path):
+    transpile(model_dir("perceptron") / "model.onnx", tmp_path / "p", Options(world_size=2, sparse_grads=True))
+    assert "sparse_gradients" not in json.loads((tmp_path / "p" / "plan.json").read_text())
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(strategy="zero"), "--sparse-grads: not with --strategy zero"),
+    (dict(grad_accumulation=2), "--sparse-grads: not with --grad-accumulation"),
+])
+def test_what_rows_cannot_serve_is_a_one_line_error(model_dir, tmp_path, options, fragment):
+    with pytest.raises(TranspileError, match=fragment):
+        transpile(model_dir("gpt") / "model.onnx", tmp_path / "bad", Options(world_size=2, sparse_grads=True, **options))
+
+
+def test_run_time_accumulation_refuses_a_plan_that_sends_rows(model_dir, tmp_path):
+    from runtime.errors import RunError
+
+    out = tmp_path / "rows"
+    transpile(model_dir("gpt") / "model.onnx", out, Options(world_size=2, sparse_grads=True))
+    with pytest.raises(RunError, match=r"--grad-accumulation 2: .* as rows \(--sparse-grads\)"):
+        simulate(out, dict(np.load(model_dir("gpt") / "data.npz")), batch=BATCH, steps=1, grad_accumulation=2)
