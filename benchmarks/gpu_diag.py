@@ -11,15 +11,19 @@ writes every rank's final parameters to DIR/<OUT name>.rank<r>.npz. ``--compare`
 every step, every rank's parameters with the CPU backend's in-process simulation of the same number
 of steps (slow: one simulation per step) and prints the error and whether the replicas agree. Set
 GRAPH_TRANSPILER_DEBUG_SYNC=1 to synchronize the device after every segment and collective.
-``--stacks-after S``: every rank writes its threads' Python stacks to stderr every S seconds while it
-runs (faulthandler), so a run that hangs where no watchdog looks (making a session, cuDNN's Find, a
-host collective) shows where each rank is when the caller's timeout ends it.
+``--stacks-after S``: every rank writes its threads' Python stacks every S seconds while it runs,
+and again when it is sent SIGTERM (faulthandler), to ``--save``/stacks.rank<r>.txt (stderr without
+``--save``), so a run that hangs where no watchdog looks (making a session, cuDNN's Find, a host
+collective) shows where each rank is when the caller ends it. Each rank dies with its parent
+(PR_SET_PDEATHSIG), so a caller's kill of mpiexec leaves no rank holding a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,6 +34,7 @@ from runtime import simulate
 from runtime.collectives.mpi import MpiCommunicator
 from runtime.data import Dataset
 from runtime.executor import CpuBackend
+from runtime.guard import set_parent_death_signal
 from runtime.plan import load_plan
 from runtime.trainer import Trainer
 
@@ -88,8 +93,13 @@ def main() -> None:
     p.add_argument("--backend", choices=("nccl", "cpu"), default="nccl")
     p.add_argument("--stacks-after", type=float, default=0, help="seconds: dump every thread's stack that often (0: never)")
     args = p.parse_args()
+    set_parent_death_signal()
     if args.stacks_after > 0:
-        faulthandler.dump_traceback_later(args.stacks_after, repeat=True, file=sys.stderr)
+        # The rank from the launcher's environment: known before MPI starts (a hang inside it is covered).
+        rank = next((os.environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") if k in os.environ), "0")
+        stacks = open(Path(args.save) / f"stacks.rank{rank}.txt", "w") if args.save else sys.stderr  # noqa: SIM115
+        faulthandler.dump_traceback_later(args.stacks_after, repeat=True, file=stacks)
+        faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
     host = MpiCommunicator()
     data = dict(np.load(args.data))
     for out in args.outs:

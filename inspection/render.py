@@ -110,7 +110,7 @@ def out_sections(rep: dict) -> list[Section]:
     sections.append(ps)
 
     first = f", the first {p['first_bucket_mb']} MiB" if p.get("first_bucket_mb") is not None else ""
-    bs = Section(f"buckets (cap {p['bucket_mb']} MiB{first}, in backward order)", ["bucket", "root", "bytes", "params"],
+    bs = Section(f"buckets (cap {p['bucket_mb']:.4g} MiB{first}, in backward order)", ["bucket", "root", "bytes", "params"],
                  numeric={0, 1, 2})
     for b in rep["buckets"]:
         bs.rows.append([str(b["id"]), str(b["root"]), f"{b['bytes']:,}", _names(b["params"], 6)])

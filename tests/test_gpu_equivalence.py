@@ -11,9 +11,13 @@ and the comparison that the GPU machine relies on.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +53,6 @@ needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA 
 def _max_rel(a: dict, b: dict) -> float:
     return max(float(np.max(np.abs(a[k].astype(np.float64) - v.astype(np.float64)))) / (float(np.max(np.abs(v))) or 1.0)
                for k, v in b.items())
-
-
-def _text(output) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _model(name: str, tmp: Path) -> tuple[Path, int]:
@@ -106,13 +106,23 @@ def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path
                                                "--data", str(directory / "data.npz"), "--batch", str(batch),
                                                "--steps", str(STEPS), "--save", str(saved),
                                                "--stacks-after", str(STACKS_AFTER), *map(str, outs)]
+    # A session of its own, so that a timeout ends every process of the job (the launcher's proxies
+    # and the ranks), SIGTERM first: each rank then writes its stacks (gpu_diag.py --stacks-after).
+    job = subprocess.Popen(command, env=child_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
     try:
-        done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired as exc:  # what each rank was doing (its stacks), not only "timed out"
-        pytest.fail(f"{world} ranks ran past {RUN_TIMEOUT} s; stdout: {_text(exc.stdout)[-2000:]}\n"
-                    f"stderr: {_text(exc.stderr)[-6000:]}")
-    print(done.stdout)
-    assert done.returncode == 0, done.stderr[-3000:]
+        stdout, stderr = job.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, sig)
+            time.sleep(5 if sig == signal.SIGTERM else 0)
+        stdout, stderr = job.communicate()
+        stacks = "\n".join(f"{f.name}:\n{f.read_text()[-4000:]}" for f in sorted(saved.glob("stacks.rank*.txt")))
+        pytest.fail(f"{world} ranks ran past {RUN_TIMEOUT} s; stdout: {stdout[-2000:]}\nstderr: {stderr[-2000:]}\n"
+                    f"stacks: {stacks}")
+    print(stdout)
+    assert job.returncode == 0, stderr[-3000:]
     reference = simulate(outs[0], data, batch=batch, steps=STEPS, single_device=True).parameters[0]
     for out in outs:
         ranks = [dict(np.load(saved / f"{out.name}.rank{r}.npz")) for r in range(world)]

@@ -180,6 +180,22 @@ def test_the_plan_records_the_bucket_cap_used(model_dir, tmp_path):
     assert len(four["buckets"]) > len(auto["buckets"])
 
 
+def test_the_automatic_cap_is_an_eighth_of_the_trained_parameters(model_dir, tmp_path, monkeypatch):
+    """With the 25 MiB floor lifted, the small GPT's cap is an eighth of its trained parameters'
+    bytes (frozen ones left out) and makes about eight buckets."""
+    import transpiler.bucketing
+
+    monkeypatch.setattr(transpiler.bucketing, "AUTO_MIN_MB", 0.0)
+    for name, freeze in (("all", None), ("frozen", r"^wpe$")):
+        transpile(model_dir("gpt") / "model.onnx", tmp_path / name, Options(world_size=2), freeze=freeze)
+    for name in ("all", "frozen"):
+        plan = load_plan(tmp_path / name).raw
+        total = sum(b["bytes"] for b in plan["buckets"])
+        assert plan["bucket_mb"] == pytest.approx(total / 8 / 2**20)
+        assert 7 <= len(plan["buckets"]) <= 10
+    assert load_plan(tmp_path / "frozen").raw["bucket_mb"] < load_plan(tmp_path / "all").raw["bucket_mb"]
+
+
 def test_first_bucket_mb_reaches_the_plan(model_dir, tmp_path):
     """--first-bucket-mb: plan.json records it, and the first bucket holds no more than it (but
     one parameter), the rest bucketed as before."""

@@ -8,8 +8,8 @@ first bucket of each root (or the first of all, where buckets do not follow root
 first gradients of the backward instead of after ``cap_bytes`` of them.
 Buckets are ordered by when they become ready: the backward position of their last gradient.
 
-The cap, unless --bucket-mb sets it (``auto_cap_mb``): an eighth of the model's gradient bytes,
-within [AUTO_MIN_MB, AUTO_MAX_MB]. Why: on 4 H200s (run h200x4-s64b, docs/benchmarks.md) the
+The cap, unless --bucket-mb sets it (``auto_cap_mb``): an eighth of the trained parameters' bytes
+(their float32 gradients, before --grad-dtype halves what travels), within [AUTO_MIN_MB, AUTO_MAX_MB]. Why: on 4 H200s (run h200x4-s64b, docs/benchmarks.md) the
 GPT-2-small step (650 MB of gradients) was 29.4 / 28.2 / 27.8 / 27.8 ms at 10 / 25 / 50 / 100 MiB
 (`allreduce`; `sharded` 30.0 at 25, 28.9 at 100): fewer collectives, fewer of the compute stream's
 stalls at a collective's start, and the contention no larger. ResNet-18 (45 MB) went the other
