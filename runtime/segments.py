@@ -395,6 +395,11 @@ def _build_segment(model: onnx.ModelProto, here: tuple[int, int, int], members: 
     # Only values someone after this segment reads leave it; the rest die inside the session.
     position = (2 * k, part, stage)
     outputs = [name for node in members for name in node.output if name and any(p > position for p in readers.get(name, ()))]
+    kept = [n for n in members if n.domain == COLLECTIVE_DOMAIN]
+    if not outputs and kept:
+        # A collective kept here must run on every rank, read or not (an AllConcat of rows this rank
+        # does not update, under `sharded`): its outputs leave the session, unread.
+        outputs = [name for node in kept for name in node.output if name]
     if not outputs:
         return None  # no nodes, or only nodes whose results nobody reads
 
@@ -407,7 +412,6 @@ def _build_segment(model: onnx.ModelProto, here: tuple[int, int, int], members: 
 
     # A collective kept in the segment (collectives_inside): its outputs' types, which inference
     # cannot give (no schema), and its domain.
-    kept = [n for n in members if n.domain == COLLECTIVE_DOMAIN]
     graph = helper.make_graph(
         members,
         f"{model.graph.name or 'graph'}_segment{k}" + (f"_part{part}" if part else "") + (f"_stage{stage}" if stage else ""),

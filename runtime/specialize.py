@@ -99,17 +99,23 @@ def _with_static_inputs(model: onnx.ModelProto, input_shapes: dict[str, tuple[in
 
 def _type_concatenations(graph: onnx.GraphProto, world: int) -> bool:
     """Give each AllConcat output whose input has a static shape its type (N times the input's first
-    dimension); whether any was new."""
+    dimension), as value_info or, for a graph output, on the output itself; whether any was new."""
     known = static_values(graph)
-    typed = {v.name for v in graph.value_info} | {v.name for v in graph.output}
+    outputs = {v.name: v for v in graph.output}
     new = False
     for node in graph.node:
-        if node.domain != COLLECTIVE_DOMAIN or node.op_type not in SHAPED_BY_INPUT or node.output[0] in typed:
+        if node.domain != COLLECTIVE_DOMAIN or node.op_type not in SHAPED_BY_INPUT:
             continue
-        if node.input[0] in known:
-            shape, dtype = known[node.input[0]]
-            graph.value_info.append(helper.make_tensor_value_info(node.output[0], dtype, [world * shape[0], *shape[1:]]))
-            new = True
+        name = node.output[0]
+        if name in known or node.input[0] not in known:
+            continue
+        shape, dtype = known[node.input[0]]
+        typed = helper.make_tensor_value_info(name, dtype, [world * shape[0], *shape[1:]])
+        if name in outputs:
+            outputs[name].type.CopyFrom(typed.type)
+        else:
+            graph.value_info.append(typed)
+        new = True
     return new
 
 

@@ -63,6 +63,11 @@ CASES = {
     "AllGather": (lambda: _op("AllGather", ["s"], ["ya", "yb"], [A, B]), [(4,)],
                   12, 4, {"s": (4, 8, (4,))}, {"ya": (0, 6, A), "yb": (6, 11, B)},
                   (0, 12), ("all_gather_flat", ()), False),
+    # No output spec (its shape is the input's, N times the rows): a [2, 3] input at N = 3 is rank 1's
+    # slice [6, 12) of an 18-element buffer, viewed as [2, 3]; the output the whole buffer as [6, 3].
+    "AllConcat": (lambda: _op("AllConcat", ["x"], ["y"], []), [(2, 3)],
+                  18, 6, {"x": (6, 12, (2, 3))}, {"y": (0, 18, (6, 3))},
+                  (0, 18), ("all_gather_flat", ()), False),
 }
 
 

@@ -108,7 +108,7 @@ def test_collective_outputs_need_static_types():
 
 def test_unknown_collective_lists_the_implemented_ones():
     node = helper.make_node("AllToAll", ["a"], ["b"], name="a2a", domain="graph_transpiler", order=0)
-    with pytest.raises(RunError, match=r"'AllToAll'.*implemented: AllGather, AllReduce, Broadcast, Reduce, ReduceScatter"):
+    with pytest.raises(RunError, match=r"'AllToAll'.*implemented: AllConcat, AllGather, AllReduce, Broadcast, Reduce, ReduceScatter"):
         cut_graph(_graph([node], [_f("b")]), 0, "bad.onnx")
 
 

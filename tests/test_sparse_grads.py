@@ -1,5 +1,6 @@
 """--sparse-grads (transpiler/sparse_grads.py): a token table's gradient goes as the batch's rows
-through one AllConcat; N ranks still equal one device, under allreduce and sharded."""
+through one AllConcat; N ranks still equal one device (`sharded`, the one strategy that takes it),
+and every rank's sessions keep the AllConcat where the GPU backend cuts them."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _max_rel(a: dict, b: dict) -> float:
     return max(float(np.max(np.abs(a[k] - v))) / (float(np.max(np.abs(v))) or 1.0) for k, v in b.items())
 
 
-@pytest.mark.parametrize("strategy, world", [("allreduce", 2), ("sharded", 2), ("allreduce", 4)])
+@pytest.mark.parametrize("strategy, world", [("sharded", 2), ("sharded", 4)])
 def test_n_ranks_sending_rows_equal_one_device(model_dir, tmp_path, strategy, world):
     directory = model_dir("gpt")
     out = tmp_path / f"{strategy}-{world}"
@@ -46,13 +47,15 @@ def test_n_ranks_sending_rows_equal_one_device(model_dir, tmp_path, strategy, wo
 
 
 def test_a_model_without_a_table_sends_nothing_as_rows(model_dir, tmp_path):
-    transpile(model_dir("perceptron") / "model.onnx", tmp_path / "p", Options(world_size=2, sparse_grads=True))
+    transpile(model_dir("perceptron") / "model.onnx", tmp_path / "p",
+              Options(world_size=2, strategy="sharded", sparse_grads=True))
     assert "sparse_gradients" not in json.loads((tmp_path / "p" / "plan.json").read_text())
 
 
 @pytest.mark.parametrize("options, fragment", [
-    (dict(strategy="zero"), "--sparse-grads: not with --strategy zero"),
-    (dict(grad_accumulation=2), "--sparse-grads: not with --grad-accumulation"),
+    (dict(strategy="zero"), "--sparse-grads: only with --strategy sharded, not zero"),
+    (dict(strategy="allreduce"), "--sparse-grads: only with --strategy sharded, not allreduce"),
+    (dict(strategy="sharded", grad_accumulation=2), "--sparse-grads: not with --grad-accumulation"),
 ])
 def test_what_rows_cannot_serve_is_a_one_line_error(model_dir, tmp_path, options, fragment):
     with pytest.raises(TranspileError, match=fragment):
@@ -63,6 +66,34 @@ def test_run_time_accumulation_refuses_a_plan_that_sends_rows(model_dir, tmp_pat
     from runtime.errors import RunError
 
     out = tmp_path / "rows"
-    transpile(model_dir("gpt") / "model.onnx", out, Options(world_size=2, sparse_grads=True))
+    transpile(model_dir("gpt") / "model.onnx", out, Options(world_size=2, strategy="sharded", sparse_grads=True))
     with pytest.raises(RunError, match=r"--grad-accumulation 2: .* as rows \(--sparse-grads\)"):
         simulate(out, dict(np.load(model_dir("gpt") / "data.npz")), batch=BATCH, steps=1, grad_accumulation=2)
+
+
+def test_every_rank_keeps_the_allconcat_in_its_sessions(model_dir, tmp_path):
+    """The GPU backend's cut (collectives inside the sessions, native stages between them): the
+    ranks that do not update the table read nothing of the AllConcat, and it must still run there,
+    in the same session as on its root, or NCCL waits for it forever."""
+    import onnxruntime
+
+    from contract.collectives import DOMAIN
+    from runtime.gpu import native
+    from runtime.segments import cut_graph
+
+    out = tmp_path / "sharded-4"
+    transpile(model_dir("gpt") / "model.onnx", out, Options(world_size=4, strategy="sharded", sparse_grads=True))
+    plan = json.loads((out / "plan.json").read_text())
+    decided = native.decide(onnxruntime)
+    per_rank = []
+    for rank, entry in enumerate(plan["graphs"]["ranks"]):
+        entry = plan["graphs"]["ranks"][entry["same_as"]] if "same_as" in entry else entry
+        model = onnx.load(out / entry["step"])
+        for rewrite in decided.rewrites:
+            model = rewrite(model)
+        cut = cut_graph(model, rank, "step", split_tail=True, native_domains=decided.between,
+                        late_domains=decided.between & {"graph_transpiler.optimizer"}, collectives_inside=True)
+        per_rank.append([[n.op_type for n in segment.model.graph.node if n.domain == DOMAIN] for segment in cut.segments])
+    for sessions in per_rank:
+        assert sum(ops.count("AllConcat") for ops in sessions) == 1
+        assert [ops for ops in sessions if ops] == [ops for ops in per_rank[0] if ops]

@@ -133,12 +133,16 @@ def emit_rows_mean(step: RankStep, bucket: Bucket, *, holds: bool) -> list[ir.Va
                                     order=step.next_order(), bucket=bucket.id, phase="step")
     if not holds:
         return None
-    split = e.tape.op_multi_out("Split", [gathered, ints([width, 1], "split")], {"axis": 1}, num_outputs=2,
+    split = e.tape.op_multi_out("Split", [gathered, ints([width, 1], "split_sizes")], {"axis": 1}, num_outputs=2,
                                 name=f"sparse_grads/{param}.split")
     all_rows, all_index_f = split
     for v, cols, what in ((all_rows, width, "all_rows_values"), (all_index_f, 1, "all_rows_indices_f32")):
         v.name, v.dtype, v.shape = e.unique_value_name(f"sparse_grads/{param}.{what}"), f32, ir.Shape([None, cols])
-    all_index = e.op("Cast", [all_index_f], "all_rows_indices", i64, [None, 1], {"to": i64})
+    # The indices as the backward writes an embedding's (1-D, then Unsqueeze over the last axis): the
+    # GPU's row scatter-add kernel takes that form (runtime/gpu/scatter_add.py).
+    flat_f = e.op("Reshape", [all_index_f, ints([-1], "flat")], "all_rows_indices_flat_f32", f32, [None])
+    flat_i = e.op("Cast", [flat_f], "all_rows_indices_flat", i64, [None], {"to": i64})
+    all_index = e.op("Unsqueeze", [flat_i, ints([-1], "last_axis")], "all_rows_indices", i64, [None, 1])
     scaled = e.op("Mul", [all_rows, e.constant32(1.0 / step.world, "inverse_world")], "all_rows_mean", f32, [None, width])
     zeros = e.op("ConstantOfShape", [ints([vocab, width], "table_shape")], "zeros", f32, [vocab, width],
                  {"value": ir.tensor(np.zeros(1, dtype=np.float32))})

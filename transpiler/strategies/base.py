@@ -34,7 +34,7 @@ from onnx_ir.passes import PostconditionError
 
 from transpiler.bucketing import Bucket
 from transpiler.collectives import collective_nodes
-from transpiler.sparse_grads import emit_rows_mean
+from transpiler.errors import TranspileError
 from transpiler.update import emit_bucket_update
 
 if TYPE_CHECKING:
@@ -73,8 +73,9 @@ class Strategy(ABC):
     def reduce_rows(self, step: RankStep, bucket: Bucket) -> list[ir.Value] | None:
         """--sparse-grads: the bucket's one table gradient from every rank's rows (AllConcat,
         transpiler/sparse_grads.py) instead of ``reduce``; the mean gradient where this rank updates
-        the table. Default: every rank updates it (as ``reduce`` of allreduce)."""
-        return emit_rows_mean(step, bucket, holds=True)
+        the table, None elsewhere. Only a strategy whose one rank updates a table and publishes it
+        takes it (Options.validate says why the others do not)."""
+        raise TranspileError(f"--sparse-grads: not with --strategy {self.name}")
 
     def update(self, step: RankStep, bucket: Bucket, grads: list[ir.Value]) -> list[ir.Value]:
         """The new values of the bucket's parameters from the gradients this rank holds. Default:
