@@ -80,6 +80,8 @@ def graph_collectives(model: onnx.ModelProto, rank: int, world: int, plan_seq: l
             "is_root": root == rank if root is not None else None,
             "inputs": [n for n in node.input if n], "outputs": [n for n in node.output if n],
             "tensors": tensors, "bytes": nbytes, "sent_bytes": sent, "recv_bytes": recv,
+            # A tensor whose size the batch sets (an AllConcat's rows): its bytes are not in the sums.
+            "batch_sized": any(t["bytes"] is None for t in tensors),
         })
     return out
 

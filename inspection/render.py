@@ -56,8 +56,10 @@ def collective_section(title: str, colls: list[dict]) -> Section:
                 numeric={0, 3, 4, 5, 6, 7})
     for c in colls:
         root = "" if c["root"] is None else (f"{c['root']} (this rank)" if c["is_root"] else str(c["root"]))
-        s.rows.append([str(c["order"]), c["op"], c["reduction"] or "", str(c["bucket"]), root, f"{c['bytes']:,}",
-                       f"{c['sent_bytes']:,}", f"{c['recv_bytes']:,}", _names([t["name"] for t in c["tensors"]])])
+        sizes = (["by batch"] * 3 if c.get("batch_sized") else
+                 [f"{c['bytes']:,}", f"{c['sent_bytes']:,}", f"{c['recv_bytes']:,}"])
+        s.rows.append([str(c["order"]), c["op"], c["reduction"] or "", str(c["bucket"]), root, *sizes,
+                       _names([t["name"] for t in c["tensors"]])])
     return s
 
 

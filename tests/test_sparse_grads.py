@@ -97,3 +97,16 @@ def test_every_rank_keeps_the_allconcat_in_its_sessions(model_dir, tmp_path):
     for sessions in per_rank:
         assert sum(ops.count("AllConcat") for ops in sessions) == 1
         assert [ops for ops in sessions if ops] == [ops for ops in per_rank[0] if ops]
+
+
+def test_inspect_shows_the_rows_as_sized_by_the_batch(model_dir, tmp_path):
+    """`transpile inspect`: the AllConcat is listed, its bytes 'by batch' (the rows' count is the
+    run's), not a 0 that would read as nothing moved."""
+    from inspection.render import plain, sections_of
+    from inspection.report import build_report
+
+    out = tmp_path / "sharded-2"
+    transpile(model_dir("gpt") / "model.onnx", out, Options(world_size=2, strategy="sharded", sparse_grads=True))
+    text = plain(sections_of(build_report(out, [0], segments=False)))
+    (line,) = [row for row in text.splitlines() if "AllConcat" in row and "all_rows" in row]
+    assert line.count("by batch") == 3
