@@ -359,6 +359,10 @@ def run_ours(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     result: dict = {"ort_version": onnxruntime.__version__, "runtime_file": str(Path(sys.modules["runtime.plan"].__file__).parent)}
     plan = load_plan(spec["out"])
+    # The bucket cap the OUT was made with (a default cap now follows the model: transpiler/bucketing.py),
+    # and the tables it sends as rows (--sparse-grads); an @DIR tree's plan may lack either.
+    raw = getattr(plan, "raw", {}) or {}
+    result["bucket_mb"], result["sparse_gradients"] = raw.get("bucket_mb"), raw.get("sparse_gradients", [])
     host_comm = None
     if ranks.world > 1:
         from runtime.collectives.mpi import MpiCommunicator
