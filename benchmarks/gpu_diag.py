@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import os
 import signal
 import sys
 import time
@@ -35,6 +34,7 @@ from runtime.collectives.mpi import MpiCommunicator
 from runtime.data import Dataset
 from runtime.executor import CpuBackend
 from runtime.guard import set_parent_death_signal
+from runtime.launcher import detect_launcher
 from runtime.plan import load_plan
 from runtime.trainer import Trainer
 
@@ -96,7 +96,8 @@ def main() -> None:
     set_parent_death_signal()
     if args.stacks_after > 0:
         # The rank from the launcher's environment: known before MPI starts (a hang inside it is covered).
-        rank = next((os.environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") if k in os.environ), "0")
+        launch = detect_launcher()
+        rank = 0 if launch is None else launch.rank
         stacks = open(Path(args.save) / f"stacks.rank{rank}.txt", "w") if args.save else sys.stderr  # noqa: SIM115
         faulthandler.dump_traceback_later(args.stacks_after, repeat=True, file=stacks)
         faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)

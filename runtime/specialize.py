@@ -49,15 +49,14 @@ def specialize(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]],
     collectives shaped by their input (contract SHAPED_BY_INPUT: an AllConcat kept in the segment),
     which onnx's inference cannot type; without it they stay untyped."""
     model = _with_static_inputs(model, input_shapes)
+    if not any(n.domain == COLLECTIVE_DOMAIN and n.op_type in SHAPED_BY_INPUT for n in model.graph.node):
+        world = None  # nothing to type: no round of typing (the usual segment)
     for _ in range(_MAX_ROUNDS):
         model = _infer(model)
+        # An output typed here is typed downstream by the next round's inference.
         typed = world is not None and _type_concatenations(model.graph, world)
         if not _fold_once(model) and not typed:
             break
-    if world is not None:  # the last round's inference may have typed an AllConcat's input
-        model = _infer(model)
-        if _type_concatenations(model.graph, world):
-            model = _infer(model)
     _drop_unused_initializers(model.graph)
     return model
 

@@ -60,16 +60,13 @@ def rows_of(grad: ir.Value, param: ir.Value) -> tuple[ir.Value, ir.Value] | None
 
 
 def _constant(value: ir.Value) -> np.ndarray | None:
-    """``value``'s contents where constants alone give them (an initializer, a Constant, a Concat
-    of such: how the backward writes a table's shape), else None."""
-    if value.const_value is not None:
-        return value.const_value.numpy()
+    """``value``'s contents where constants alone give them (onnx-ir's constant, or a Concat of
+    such: how the backward writes a table's shape), else None."""
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is not None:
+        return tensor.numpy()
     node = value.producer()
-    if node is None or node.domain != "":
-        return None
-    if node.op_type == "Constant" and "value" in node.attributes:
-        return node.attributes["value"].as_tensor().numpy()
-    if node.op_type == "Concat":
+    if node is not None and node.op_type == "Concat" and node.domain == "":
         parts = [_constant(v) for v in node.inputs]
         if all(p is not None for p in parts):
             return np.concatenate([np.atleast_1d(p) for p in parts])
