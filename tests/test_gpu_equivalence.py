@@ -83,6 +83,7 @@ def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path
     ``backend``, and compare every rank's parameters with the CPU backend's single device."""
     from runtime import simulate
     from runtime.launcher import child_environment, find_mpiexec, mpiexec_command, mpiexec_flavor
+    from runtime.supervisor import kill_group
     from transpiler import OptimizerConfig, Options, transpile
 
     directory, batch = _model(model, tmp_path)
@@ -113,10 +114,10 @@ def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path
     try:
         stdout, stderr = job.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.pid, sig)
-            time.sleep(5 if sig == signal.SIGTERM else 0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGTERM)  # each rank writes its stacks on it
+        time.sleep(5)
+        kill_group(job)
         stdout, stderr = job.communicate()
         stacks = "\n".join(f"{f.name}:\n{f.read_text()[-4000:]}" for f in sorted(saved.glob("stacks.rank*.txt")))
         pytest.fail(f"{world} ranks ran past {RUN_TIMEOUT} s; stdout: {stdout[-2000:]}\nstderr: {stderr[-2000:]}\n"
