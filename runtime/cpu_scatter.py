@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from runtime.onnx_types import value_types, with_inferred_types
+
 
 def race_free_scatters(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
     """``model`` with each ScatterND(reduction="add") of its main graph rewritten (the module
@@ -35,8 +37,9 @@ def race_free_scatters(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
     out.CopyFrom(model)
     nodes, left = [], False
     for i, node in enumerate(out.graph.node):
-        k = depths.get(node.output[0]) if _is_scatter_add(node) else None
-        if _is_scatter_add(node) and k is None:
+        racy = _is_scatter_add(node)
+        k = depths.get(node.output[0]) if racy else None
+        if racy and k is None:
             left = True
         nodes.extend(_rewritten(node, k, f"{node.output[0]}.race_free{i}") if k is not None else [node])
     del out.graph.node[:]
@@ -61,18 +64,9 @@ def _index_depths(model: onnx.ModelProto, targets: list[onnx.NodeProto]) -> dict
                 depths[node.output[0]] = dims[-1].dim_value
         return depths
 
-    graph = model.graph
-    types = {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
-    types.update({t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer})
-    depths = known(types)
-    if len(depths) < len(targets):
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model)
-        except Exception:  # noqa: BLE001 - an uninferable graph keeps its racy nodes, on one thread
-            return depths
-        g = inferred.graph
-        types.update({v.name: v.type for v in (*g.input, *g.value_info, *g.output)})
-        depths = known(types)
+    depths = known(value_types(model.graph))
+    if len(depths) < len(targets):  # an uninferable graph keeps its racy nodes, on one thread
+        depths = known(value_types(with_inferred_types(model).graph))
     return depths
 
 

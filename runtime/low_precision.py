@@ -35,6 +35,7 @@ import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime.graph_names import FreshNames
+from runtime.onnx_types import value_types, with_inferred_types
 
 __all__ = ["LOW_DTYPES", "EXACT_OPS", "has_low_precision", "lower"]
 
@@ -101,12 +102,12 @@ def lower(model: onnx.ModelProto) -> onnx.ModelProto:
     low precision."""
     if not has_low_precision(model):
         return model
-    inferred = _inferred(model)
-    inlined = _inline_low_functions(inferred, _types(inferred.graph))
+    inferred = with_inferred_types(model)
+    inlined = _inline_low_functions(inferred, value_types(inferred.graph))
     if inlined is not inferred:
-        inferred = _inferred(inlined)
+        inferred = with_inferred_types(inlined)
     graph = inferred.graph
-    types = _types(graph)
+    types = value_types(graph)
     _fill_missing(graph, types)
     rewriter = _Rewriter(graph, types)
     nodes = []
@@ -126,13 +127,6 @@ def lower(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
-    try:
-        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # too large for inference: the written value_info must carry the types
-        return model
-
-
 def _inline_low_functions(model: onnx.ModelProto, types: dict) -> onnx.ModelProto:
     """``model`` with the model-local functions that low-precision nodes call inlined: their bodies
     may round inside (the fused Attention's probabilities, transpiler/attention_ops.py), which
@@ -143,14 +137,6 @@ def _inline_low_functions(model: onnx.ModelProto, types: dict) -> onnx.ModelProt
     if not called:
         return model
     return onnx.inliner.inline_selected_functions(model, sorted(called))
-
-
-def _types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
-    types = {t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
-    for vi in (*graph.value_info, *graph.input, *graph.output):
-        if vi.type.WhichOneof("value") is not None:
-            types[vi.name] = vi.type
-    return types
 
 
 def _elem(types: dict, name: str) -> int | None:

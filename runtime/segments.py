@@ -57,6 +57,7 @@ from onnx import helper, numpy_helper
 from contract.collectives import SHAPED_BY_INPUT, CutError, constants_as_initializers, consumed, place_alap
 from runtime.collectives import COLLECTIVE_DOMAIN, CollectiveOp, TensorSpec, make_collective
 from runtime.errors import RunError
+from runtime.onnx_types import value_types, with_inferred_types
 
 
 @dataclass
@@ -151,10 +152,10 @@ def cut_graph(model: onnx.ModelProto, rank: int, where: str, *, split_tail: bool
     (its Constant nodes become initializers) where shape inference could not copy it.
     ``collectives_inside``: the collective nodes stay in the segments as other nodes do (checked,
     not cut at)."""
-    model = _with_inferred_types(model)
+    model = with_inferred_types(model)
     constants_as_initializers(model.graph)
     graph = model.graph
-    types = _value_types(graph)
+    types = value_types(graph)
     nodes = list(graph.node)
     graph_inputs = [i.name for i in graph.input]
     graph_outputs = [o.name for o in graph.output]
@@ -225,23 +226,6 @@ def _check_defined(nodes, graph_inputs, initializers, graph_outputs, where: str)
     missing = [name for name in graph_outputs if name not in defined]
     if missing:
         raise RunError(f"{where}: graph output(s) {', '.join(repr(m) for m in missing)} are never produced")
-
-
-def _with_inferred_types(model: onnx.ModelProto) -> onnx.ModelProto:
-    # Types of values crossing a segment boundary come from value_info; infer what the writer left out.
-    # Collective nodes are of an unknown domain, which inference skips; their outputs are typed by contract.
-    try:
-        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # e.g. a model over 2 GB; boundary types must then all be in value_info already
-        return model
-
-
-def _value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
-    types = {t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
-    for vi in [*graph.value_info, *graph.input, *graph.output]:
-        if vi.type.WhichOneof("value") is not None:
-            types[vi.name] = vi.type
-    return types
 
 
 def _consumed(node: onnx.NodeProto) -> list[str]:

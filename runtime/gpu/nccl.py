@@ -101,7 +101,6 @@ class NcclCommunicator(ListsOverFlat, Communicator):
         self.relaxed: bool | None = None  # whether the watchdog thread runs in relaxed capture mode
         self._relaxed_known = threading.Event()
         self._aborted = False
-        self._sync_calls = 0
         # Released before ncclCommDestroy (close), which polls until no CUDA graph that captured our
         # calls lives (left to the GC, it spun for ever: 4 H200s, 2 jobs of 4). Weak: programs may go.
         self._before_destroy: list[weakref.WeakMethod] = []

@@ -9,8 +9,8 @@ call, and the results are ready when it returns, in the compute stream's order a
 
 What a class using it provides: ``cp`` (CuPy), ``rank``, ``size``, ``stream`` (the communication
 stream), the flat calls (``all_reduce_flat``, ``reduce_flat``, ``broadcast_flat``,
-``reduce_scatter_flat``, ``all_gather_flat``, ``finish_mean``), ``track`` (the watchdog's entry
-for each call) and ``_sync_calls`` (a counter, 0 at the start).
+``reduce_scatter_flat``, ``all_gather_flat``, ``finish_mean``) and ``track`` (the watchdog's entry
+for each call).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from runtime.errors import RunError
 
 
 class ListsOverFlat:
+    _sync_calls = 0  # the list calls so far (each its watchdog key); ``+=`` makes it the instance's
+
     def _pack(self, arrays, total: int | None = None, align: int = 1):
         """The arrays in one new device buffer, each at a multiple of ``align`` elements (the
         padding zeros); ``total`` elements at least."""
