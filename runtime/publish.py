@@ -30,13 +30,12 @@ class Publish:
 
 
 def leading_broadcasts(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The Broadcasts of ``graph`` that publish at its start: on the root, every input a graph input
-    (a publish at the step's end sends the update's outputs); elsewhere (no inputs), read by a node
-    of the graph (a publish at the step's end is read by none: its outputs are state)."""
+    """The Broadcasts of ``graph`` that publish at its start: every input a graph input, and read by
+    a node of the graph (a publish at the step's end is read by none: its outputs are state)."""
     inputs = {i.name for i in graph.input}
     read = {name for node in graph.node for name in node.input}
     return [n for n in graph.node if n.domain == COLLECTIVE_DOMAIN and n.op_type == "Broadcast"
-            and (all(name in inputs for name in n.input) if n.input else any(name in read for name in n.output))]
+            and all(name in inputs for name in n.input) and any(name in read for name in n.output)]
 
 
 def publish_graph(model: onnx.ModelProto, state: dict[str, str], where: str) -> Publish | None:

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="; ".join(
         f"{name}: {STRATEGIES[name].summary}" + (" (default)" if name == DEFAULT_STRATEGY else "")
         for name in user_strategies()))
-    p.add_argument("--placement", default="balanced", help="root of each parameter: balanced (greedy by bytes, default), hash (crc32 of the name) or contiguous (equal ranges of the layers, in forward order)")
+    p.add_argument("--placement", default="balanced", help="root of each parameter: balanced (greedy by bytes, default) or hash (crc32 of the name)")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="gradient bucket size cap in MiB (default: an eighth of the model's gradients, within "
                         "[25, 100]: 25 for models up to 200 MiB, as DDP's)")

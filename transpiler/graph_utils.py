@@ -32,15 +32,7 @@ def number_collectives(graph: ir.Graph) -> None:
     position = {out: i for i, node in enumerate(nodes) for out in node.outputs}
     index = {id(node): i for i, node in enumerate(nodes)}
 
-    def first_reads(node: ir.Node) -> list[int]:
-        """A publish at the step's start (`sharded`): where the step reads the bucket, the same on
-        every rank (the root reads its inputs, the others the outputs); [] for any other node."""
-        if node.op_type != "Broadcast":
-            return []
-        if node.inputs:
-            if not all(v.is_graph_input() for v in node.inputs):
-                return []
-            return [index[id(user)] for v in node.inputs for user, _ in v.uses() if user is not node]
+    def readers(node: ir.Node) -> list[int]:
         return [index[id(user)] for out in node.outputs for user, _ in out.uses()]
 
     ranked = []
@@ -49,8 +41,8 @@ def number_collectives(graph: ir.Graph) -> None:
             key = (len(nodes), -1)
         elif node.attributes["order"].as_int() < 0:
             key = (nodes.index(node), sequence)
-        elif first_reads(node):
-            key = (min(first_reads(node)) - 0.5, sequence)
+        elif node.op_type == "Broadcast" and readers(node) and all(v.is_graph_input() for v in node.inputs):
+            key = (min(readers(node)) - 0.5, sequence)
         elif node.op_type in ("Broadcast", "AllGather"):
             key = (len(nodes), sequence)
         else:

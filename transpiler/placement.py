@@ -12,22 +12,17 @@ Broadcasts the new value.
   sorts too). Also deterministic (ties broken by name). GPT-2-small at 4 ranks: imbalance 1.003
   against hash's 1.733, so `sharded`'s heaviest root keeps the optimizer state of 156 MiB of
   parameters instead of 269 (that root sets the step's peak memory and runs its longest update).
-- ``contiguous``: the parameters in forward order (the backward's reversed) cut into N ranges of
-  about equal bytes, rank 0 the first: each root's buckets then hold neighbouring layers, so a
-  `sharded` step that publishes at its start receives the buckets in the order its forward reads
-  them (under ``balanced`` every bucket spans the whole depth and the forward's first layer waits
-  for most of the parameters).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from transpiler.errors import TranspileError
 
-METHODS = ("hash", "balanced", "contiguous")
+METHODS = ("hash", "balanced")
 
 
 @dataclass(frozen=True)
@@ -57,20 +52,12 @@ def hash_root(name: str, world_size: int) -> int:
     return zlib.crc32(name.encode("utf-8")) % world_size
 
 
-def place(sizes: Mapping[str, int], world_size: int, method: str, order: Sequence[str] = ()) -> Placement:
-    """Assign a root rank to every parameter; ``sizes`` maps parameter name to bytes; ``order``: the
-    parameters in backward order (``contiguous`` needs it)."""
+def place(sizes: Mapping[str, int], world_size: int, method: str) -> Placement:
+    """Assign a root rank to every parameter; ``sizes`` maps parameter name to bytes."""
     if method not in METHODS:
         raise TranspileError(f"--placement '{method}' is not one of: {', '.join(METHODS)}")
     if method == "hash":
         roots = {name: hash_root(name, world_size) for name in sizes}
-    elif method == "contiguous":
-        if sorted(order) != sorted(sizes):
-            raise TranspileError("--placement contiguous needs every parameter in backward order")
-        total, before, roots = sum(sizes.values()) or 1, 0, {}
-        for name in reversed(order):  # each at the rank its bytes' midpoint falls in
-            roots[name] = min(world_size - 1, (2 * before + sizes[name]) * world_size // (2 * total))
-            before += sizes[name]
     else:
         load = [0] * world_size
         roots = {}

@@ -168,7 +168,7 @@ def plan_json(job: Job, files: dict[int | None, dict[str, str]] | None = None) -
     others = {}
     for method in METHODS:
         if method != placement.method:
-            alt = place(job.sizes, opts.world_size, method, job.grad_order)
+            alt = place(job.sizes, opts.world_size, method)
             others[method] = {**alt.to_json(), "imbalance": round(alt.imbalance, 6)}
     bucket_of = {p: b.id for b in job.buckets for p in b.params}
     params_json = []

@@ -105,7 +105,6 @@ def rewrite(model: onnx.ModelProto, where: str, *, world: int | None) -> tuple[o
         raise RunError(f"{where}: collective 'order' attributes repeat: {orders}")
     starts, finishes, tokens, originals = {}, {}, [], {}
     known = static_values(graph)
-    graph_outputs = {o.name for o in graph.output}
     staged_info = []
     previous = None
     for node in collectives:
@@ -120,17 +119,12 @@ def rewrite(model: onnx.ModelProto, where: str, *, world: int | None) -> tuple[o
         # The finish reads the staged buffers and the inputs, so that onnxruntime hands neither to
         # another value before NCCL is done.
         read_here = {n for other in nodes if other is not node for n in other.input}
-        # A root's Broadcast whose outputs nothing reads (`sharded`'s publish at the step's start:
-        # the root reads its inputs, which the outputs equal) sends in place and writes nothing.
-        in_place = node.op_type == "Broadcast" and len(node.input) > 0 and not any(
-            o in read_here or o in graph_outputs for o in node.output)
-        staged_for = [o for o in node.output if o in read_here] if direct and not in_place else []
+        staged_for = [o for o in node.output if o in read_here] if direct else []
         staged = [f"{o}{STAGED}" for o in staged_for]
-        written = [] if in_place else [f"{o}{STAGED}" if o in staged_for else o for o in node.output] if direct else []
+        written = [f"{o}{STAGED}" if o in staged_for else o for o in node.output] if direct else []
         starts[k] = helper.make_node(START, ([previous] if previous else []) + list(node.input),
                                      [token, *written, *flat], domain=DOMAIN, name=f"{node.name or node.op_type}.start{k}",
-                                     bucket=k, chained=int(previous is not None), direct=int(direct), flat=int(bool(flat)),
-                                     in_place=int(in_place))
+                                     bucket=k, chained=int(previous is not None), direct=int(direct), flat=int(bool(flat)))
         finishes[k] = helper.make_node(FINISH, [token, *staged, *flat, *(node.input if direct else [])],
                                        staged_for if direct else list(node.output), domain=DOMAIN,
                                        name=f"{node.name or node.op_type}.finish{k}", bucket=k, direct=int(direct),
@@ -278,7 +272,6 @@ class StartRunner:
         self.written = list(node.output[1:])  # direct: where NCCL writes (staged buffers, or the outputs)
         self.direct = bool(_attr(node, "direct"))
         self.staged = bool(_attr(node, "flat", 0))  # then ``written`` is the bucket, [N*S]
-        self.in_place = bool(_attr(node, "in_place", 0))  # a root's Broadcast from its inputs, into them
         self.bucket: Bucket | None = None
 
     def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
@@ -295,8 +288,7 @@ class StartRunner:
         bucket.ready.record(compute)
         comm.stream.wait_event(bucket.ready)
         if self.direct:
-            sends = [values[n] for n in self.names]
-            bucket.op.launch_direct(comm, sends, sends if self.in_place else [values[n] for n in self.written],
+            bucket.op.launch_direct(comm, [values[n] for n in self.names], [values[n] for n in self.written],
                                     bucket.op.label)
         else:
             bucket.op.launch_flat(comm, bucket.flat, bucket.mean_view, bucket.op.label)

@@ -15,8 +15,7 @@ class PlacementPass(InPlacePass):
         self.job = job
 
     def call(self, model: ir.Model) -> PassResult:
-        self.job.placement = place(self.job.sizes, self.job.options.world_size, self.job.options.placement,
-                                   self.job.grad_order)
+        self.job.placement = place(self.job.sizes, self.job.options.world_size, self.job.options.placement)
         return PassResult(model, modified=False)
 
     def ensures(self, model: ir.Model) -> None:

@@ -74,9 +74,8 @@ class Sharded(Strategy):
     @staticmethod
     def _publish_at_start(step, bucket, new_values):
         """The bucket's Broadcast of its parameter inputs from the root, read by the whole step in
-        their place on the other ranks; the root reads its inputs (equal to the outputs), so that its
-        outputs are read by none and a runtime may send in place. The root carries its new values to
-        the next step; the others carry what they received."""
+        their place (the root's own update too: on the root the outputs equal the inputs). The root
+        carries its new values to the next step; the others carry what they received."""
         params = [step.params[p] for p in bucket.params]
         root = bucket.root == step.rank
         published = append_collective(
@@ -87,9 +86,10 @@ class Sharded(Strategy):
         node = published[0].producer()
         step.graph.remove(node)  # before every reader: the graph stays in topological order
         step.graph.insert_before(step.graph.node(0), node)
-        for param, value in zip(params, [] if root else published):
+        for param, value in zip(params, published):
             for user, index in list(param.uses()):
-                user.replace_input_with(index, value)
+                if user is not node:
+                    user.replace_input_with(index, value)
         for name, param, value in zip(bucket.params, params, new_values if root else published):
             step.add_state(param, value, "param", name)
 
