@@ -62,7 +62,6 @@ def run_plan(host: MpiCommunicator, out: str, data: dict, args: argparse.Namespa
         shard = dataset.shard(step, batch=args.batch, rank=host.rank, world_size=host.size)
         loss = trainer.step(shard, plan.lr)
         if args.compare:
-            trainer.publish()
             every = host.comm.gather(trainer.parameters(), root=0)
             if host.rank == 0:
                 ref = simulate(out, data, batch=args.batch, steps=step + 1)
@@ -70,7 +69,6 @@ def run_plan(host: MpiCommunicator, out: str, data: dict, args: argparse.Namespa
                 same = all(all(np.array_equal(p[k], every[0][k]) for k in p) for p in every)
                 rows.append(f"  step {step + 1}: loss gpu {loss:.6f} cpu {ref.losses[-1]:.6f}; "
                             f"max rel err per rank [{errors}]; replicas identical {same}")
-    trainer.publish()  # `sharded`: the state of other ranks' parameters, one update behind until published
     if args.save:
         np.savez(Path(args.save) / f"{Path(out).name}.rank{host.rank}.npz", **trainer.parameters())
     if host.rank == 0:

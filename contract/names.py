@@ -12,9 +12,6 @@ STEP_STATE = "optimizer.step"  # the step counter's state input
 # gradients (every rank holds the same value), which the runtime checks like the loss.
 GRAD_NORM_OUTPUT = "grad_norm.squared.global"
 NEXT = ".next"  # a state input's updated output is named input + NEXT
-# `sharded` publishes at the step's start: a Broadcast of parameter input P whose outputs the step
-# reads in its place is named P + PUBLISHED where it is not also the state output (on the root).
-PUBLISHED = ".published"
 ACC = ".acc"  # a gradient accumulator input is named gradient + ACC (its output + NEXT)
 GRAD_PREFIX = "grad."  # the gradient of parameter P is named GRAD_PREFIX + P
 

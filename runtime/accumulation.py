@@ -184,9 +184,6 @@ def _accumulate_graph(step, wraps, shapes, produced_at, plan: Plan, files: Graph
         raise RunError(f"{files.step.name}: graph outputs lack {', '.join(missing)} (named in plan.json)")
     del graph.output[:]
     graph.output.extend(acc_types.get(name) or types[name] for name in outputs)
-    # A step output kept as a value only (a `sharded` rank's Broadcast at the step's start, whose
-    # output is its state) keeps its type: a collective's outputs must be typed.
-    graph.value_info.extend(vi for name, vi in types.items() if name not in outputs)
     # Keep what the outputs need, in graph order (a topological order).
     needed = set(outputs)
     kept = []

@@ -157,7 +157,6 @@ class Evaluator:
     def evaluate(self, step: int, progress: Callable[[], None] = lambda: None) -> float:
         """The mean loss over every row of the evaluation set, with the current parameters (the
         same value on every rank). ``progress()`` is called after each batch (the watchdog)."""
-        self.trainer.publish()
         state = self._state()
         total, count = None, 0  # the row-weighted loss sum, kept where the loss is (float64)
         for k in range(math.ceil(self.dataset.rows / self.batch)):

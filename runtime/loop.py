@@ -143,7 +143,6 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, sa
             since, window_start = len(losses), now
         if save_now:
             progress(done, "checkpoint")
-            trainer.publish()
             state = trainer.state_dict()
             _check_state(state, done, trainer.comm, last_checkpoint)
             meta = _meta(trainer, config, done, samples + (done - start) * config.batch)
@@ -155,7 +154,6 @@ def _train(trainer: Trainer, dataset: Dataset, config: RunConfig, start: int, sa
         if rank == 0:
             report.log(start, eval_loss=loss)
     progress(config.steps, "finishing")
-    trainer.publish()  # the final state every rank holds, exported or returned, is the roots'
     runtime = time.perf_counter() - began
     if config.timings is not None:
         _write_timings(config.timings, trainer.step_program.median_timings(), trainer.comm)

@@ -342,17 +342,13 @@ def _collectives_apart(nodes: list[onnx.NodeProto], ops: dict[int, CollectiveOp]
         run_of[i] = run
     here = lambda i: (segment_of[i], part_of[i])  # noqa: E731
     producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
-    # A first run that reads nothing the step computes (`sharded`'s publish at the step's start)
-    # sits in the step's first stage on every rank, before any update: it sets no floor, so the
-    # Reduces stay in the session of the backward they overlap.
-    leading = run >= 0 and all(producer.get(name) is None for i in collectives if run_of[i] == 0 for name in _consumed(nodes[i]))
     # Runs in order: each in one stage, at or after the latest of its own collectives' and the run
     # before it's plus 2 (the next even one); every node at or after its producers' stages (graph
     # order: producers first).
     for r in range(run + 1):
         floor: dict[tuple[int, int], int] = {}
         for i in collectives:
-            if run_of[i] <= r and not (leading and run_of[i] == 0 < r):
+            if run_of[i] <= r:
                 floor[here(i)] = max(floor.get(here(i), 0), stage[i] + (2 if run_of[i] < r else 0))
         for i, node in enumerate(nodes):
             if i not in stage:

@@ -19,7 +19,6 @@ from runtime.data import shard_size
 from runtime.errors import RunError
 from runtime.executor import Backend, CpuBackend
 from runtime.plan import Plan
-from runtime.publish import publish_graph
 from runtime.segments import cut_graph, load_graph
 
 
@@ -55,10 +54,6 @@ class Trainer:
             accum_where = f"{files.step.name} (micro-batches 1..{self.accumulation - 1} of a step)"
         elif self.accumulation > 1:  # transpiled with it: the accumulate graph is a file of OUT
             accum_model, accum_where = load_graph(files.accum), files.accum.name
-        # `sharded` publishes at the step's start: the state of another rank's parameters is current
-        # only after ``publish`` (runtime/publish.py).
-        publish = publish_graph(step_model, {s.output: s.input for s in self.state_entries}, files.step.name) \
-            if comm.size > 1 else None
         step_model = self.backend.prepare_step_graph(step_model)
         # Declared (dtype, shape) of every state input, to check state loaded from a checkpoint.
         self._state_types = {vi.name: (onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type),
@@ -74,10 +69,6 @@ class Trainer:
         self.step_program = self.backend.make_program(step_cut, comm,
                                                       carried={s.output: s.input for s in self.state_entries})
         self.init_program = self.backend.make_program(init_cut, comm)
-        self._publish = publish
-        self.publish_program = None if publish is None else self.backend.make_program(
-            cut_graph(publish.model, role, f"{files.step.name} (its publish)"), comm)
-        self.published = True  # the state every rank holds is the root's (false after a step)
         self.state: dict[str, object] = {}
         self._held: list = []  # losses of steps not yet read (on the device for the GPU backend)
         # --clip-grad-norm plans: each step's global squared gradient norm, held like the loss and
@@ -167,7 +158,6 @@ class Trainer:
         feeds.update(self.state)
         outputs = self.step_program.run(feeds)
         self.state = {s.input: outputs[s.output] for s in self.state_entries}
-        self.published = self.publish_program is None
         self._held.append(self.backend.hold_scalar(outputs[self.plan.loss]))
         if self.plan.grad_norm and self.plan.grad_norm in outputs:
             self._held_norms.append(self.backend.hold_scalar(outputs[self.plan.grad_norm]))
@@ -208,16 +198,6 @@ class Trainer:
         # The step graph's loss is the mean over this rank's shard; equal shards make the mean of
         # the ranks' means the mean over the global batch, i.e. what one device reports.
         return self.comm.allreduce_scalars(local, "mean") if local else []
-
-    def publish(self) -> None:
-        """Make every rank's state the roots' values where the step publishes at its start (the
-        module runtime/publish.py): before a checkpoint, an evaluation or the end of a run. A
-        collective: every rank calls it at the same steps; after a step only, else it does nothing."""
-        if self.published:
-            return
-        outputs = self.publish_program.run({name: self.state[name] for name in self.publish_program.cut.inputs})
-        self.state.update((self._publish.state[name], value) for name, value in outputs.items())
-        self.published = True
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Host copies of the state, keyed by state input name."""

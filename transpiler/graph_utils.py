@@ -21,28 +21,18 @@ def number_collectives(graph: ir.Graph) -> None:
       allow and never waits behind a later part of the backward;
     - the sum of the ranks' squared gradient norms (--clip-grad-norm; created with order
       AFTER_GRADIENTS) after every gradient collective, since it reads all their results;
-    - a publish at the step's start (`sharded`: a Broadcast of parameter inputs, or from another
-      rank, whose outputs the step reads) by the position of its first reader, just before it, so
-      the forward's first buckets are published first;
     - collectives that follow optimizer updates (Broadcast, AllGather) come last, in their appended
       sequence.
     The result is a topological order of the collectives, so issuing them in it cannot deadlock.
     """
     nodes = list(graph)
     position = {out: i for i, node in enumerate(nodes) for out in node.outputs}
-    index = {id(node): i for i, node in enumerate(nodes)}
-
-    def readers(node: ir.Node) -> list[int]:
-        return [index[id(user)] for out in node.outputs for user, _ in out.uses()]
-
     ranked = []
     for sequence, node in enumerate(n for n in nodes if n.domain == DOMAIN):
         if node.attributes["order"].as_int() == AFTER_GRADIENTS:
             key = (len(nodes), -1)
         elif node.attributes["order"].as_int() < 0:
             key = (nodes.index(node), sequence)
-        elif node.op_type == "Broadcast" and readers(node) and all(v.is_graph_input() for v in node.inputs):
-            key = (min(readers(node)) - 0.5, sequence)
         elif node.op_type in ("Broadcast", "AllGather"):
             key = (len(nodes), sequence)
         else:

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from contract.names import ACC, GRAD_NORM_OUTPUT, LR_INPUT, NEXT, PUBLISHED, STEP_STATE
+from contract.names import ACC, GRAD_NORM_OUTPUT, LR_INPUT, NEXT, STEP_STATE
 
-__all__ = ["ACC", "AFTER_GRADIENTS", "GRAD_NORM_OUTPUT", "LR_INPUT", "NEXT", "PUBLISHED", "STEP_STATE"]
+__all__ = ["ACC", "AFTER_GRADIENTS", "GRAD_NORM_OUTPUT", "LR_INPUT", "NEXT", "STEP_STATE"]
 
 AFTER_GRADIENTS = -2  # order of a collective that follows every gradient collective (the clip norm)

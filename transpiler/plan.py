@@ -18,7 +18,7 @@ import onnx.checker
 import onnx_ir as ir
 
 from contract.collectives import SHAPED_BY_INPUT
-from contract.names import GRAD_NORM_OUTPUT, LR_INPUT, NEXT, PUBLISHED
+from contract.names import GRAD_NORM_OUTPUT, LR_INPUT, NEXT
 from contract.plan import (
     EVAL_FIELD,
     EVAL_FILE,
@@ -130,7 +130,7 @@ def _collectives_json(job: Job, graphs: RankGraphs, phase: str) -> list[dict]:
     by_param = {}
     for p in job.problem.params:
         slots = [f"{p}.{slot}" for slot in job.options.optimizer.slots()]
-        for name in (p, p + NEXT, p + PUBLISHED, p + ".updated", job.grad_names[p], job.grad_names[p] + ".mean",
+        for name in (p, p + NEXT, p + ".updated", job.grad_names[p], job.grad_names[p] + ".mean",
                      job.grad_names[p] + ROWS_SUFFIX, job.grad_names[p] + ALL_ROWS_SUFFIX,
                      reduced_gradient_name(job, p), *slots):
             by_param[name] = p
