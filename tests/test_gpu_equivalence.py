@@ -89,7 +89,7 @@ def _check_ranks_equal_one_device(model: str, world: int, backend: str, tmp_path
     directory, batch = _model(model, tmp_path)
     data = dict(np.load(directory / "data.npz"))
     outs = []
-    for strategy in STRATEGIES if not sparse else ("sharded",):
+    for strategy in STRATEGIES if not sparse else ("allreduce", "sharded"):
         out = tmp_path / f"{model}-{strategy}-{world}"
         # Small buckets: several collectives per step, so the overlap paths run.
         # BatchNorm models with --sync-bn, so that N ranks equal one device (SyncBatchNorm).

@@ -1,6 +1,7 @@
 """--sparse-grads (transpiler/sparse_grads.py): a token table's gradient goes as the batch's rows
-through one AllConcat; N ranks still equal one device (`sharded`, the one strategy that takes it),
-and every rank's sessions keep the AllConcat where the GPU backend cuts them."""
+through one AllConcat; N ranks still equal one device and each other, bit for bit (`allreduce`:
+every rank scatter-adds every rank's rows, in index order; `sharded`: the table's root), and every
+rank's sessions keep the AllConcat where the GPU backend cuts them."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _max_rel(a: dict, b: dict) -> float:
     return max(float(np.max(np.abs(a[k] - v))) / (float(np.max(np.abs(v))) or 1.0) for k, v in b.items())
 
 
-@pytest.mark.parametrize("strategy, world", [("sharded", 2), ("sharded", 4)])
+@pytest.mark.parametrize("strategy, world", [("sharded", 2), ("sharded", 4), ("allreduce", 2), ("allreduce", 4)])
 def test_n_ranks_sending_rows_equal_one_device(model_dir, tmp_path, strategy, world):
     directory = model_dir("gpt")
     out = tmp_path / f"{strategy}-{world}"
@@ -53,8 +54,7 @@ def test_a_model_without_a_table_sends_nothing_as_rows(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("options, fragment", [
-    (dict(strategy="zero"), "--sparse-grads: only with --strategy sharded, not zero"),
-    (dict(strategy="allreduce"), "--sparse-grads: only with --strategy sharded, not allreduce"),
+    (dict(strategy="zero"), "--sparse-grads: not with --strategy zero"),
     (dict(strategy="sharded", grad_accumulation=2), "--sparse-grads: not with --grad-accumulation"),
 ])
 def test_what_rows_cannot_serve_is_a_one_line_error(model_dir, tmp_path, options, fragment):
@@ -110,3 +110,26 @@ def test_inspect_shows_the_rows_as_sized_by_the_batch(model_dir, tmp_path):
     text = plain(sections_of(build_report(out, [0], segments=False)))
     (line,) = [row for row in text.splitlines() if "AllConcat" in row and "all_rows" in row]
     assert line.count("by batch") == 3
+
+
+def test_a_gpu_without_the_ordered_row_sums_refuses_allreduce_rows(model_dir, tmp_path):
+    """Where the GPU's row scatter-add kernel is off (no custom ops), onnxruntime's atomic ScatterND
+    would sum a repeated row in another order on each rank: a step in which every rank sums the
+    gathered rows (allreduce) is refused in one line; sharded's, where the root sums and Broadcasts,
+    is not."""
+    from runtime.errors import RunError
+    from runtime.gpu.backend import _refuse_unordered_row_sums
+
+    for strategy in ("allreduce", "sharded"):
+        out = tmp_path / strategy
+        transpile(model_dir("gpt") / "model.onnx", out, Options(world_size=2, strategy=strategy, sparse_grads=True))
+        plan = json.loads((out / "plan.json").read_text())
+        entry = plan["graphs"]["ranks"][0]
+        step = onnx.load(out / entry["step"])
+        if strategy == "sharded":
+            _refuse_unordered_row_sums(step)
+            continue
+        with pytest.raises(RunError, match=r"every rank sums the gathered rows of 'grad\.wte\.weight\.all_rows'.*"
+                                           r"--strategy sharded") as error:
+            _refuse_unordered_row_sums(step)
+        assert "\n" not in str(error.value)

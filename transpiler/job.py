@@ -97,13 +97,12 @@ class Options:
                 1 <= self.grad_accumulation <= MAX_GRAD_ACCUMULATION):
             raise TranspileError(f"--grad-accumulation must be an integer in [1, {MAX_GRAD_ACCUMULATION}] "
                                  f"(got {self.grad_accumulation})")
-        if self.sparse_grads and self.strategy != "sharded":
-            # allreduce: every rank would scatter-add the gathered rows itself, and a GPU's atomic adds
-            # sum a repeated row in another order on each rank: the replicas would drift apart.
-            # zero: its ReduceScatter slices cut across a table's rows.
-            raise TranspileError(f"--sparse-grads: only with --strategy sharded, not {self.strategy} (under allreduce "
-                                 "each rank's GPU would sum repeated rows in its own order and the replicas drift; "
-                                 "zero slices across the table's rows)")
+        if self.sparse_grads and self.strategy == "zero":
+            # Its ReduceScatter slices cut across a table's rows. (Under allreduce every rank
+            # scatter-adds the gathered rows itself: the runtimes sum a row's adds in index order,
+            # the same on every rank; runtime/gpu/scatter_add.py.)
+            raise TranspileError("--sparse-grads: not with --strategy zero (its slices cut across the table's rows); "
+                                 "use allreduce or sharded")
         if self.sparse_grads and self.grad_accumulation > 1:
             raise TranspileError("--sparse-grads: not with --grad-accumulation (the mean of the micro-batches' "
                                  "gradients is a dense table)")

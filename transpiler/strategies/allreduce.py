@@ -14,6 +14,7 @@ init graph: OUT holds three rank files whatever N is (docs/scale.md).
 from __future__ import annotations
 
 from transpiler.collectives import append_collective
+from transpiler.sparse_grads import emit_rows_mean
 from transpiler.strategies.base import Strategy
 
 
@@ -28,6 +29,11 @@ class AllReduce(Strategy):
             output_names=[f"{step.job.grad_names[p]}.mean" for p in bucket.params],
             order=step.next_order(), bucket=bucket.id, phase="step", reduction="mean",
         )
+
+    def reduce_rows(self, step, bucket):
+        # Every rank scatter-adds every rank's rows: the same sums in the same order (index order,
+        # runtime/gpu/scatter_add.py; onnxruntime's CPU kernel), so the replicas stay equal.
+        return emit_rows_mean(step, bucket, holds=True)
 
     def broadcast_at_init(self, state):
         # A parameter's own optimizer state goes with it, so replicas also agree when the state is

@@ -73,8 +73,7 @@ class Strategy(ABC):
     def reduce_rows(self, step: RankStep, bucket: Bucket) -> list[ir.Value] | None:
         """--sparse-grads: the bucket's one table gradient from every rank's rows (AllConcat,
         transpiler/sparse_grads.py) instead of ``reduce``; the mean gradient where this rank updates
-        the table, None elsewhere. Only a strategy whose one rank updates a table and publishes it
-        takes it (Options.validate says why the others do not)."""
+        the table, None elsewhere. `zero` does not take it (Options.validate says why)."""
         raise TranspileError(f"--sparse-grads: not with --strategy {self.name}")
 
     def update(self, step: RankStep, bucket: Bucket, grads: list[ir.Value]) -> list[ir.Value]:
