@@ -134,6 +134,15 @@ def test_a_table_the_size_of_gpt2_with_zipfian_tokens():
         runner.launch(env, allocate=call == 0)
         device.compute.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(env["out"]), expected)
+    # fewer indices on the same runner (another batch): the scratch follows the sizes
+    half = n // 2
+    expected = np.zeros((rows, width), np.float32)
+    np.add.at(expected, ids[:half], updates[:half])
+    env = {"data": cp.zeros((rows, width), np.float32), "ids": cp.asarray(ids[:half, None]),
+           "updates": cp.asarray(updates[:half]), "out": cp.full((rows, width), np.nan, np.float32)}
+    runner.launch(env, allocate=True)
+    device.compute.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(env["out"]), expected)
 
 
 @pytest.mark.gpu

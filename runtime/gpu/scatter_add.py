@@ -203,15 +203,16 @@ class ScatterAddRunner(RawKernelRunner):
             raise RunError(f"{self.where}: '{op.name}': every input and the output must be contiguous")
 
     def _scratch(self, op: _Node, rows: int, n: int):
-        """The op's int32 scratch, made at its first launch and kept (a captured graph replays its
-        pointers): counts and fill (rows each, cleared every launch), starts (rows + 1), slots and
-        ordered (n each)."""
-        if op.name not in self.scratch:
+        """The op's int32 scratch, made at its first launch and kept while the sizes stay (a
+        captured graph replays its pointers; a bound program's shapes do not change): counts and
+        fill (rows each, cleared every launch), starts (rows + 1), slots and ordered (n each)."""
+        kept = self.scratch.get(op.name)
+        if kept is None or kept[0] != (rows, n):
             counts = self.cp.zeros(3 * rows + 1 + 2 * n, dtype=np.int32)
-            self.scratch[op.name] = (counts, counts[:2 * rows], counts[:rows], counts[rows:2 * rows],
-                                     counts[2 * rows:3 * rows + 1], counts[3 * rows + 1:3 * rows + 1 + n],
-                                     counts[3 * rows + 1 + n:])
-        return self.scratch[op.name]
+            kept = self.scratch[op.name] = ((rows, n), counts[:2 * rows], counts[:rows], counts[rows:2 * rows],
+                                            counts[2 * rows:3 * rows + 1], counts[3 * rows + 1:3 * rows + 1 + n],
+                                            counts[3 * rows + 1 + n:])
+        return kept
 
     def launch(self, values, allocate: bool) -> None:
         count, scan, place_, order, add = self.functions()
