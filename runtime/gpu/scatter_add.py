@@ -202,11 +202,14 @@ class ScatterAddRunner(RawKernelRunner):
         if not all(v.flags.c_contiguous for v in (data, indices, updates, out)):
             raise RunError(f"{self.where}: '{op.name}': every input and the output must be contiguous")
 
-    def _scratch(self, op: _Node, rows: int, n: int):
-        """The op's int32 scratch, made at its first launch and kept while the sizes stay (a
-        captured graph replays its pointers; a bound program's shapes do not change): counts and
-        fill (rows each, cleared every launch), starts (rows + 1), slots and ordered (n each)."""
+    def _scratch(self, op: _Node, rows: int, n: int, allocate: bool):
+        """The op's int32 scratch: counts and fill (rows each, cleared every launch), starts (rows +
+        1), slots and ordered (n each). Made on an allocating launch (never while a CUDA graph
+        captures) where the sizes are new, then kept: a captured graph replays its pointers."""
         kept = self.scratch.get(op.name)
+        if kept is not None and kept[0] != (rows, n) and not allocate:
+            raise RunError(f"{self.where}: '{op.name}': {n} indices into {rows} rows, its scratch was made for "
+                           f"{kept[0][1]} into {kept[0][0]} (a bound call's shapes changed)")
         if kept is None or kept[0] != (rows, n):
             counts = self.cp.zeros(3 * rows + 1 + 2 * n, dtype=np.int32)
             kept = self.scratch[op.name] = ((rows, n), counts[:2 * rows], counts[:rows], counts[rows:2 * rows],
@@ -231,7 +234,7 @@ class ScatterAddRunner(RawKernelRunner):
                 rows, width, n = int(data.shape[0]), int(data.size // max(data.shape[0], 1)), int(indices.size)
                 if n == 0 or width == 0:
                     continue
-                _, cleared, counts, fill, starts, slots, ordered = self._scratch(op, rows, n)
+                _, cleared, counts, fill, starts, slots, ordered = self._scratch(op, rows, n, allocate)
                 blocks, big = ((n + THREADS - 1) // THREADS,), np.int64(rows)
                 try:
                     self.cp.cuda.runtime.memsetAsync(cleared.data.ptr, 0, cleared.nbytes, self.stream.ptr)
