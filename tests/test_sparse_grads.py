@@ -118,7 +118,7 @@ def test_a_gpu_without_the_ordered_row_sums_refuses_allreduce_rows(model_dir, tm
     gathered rows (allreduce) is refused in one line; sharded's, where the root sums and Broadcasts,
     is not."""
     from runtime.errors import RunError
-    from runtime.gpu.backend import _refuse_unordered_row_sums
+    from runtime.gpu.scatter_add import refuse_unordered_row_sums
 
     for strategy in ("allreduce", "sharded"):
         out = tmp_path / strategy
@@ -127,9 +127,9 @@ def test_a_gpu_without_the_ordered_row_sums_refuses_allreduce_rows(model_dir, tm
         entry = plan["graphs"]["ranks"][0]
         step = onnx.load(out / entry["step"])
         if strategy == "sharded":
-            _refuse_unordered_row_sums(step)
+            refuse_unordered_row_sums(step)
             continue
         with pytest.raises(RunError, match=r"every rank sums the gathered rows of 'grad\.wte\.weight\.all_rows'.*"
                                            r"--strategy sharded") as error:
-            _refuse_unordered_row_sums(step)
+            refuse_unordered_row_sums(step)
         assert "\n" not in str(error.value)

@@ -17,7 +17,6 @@ import os
 
 from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime import variables
-from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
 from runtime.executor import Backend
 from runtime.gpu import native, session_collectives
@@ -27,7 +26,7 @@ from runtime.gpu.elementwise_fusion import fuse_elementwise, fuse_relu_masks
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.host_io import HostIO
 from runtime.gpu.program import GpuProgram
-from runtime.gpu.scatter_add import fuse_scatter_add
+from runtime.gpu.scatter_add import fuse_scatter_add, refuse_unordered_row_sums
 from runtime.gpu.session import OrtCudaSegment, SessionPolicy
 from runtime.segments import NativeGroup
 
@@ -86,7 +85,7 @@ class GpuBackend(Backend):
         cross_entropy.py, scatter_add.py, parameter_casts.py, bias_grad.py; then
         elementwise_fusion.py's)."""
         if fuse_scatter_add not in self.plan.rewrites:
-            _refuse_unordered_row_sums(model)
+            refuse_unordered_row_sums(model)
         for rewrite in self.plan.rewrites:
             model = rewrite(model)
         if self.plan.relu_masks:
@@ -155,19 +154,3 @@ class GpuBackend(Backend):
 
     def scalars_to_host(self, held):
         return self.io.scalars_to_host(held)
-
-
-def _refuse_unordered_row_sums(model) -> None:
-    """A step that sums every rank's gathered rows itself and publishes nothing (--sparse-grads
-    under `allreduce`) needs each row's adds in one order on every rank, which the row scatter-add
-    kernel gives (scatter_add.py) and onnxruntime's atomic ScatterND does not: refused where the
-    kernel is off, before the replicas drift apart. (Under `sharded` one root sums and Broadcasts.)"""
-    nodes = list(model.graph.node)
-    read = {name for node in nodes for name in node.input}
-    collectives = [n for n in nodes if n.domain == COLLECTIVE_DOMAIN]
-    gathered = [n for n in collectives if n.op_type == "AllConcat" and any(o in read for o in n.output)]
-    if gathered and not any(n.op_type == "Broadcast" for n in collectives):
-        raise RunError(f"{model.graph.name or 'the step graph'}: every rank sums the gathered rows of "
-                       f"'{gathered[0].output[0]}' (--sparse-grads under allreduce), which needs the GPU's row "
-                       "scatter-add kernel (one summation order on every rank); it is off here (see the banner's "
-                       "kernels line): transpile with --strategy sharded, or without --sparse-grads")

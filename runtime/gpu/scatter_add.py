@@ -27,11 +27,13 @@ replaced), so a session that cannot take it computes what the graph computed bef
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
 from onnx import helper
 
+from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
 from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
 from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value, renamed
@@ -144,6 +146,22 @@ def _zeros(node) -> bool:
     return value is None or not onnx.numpy_helper.to_array(value).any()
 
 
+def refuse_unordered_row_sums(model: onnx.ModelProto) -> None:
+    """A step that sums every rank's gathered rows itself and publishes nothing (--sparse-grads
+    under `allreduce`) needs each row's adds in one order on every rank, which the row scatter-add
+    kernel gives and onnxruntime's atomic ScatterND does not: refused where the kernel is off
+    (GpuBackend.prepare_step_graph), before the replicas drift apart. (Under `sharded` one root sums and Broadcasts.)"""
+    nodes = list(model.graph.node)
+    read = {name for node in nodes for name in node.input}
+    collectives = [n for n in nodes if n.domain == COLLECTIVE_DOMAIN]
+    gathered = [n for n in collectives if n.op_type == "AllConcat" and any(o in read for o in n.output)]
+    if gathered and not any(n.op_type == "Broadcast" for n in collectives):
+        raise RunError(f"{model.graph.name or 'the step graph'}: every rank sums the gathered rows of "
+                       f"'{gathered[0].output[0]}' (--sparse-grads under allreduce), which needs the GPU's row "
+                       "scatter-add kernel (one summation order on every rank); it is off here (see the banner's "
+                       "kernels line): transpile with --strategy sharded, or without --sparse-grads")
+
+
 def _rows_of(node, producer) -> bool:
     """Whether ``node`` (the indices' producer) is an Unsqueeze that adds the last axis: a
     constant ``axes`` input of [-1], as the autodiff writes an embedding's gradient."""
@@ -167,6 +185,26 @@ class _Node:
         return cls(node.name, list(node.input), node.output[0], zeros)
 
 
+class _Scratch(NamedTuple):
+    """One int32 buffer for an op's launches on ``sizes`` = (rows, n) indices: counts and fill
+    (rows each, together ``cleared`` every launch), starts (rows + 1), slots and ordered (n each)."""
+
+    sizes: tuple[int, int]
+    cleared: Any
+    counts: Any
+    fill: Any
+    starts: Any
+    slots: Any
+    ordered: Any
+
+    @classmethod
+    def make(cls, cp, rows: int, n: int) -> _Scratch:
+        b = cp.zeros(3 * rows + 1 + 2 * n, dtype=np.int32)
+        slots = 3 * rows + 1
+        return cls((rows, n), b[:2 * rows], b[:rows], b[rows:2 * rows], b[2 * rows:slots], b[slots:slots + n],
+                   b[slots + n:])
+
+
 class ScatterAddRunner(RawKernelRunner):
     """One fused node: the output cleared where data is zeros, else the copy of ``data`` (none
     where onnxruntime shares its buffer with the output, ``may_inplace``), then the row adds in
@@ -179,7 +217,7 @@ class ScatterAddRunner(RawKernelRunner):
 
     def __init__(self, group, where: str, device):
         super().__init__(group, where, device)
-        self.scratch: dict[str, tuple] = {}
+        self.scratch: dict[str, _Scratch] = {}
 
     def parse(self, node) -> _Node:
         return _Node.from_node(node, self.where)
@@ -202,19 +240,15 @@ class ScatterAddRunner(RawKernelRunner):
         if not all(v.flags.c_contiguous for v in (data, indices, updates, out)):
             raise RunError(f"{self.where}: '{op.name}': every input and the output must be contiguous")
 
-    def _scratch(self, op: _Node, rows: int, n: int, allocate: bool):
-        """The op's int32 scratch: counts and fill (rows each, cleared every launch), starts (rows +
-        1), slots and ordered (n each). Made on an allocating launch (never while a CUDA graph
-        captures) where the sizes are new, then kept: a captured graph replays its pointers."""
+    def _scratch(self, op: _Node, rows: int, n: int, allocate: bool) -> _Scratch:
+        """The op's int32 scratch (``_Scratch``), made on an allocating launch (never while a CUDA
+        graph captures) where the sizes are new, then kept: a captured graph replays its pointers."""
         kept = self.scratch.get(op.name)
-        if kept is not None and kept[0] != (rows, n) and not allocate:
+        if kept is not None and kept.sizes != (rows, n) and not allocate:
             raise RunError(f"{self.where}: '{op.name}': {n} indices into {rows} rows, its scratch was made for "
-                           f"{kept[0][1]} into {kept[0][0]} (a bound call's shapes changed)")
-        if kept is None or kept[0] != (rows, n):
-            counts = self.cp.zeros(3 * rows + 1 + 2 * n, dtype=np.int32)
-            kept = self.scratch[op.name] = ((rows, n), counts[:2 * rows], counts[:rows], counts[rows:2 * rows],
-                                            counts[2 * rows:3 * rows + 1], counts[3 * rows + 1:3 * rows + 1 + n],
-                                            counts[3 * rows + 1 + n:])
+                           f"{kept.sizes[1]} into {kept.sizes[0]} (a bound call's shapes changed)")
+        if kept is None or kept.sizes != (rows, n):
+            kept = self.scratch[op.name] = _Scratch.make(self.cp, rows, n)
         return kept
 
     def launch(self, values, allocate: bool) -> None:
@@ -234,14 +268,14 @@ class ScatterAddRunner(RawKernelRunner):
                 rows, width, n = int(data.shape[0]), int(data.size // max(data.shape[0], 1)), int(indices.size)
                 if n == 0 or width == 0:
                     continue
-                _, cleared, counts, fill, starts, slots, ordered = self._scratch(op, rows, n, allocate)
+                sc = self._scratch(op, rows, n, allocate)
                 blocks, big = ((n + THREADS - 1) // THREADS,), np.int64(rows)
                 try:
-                    self.cp.cuda.runtime.memsetAsync(cleared.data.ptr, 0, cleared.nbytes, self.stream.ptr)
-                    count(blocks, (THREADS,), (indices, np.int32(n), big, counts))
-                    scan((1,), (SCAN_THREADS,), (counts, big, starts))
-                    place_(blocks, (THREADS,), (indices, np.int32(n), big, starts, fill, slots))
-                    order(blocks, (THREADS,), (indices, np.int32(n), big, starts, slots, ordered))
-                    add((n,), (THREADS,), (indices, big, starts, ordered, updates, out, np.int32(width)))
+                    self.cp.cuda.runtime.memsetAsync(sc.cleared.data.ptr, 0, sc.cleared.nbytes, self.stream.ptr)
+                    count(blocks, (THREADS,), (indices, np.int32(n), big, sc.counts))
+                    scan((1,), (SCAN_THREADS,), (sc.counts, big, sc.starts))
+                    place_(blocks, (THREADS,), (indices, np.int32(n), big, sc.starts, sc.fill, sc.slots))
+                    order(blocks, (THREADS,), (indices, np.int32(n), big, sc.starts, sc.slots, sc.ordered))
+                    add((n,), (THREADS,), (indices, big, sc.starts, sc.ordered, updates, out, np.int32(width)))
                 except Exception as exc:
                     raise self.launch_error(op.name, exc) from None
