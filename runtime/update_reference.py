@@ -172,9 +172,21 @@ class ReferenceUpdateRunner:
 
     def run(self, feeds: dict) -> list[np.ndarray]:
         env = dict(feeds)
+        self._update(env)
+        return [env[name] for name in self.outputs]
+
+    def launch(self, values: dict, allocate: bool) -> None:
+        """Inside a session (runtime/gpu/in_session.py; a CPU session in the tests): into the output
+        buffers onnxruntime gives."""
+        self._update(values)
+
+    def _update(self, env: dict) -> None:
         for op in self.ops:
             lr = np.asarray(env[op.lr]).reshape(())
             step = None if op.step is None else np.asarray(env[op.step]).reshape(())
             results = reference_update(op, lr, step, env[op.param], env[op.grad], [env[s] for s in op.slots])
-            env.update(zip(op.outputs, results))
-        return [env[name] for name in self.outputs]
+            for name, result in zip(op.outputs, results):
+                if name in env and isinstance(env[name], np.ndarray) and env[name].shape == np.shape(result):
+                    env[name][...] = result  # a buffer onnxruntime gave the custom op
+                else:
+                    env[name] = result

@@ -53,11 +53,17 @@ extern "C" void launch_fused_adam(int g, int b, P t, P c, F lr, F step, double b
 """
 
 
+# The table writer of an update inside a session (update_kernel.TABLE_SOURCE) and its launcher.
+TABLE_LAUNCHER = ("extern \"C\" void launch_write_table(int g, int b, long long* d, int n, "
+                  + ", ".join(f"long long a{k}" for k in range(fused.TABLE_ARGS)) + ") {\n    run(write_table, g, b, d, n, "
+                  + ", ".join(f"a{k}" for k in range(fused.TABLE_ARGS)) + ");\n}\n")
+
+
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     directory = tmp_path_factory.mktemp("kernel")
     source = directory / "kernel.cpp"
-    source.write_text(CUDA_HOST_SHIM + fused.SOURCE + LAUNCHERS)
+    source.write_text(CUDA_HOST_SHIM + fused.SOURCE + fused.TABLE_SOURCE + LAUNCHERS + TABLE_LAUNCHER)
     target = directory / "kernel.so"
     subprocess.run([CXX, "-std=c++14", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(target), str(source)],
                    check=True, capture_output=True)
@@ -99,7 +105,7 @@ def host_cupy(library):
 
     class RawModule:
         def __init__(self, code: str, options=()):
-            assert code == fused.SOURCE
+            assert code in (fused.SOURCE, fused.TABLE_SOURCE)
 
         def get_function(self, name: str):
             launcher = getattr(library, f"launch_{name}")
@@ -112,7 +118,8 @@ def host_cupy(library):
     stream = types.SimpleNamespace(synchronize=lambda: None)
     cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0), get_current_stream=lambda: stream)
     return types.SimpleNamespace(asarray=asarray, asnumpy=np.asarray, RawModule=RawModule, cuda=cuda,
-                                 empty_like=lambda a: np.empty_like(a).view(HostArray))
+                                 empty_like=lambda a: np.empty_like(a).view(HostArray),
+                                 empty=lambda shape, dtype: np.empty(shape, dtype).view(HostArray))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -126,3 +133,11 @@ def test_kernel_source_on_the_host_matches_the_reference(case, library, monkeypa
 def test_kernel_source_on_the_host_reads_bfloat16_gradients(case, grads, library, monkeypatch):
     monkeypatch.setattr(gpu_cuda, "_MODULES", {})
     compare_kernel_with_reference(host_cupy(library), case, grads)
+
+
+@pytest.mark.parametrize("case", ["adamw", "momentum_wd", "sgd_wd"])
+def test_kernel_source_on_the_host_inside_a_session(case, library, monkeypatch):
+    """The launch inside a session: the table written by its kernel from each call's pointers,
+    half the state in place."""
+    monkeypatch.setattr(gpu_cuda, "_MODULES", {})
+    compare_kernel_with_reference(host_cupy(library), case, "bfloat16", inside=True)

@@ -80,12 +80,22 @@ def test_kernel_reads_bfloat16_gradients_as_their_float32_values(grads):
     compare_kernel_with_reference(cupy, "momentum_wd", grads)
 
 
-def compare_kernel_with_reference(cp, case: str, grads: str = "float32") -> None:
+@pytest.mark.parametrize("case", ["adamw", "momentum_wd", "sgd_wd"])
+def test_kernel_inside_a_session_matches_the_reference(case):
+    import cupy
+
+    compare_kernel_with_reference(cupy, case, "bfloat16", inside=True)
+
+
+def compare_kernel_with_reference(cp, case: str, grads: str = "float32", *, inside: bool = False) -> None:
     """Run ``case``'s updates of SHAPES through FusedUpdateRunner on ``cp`` (CuPy, or the host
     emulation of tests/test_fused_update_host.py) for STEPS steps, first call then bound by parity,
     and compare every output with the reference given the same inputs. ``grads`` (update_kernel's
     GRAD_KINDS): every other gradient is bfloat16, fed as its raw bits or as float32 the kernel
-    rounds; the reference gets it rounded to bfloat16 and widened."""
+    rounds; the reference gets it rounded to bfloat16 and widened. ``inside``: from the second
+    step on, called as inside a session (``launch``), each step on new buffers (onnxruntime's
+    pointers may change between uncaptured runs), every other tensor's state updated in place
+    (its outputs bound over its inputs)."""
     from runtime.gpu.update_kernel import FusedUpdateRunner
 
     config = CASES[case].validate()
@@ -111,9 +121,14 @@ def compare_kernel_with_reference(cp, case: str, grads: str = "float32") -> None
         host["lr"] = np.array(lr)
         if config.uses_step():
             host[ops[0].step] = np.array(step)
-        feeds = {name: cp.asarray(fed.get(name, host.get(name))) for name in group.inputs}
+        # Copies: the host emulation's asarray shares the array's memory, which an in-place update writes.
+        feeds = {name: cp.asarray(np.array(fed.get(name, host.get(name)))) for name in group.inputs}
         if t == 1:  # the first-call path: the runner allocates its outputs
             results = dict(zip(group.outputs, runner.run(feeds)))
+        elif inside:  # this call's buffers, half of them in place
+            results = {name: feeds[src] if k % 2 == 0 else cp.empty_like(feeds[src])
+                       for k, op in enumerate(ops) for src, name in zip((op.param, *op.slots), op.outputs)}
+            runner.launch({**feeds, **results}, allocate=t == 2)
         else:  # the bound path, by parity, as GpuProgram runs it
             parity = t % 2
             outs = {name: cp.empty_like(feeds[src]) for op in ops for src, name in zip((op.param, *op.slots), op.outputs)}

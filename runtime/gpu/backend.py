@@ -13,10 +13,12 @@ docs/gpu.md describes what a GPU step does; docs/architecture.md draws the layer
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime import variables
+from runtime.collectives import COLLECTIVE_DOMAIN
 from runtime.errors import RunError
 from runtime.executor import Backend
 from runtime.gpu import native, session_collectives
@@ -36,6 +38,17 @@ from runtime.segments import NativeGroup
 # 0.56 GiB (35.45 against 35.46 ms); 16 MiB cost 0.55 ms (cuBLAS drops split-K GEMMs). Elsewhere
 # cuBLAS's default is smaller than this, so it is left alone. Read when a handle is made.
 HOPPER_CUBLAS_WORKSPACE = ":32768:1"
+
+
+# Collectives that send updated parameters (`sharded`'s Broadcasts, `zero`'s AllGathers). By op
+# type, not by what a rank's own updates write: every rank must cut its step alike (a rank that
+# roots no parameter has no update but the same Broadcasts).
+PUBLISHING = frozenset({"Broadcast", "AllGather"})
+
+
+def publishes_updates(model) -> bool:
+    """Whether the step graph has a collective that publishes updated parameters."""
+    return any(n.domain == COLLECTIVE_DOMAIN and n.op_type in PUBLISHING for n in model.graph.node)
 
 
 class GpuBackend(Backend):
@@ -86,6 +99,15 @@ class GpuBackend(Backend):
         elementwise_fusion.py's)."""
         if fuse_scatter_add not in self.plan.rewrites:
             refuse_unordered_row_sums(model)
+        if FUSED_UPDATE_DOMAIN in self.plan.inside and publishes_updates(model):
+            # `sharded` and `zero`: the step's Broadcasts (AllGathers) send what the updates write,
+            # which must end the session of the gradients' collectives so that the publish runs in
+            # sessions of its own, the same on every rank (segments._collectives_apart): the updates
+            # run between the sessions there, one launch.
+            self.native_domains = self.plan.between | {FUSED_UPDATE_DOMAIN}
+            self.late_native_domains = frozenset({FUSED_UPDATE_DOMAIN})
+            self.plan = dataclasses.replace(self.plan, line=f"{self.plan.line}; update between them (its step's "
+                                            "collectives publish what it writes)")
         for rewrite in self.plan.rewrites:
             model = rewrite(model)
         if self.plan.relu_masks:

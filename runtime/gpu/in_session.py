@@ -31,7 +31,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from contract.ops import ATTENTION_DOMAIN, CONV_GRAD_DOMAIN
+from contract.collectives import consumed
+from contract.ops import ATTENTION_DOMAIN, CONV_GRAD_DOMAIN, FUSED_UPDATE_DOMAIN
 from runtime.errors import RunError
 from runtime.gpu.batchnorm_casts import DOMAIN as BATCHNORM_CASTS_DOMAIN
 from runtime.gpu.bias_grad import DOMAIN as BIAS_GRAD_DOMAIN
@@ -43,6 +44,7 @@ from runtime.gpu.layernorm_casts import DOMAIN as LAYERNORM_FORWARD_DOMAIN
 from runtime.gpu.parameter_casts import DOMAIN as PARAMETER_CASTS_DOMAIN
 from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
 from runtime.gpu.session_collectives import DOMAIN as SESSION_COLLECTIVES_DOMAIN
+from runtime.gpu.session_collectives import START
 from runtime.ort_custom_ops import KernelContext, PythonOp
 from runtime.segments import build_native
 from runtime.specialize import static_values
@@ -65,14 +67,23 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
          CONV_GRAD_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
          CONV_DATA_GRAD_DOMAIN: (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
          # --grad-dtype bf16|fp16: gradient buckets in the low dtype (nccl_types.nccl_dtype)
-         SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)}
+         SESSION_COLLECTIVES_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16),
+         # a bfloat16 weight gradient the update widens as it reads it (gradient_casts.py)
+         FUSED_UPDATE_DOMAIN: (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16)}
+# Domains whose consecutive nodes run as one op, one runner for the run: the fused updates, one
+# multi-tensor launch for the updates of a bucket (the finish of the next bucket's collective ends
+# the run; a session of no collectives has one run).
+GROUPED = frozenset({FUSED_UPDATE_DOMAIN})
 
 
 class _NodeKernel:
     """The compute of one taken node (the module docstring)."""
 
-    def __init__(self, runner, node: onnx.NodeProto, ins: list, outs: list, device, where: str):
+    def __init__(self, runner, node: onnx.NodeProto, ins: list, outs: list, device, where: str,
+                 in_place: dict[str, str] | None = None):
         self.runner = runner
+        # Outputs the program may bind over their inputs (safe_in_place): OrtCudaSegment.in_place_pairs.
+        self.in_place = dict(in_place or {})
         self.node_name = node.name or node.op_type
         self.ins, self.outs = ins, outs  # [(name, shape, numpy dtype)]
         self.device = device  # a GpuDevice (device.py)
@@ -105,39 +116,110 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
                       here: tuple[int, int, int]) -> tuple[onnx.ModelProto, list[PythonOp]]:
     """``model`` (specialized) with its nodes of ``domains`` made custom ops of ``DOMAIN``, and
     those ops; functions no node calls any more are dropped. ``runner(group, where)`` makes the
-    runner of a NativeGroup of one node; its kernels run on ``device``'s compute stream."""
-    known = static_values(model.graph)
+    runner of a NativeGroup (one node; a run of consecutive nodes of a ``GROUPED`` domain); its
+    kernels run on ``device``'s compute stream."""
+    graph = model.graph
+    known = static_values(graph)
+    nodes = list(graph.node)
+    runs: list[list[int]] = []
+    for k, node in enumerate(nodes):
+        if node.domain not in domains or not _takeable(node, known, model, where):
+            continue
+        if node.domain in GROUPED and runs and runs[-1][-1] == k - 1 and nodes[k - 1].domain == node.domain:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
     ops: list[PythonOp] = []
     taken: set[tuple[str, str]] = set()  # (domain, op_type) of the nodes taken in
-    for node in model.graph.node:
-        if node.domain not in domains:
-            continue
-        names = [n for n in node.input if n], [n for n in node.output if n]
-        takes = TAKES.get(node.domain, (onnx.TensorProto.FLOAT,))
-        if len(names[0]) != len(node.input) or len(names[1]) != len(node.output) or not all(
-                n in known and known[n][1] in takes for n in names[0] + names[1]):
-            if not any(f.domain == node.domain and f.name == node.op_type for f in model.functions):
-                raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) has no static float32 "
-                               "shape for every input and output, and no function to run it otherwise")
-            continue
-        original = onnx.NodeProto()
-        original.CopyFrom(node)
-        node_runner = runner(build_native([original], here), where)
+    fused: dict[int, onnx.NodeProto] = {}  # a run's first position -> its node
+    for run in runs:
+        originals = []
+        for k in run:
+            original = onnx.NodeProto()
+            original.CopyFrom(nodes[k])
+            originals.append(original)
+            taken.add((original.domain, original.op_type))
+        group = build_native(originals, here)
+        node_runner = runner(group, where)
+        first = originals[0]
+        inputs, outputs, in_place = list(first.input), list(first.output), {}
+        if first.domain in GROUPED:
+            inputs, outputs = list(group.inputs), list(group.outputs)
+            token = _last_start_token(nodes[:run[0]])
+            inputs += [token] if token else []
+            if hasattr(node_runner, "in_place_pairs"):
+                in_place = safe_in_place(nodes, set(run), inputs, node_runner.in_place_pairs(),
+                                         {i.name for i in graph.input})
         spec = lambda name: (name, known[name][0], VIEWS[known[name][1]])  # noqa: E731
-        ins, outs = [spec(n) for n in node.input], [spec(n) for n in node.output]
-        op_type = f"{node.op_type}_{len(ops)}"
-        kernel = _NodeKernel(node_runner, original, ins, outs, device, where)
-        ops.append(PythonOp(op_type, [known[n][1] for n in node.input], [known[n][1] for n in node.output], kernel,
-                            provider=device.provider, label=f"{where}: '{original.name or original.op_type}'",
+        ins, outs = [spec(n) for n in inputs], [spec(n) for n in outputs]
+        op_type = f"{first.op_type}_{len(ops)}"
+        label = f"'{first.name or first.op_type}'" + (f" and {len(run) - 1} more" if len(run) > 1 else "")
+        kernel = _NodeKernel(node_runner, first, ins, outs, device, where, in_place)
+        ops.append(PythonOp(op_type, [known[n][1] for n in inputs], [known[n][1] for n in outputs], kernel,
+                            provider=device.provider, label=f"{where}: {label}",
                             may_inplace=getattr(node_runner, "may_inplace", ())))
-        taken.add((node.domain, node.op_type))
-        node.domain, node.op_type = DOMAIN, op_type
-        del node.attribute[:]
+        fused[run[0]] = helper.make_node(op_type, inputs, outputs, name=first.name, domain=DOMAIN)
     if ops:
+        gone = {k for run in runs for k in run}
+        kept = [fused.get(k, node) for k, node in enumerate(nodes) if k not in gone or k in fused]
+        del graph.node[:]
+        graph.node.extend(kept)
         called = {(n.domain, n.op_type) for n in model.graph.node}
-        kept = [f for f in model.functions if (f.domain, f.name) in called or (f.domain, f.name) not in taken]
+        functions = [f for f in model.functions if (f.domain, f.name) in called or (f.domain, f.name) not in taken]
         del model.functions[:]
-        model.functions.extend(kept)
+        model.functions.extend(functions)
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model, ops
+
+
+def _takeable(node: onnx.NodeProto, known: dict, model: onnx.ModelProto, where: str) -> bool:
+    """Whether ``node`` can run as a custom op (every input and output of a type its runner takes,
+    with a static shape); else it runs as its function, and a node without one is an error."""
+    names = [n for n in node.input if n], [n for n in node.output if n]
+    takes = TAKES.get(node.domain, (onnx.TensorProto.FLOAT,))
+    if len(names[0]) == len(node.input) and len(names[1]) == len(node.output) and all(
+            n in known and known[n][1] in takes for n in names[0] + names[1]):
+        return True
+    if not any(f.domain == node.domain and f.name == node.op_type for f in model.functions):
+        raise RunError(f"{where}: node '{node.name}' ({node.domain}::{node.op_type}) has no static float32 "
+                       "shape for every input and output, and no function to run it otherwise")
+    return False
+
+
+def _last_start_token(nodes: list[onnx.NodeProto]) -> str | None:
+    """The token of the last collective start among ``nodes`` (session_collectives.py), if any."""
+    starts = [n for n in nodes if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == START]
+    return starts[-1].output[0] if starts else None
+
+
+def safe_in_place(nodes: list[onnx.NodeProto], members: set[int], inputs: list[str], pairs: dict[str, str],
+                  graph_inputs: set[str]) -> dict[str, str]:
+    """The pairs ``out -> src`` of a run of nodes (positions ``members`` of ``nodes``, the
+    session's graph; ``inputs``: the fused node's) whose ``src``, a graph input, every other node
+    that reads it must have read before the run writes over it: each such reader is an ancestor of
+    the fused node, so any order onnxruntime picks runs it first (its priority order does not
+    protect a reader: a node its fusions make is numbered last, and a priority-based order runs
+    the lowest number that is ready).
+
+    The fused updates' run takes the last preceding collective start's token (take_native_nodes),
+    so every node that computes a gradient (each start follows the one before it) is an ancestor:
+    a weight that the backward reads for its input's gradient (dX = dY W^T), which no update of its
+    own bucket needs, is then read before the update. Where some reader is not an ancestor, the
+    pair is left out and the program gives the output a buffer of its own."""
+    producer = {name: k for k, node in enumerate(nodes) for name in node.output if name}
+    ancestors: set[int] = set()
+    todo = [producer[n] for n in inputs if n in producer]
+    while todo:
+        k = todo.pop()
+        if k in ancestors or k in members:
+            continue
+        ancestors.add(k)
+        todo.extend(producer[n] for n in consumed(nodes[k]) if n in producer)
+    readers: dict[str, set[int]] = {}
+    for k, node in enumerate(nodes):
+        if k not in members:
+            for name in consumed(node):
+                readers.setdefault(name, set()).add(k)
+    return {out: src for out, src in pairs.items()
+            if src in graph_inputs and readers.get(src, set()) <= ancestors}

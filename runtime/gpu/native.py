@@ -69,7 +69,7 @@ class Kernel:
     name: str  # what NATIVE_OFF and the banner call it
     domain: str  # the nodes it runs
     runner: type  # runner(group, where, device): the SegmentRunner of a NativeGroup of its nodes
-    in_session: bool  # may run inside its segment's session (the fused update writes state in place: no)
+    in_session: bool  # may run inside its segment's session
     between: bool  # worth running between sessions where it cannot run inside (the module docstring)
     unavailable: Callable[[], str | None] = lambda: None  # why this process cannot run it (a missing package)
     # The backend's rewrite of the step graph that writes its nodes or changes them for it
@@ -80,7 +80,10 @@ class Kernel:
 
 KERNELS = (
     # The fused optimizer updates; a bfloat16 weight gradient's widening Cast folded in (gradient_casts.py).
-    Kernel("update", FUSED_UPDATE_DOMAIN, FusedUpdateRunner, in_session=False, between=True,
+    # Inside the session each bucket's updates run as soon as its collective is done, while later
+    # buckets' are in flight (in_session.GROUPED), except in a step whose collectives publish what
+    # they write (GpuBackend.prepare_step_graph).
+    Kernel("update", FUSED_UPDATE_DOMAIN, FusedUpdateRunner, in_session=True, between=True,
            rewrite=fold_gradient_casts),
     Kernel("conv_grad", CONV_GRAD_DOMAIN, ConvGradRunner, in_session=True, between=True),
     Kernel("batchnorm", BATCHNORM_DOMAIN, BatchNormRunner, in_session=True, between=True),
@@ -172,8 +175,9 @@ def decide(ort, off: frozenset[str] = frozenset()) -> NativePlan:
     between = frozenset(k.domain for k in on) - in_domains
     names = lambda kernels: ", ".join(k.name for k in kernels) or "none"  # noqa: E731
     if inside:
-        line = (f"{names([k for k in on if k.domain in in_domains])} inside the onnxruntime sessions, "
-                f"{names([k for k in on if k.domain in between])} between them")
+        line = f"{names([k for k in on if k.domain in in_domains])} inside the onnxruntime sessions"
+        if between:
+            line += f", {names([k for k in on if k.domain in between])} between them"
     else:
         line = f"{names(on)} between the onnxruntime sessions"
         if dropped:

@@ -351,6 +351,12 @@ class OrtCudaSegment(SegmentRunner):
         released = _Released(self.where)
         self.session, self.bindings = released, [released, released]
 
+    def in_place_pairs(self) -> dict[str, str]:
+        """Outputs a native node inside the session writes over their inputs where the program binds
+        both to one buffer (output -> input): the fused updates' state (in_session.safe_in_place
+        says which; the program's ``_in_place``, where nothing after the session reads the input)."""
+        return {out: src for op in self.custom_ops for out, src in getattr(op.compute, "in_place", {}).items()}
+
     def written_once(self) -> set[str]:
         """Outputs ``prepare`` fills and no run writes again (constants): their buffers must be theirs alone."""
         return set(self.constants)

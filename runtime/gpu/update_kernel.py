@@ -179,6 +179,17 @@ extern "C" __global__ void fused_adam(const long long* __restrict__ table, const
 }
 """
 
+# Inside a session (in_session.py) the pointers are onnxruntime's, known only at each call, and a
+# captured graph replays what the call enqueued: so the table is written on the stream by a kernel
+# whose arguments are its entries (a replay writes them again), up to TABLE_ARGS a launch (within
+# CUDA's 4 KiB of kernel arguments), just before the update reads it.
+TABLE_ARGS = 480
+TABLE_SOURCE = (
+    "extern \"C\" __global__ void write_table(long long* __restrict__ dst, int n, "
+    + ", ".join(f"long long a{k}" for k in range(TABLE_ARGS)) + ") {\n"
+    + f"    const long long v[{TABLE_ARGS}] = {{" + ", ".join(f"a{k}" for k in range(TABLE_ARGS)) + "};\n"
+    + "    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = v[i];\n}\n")
+
 # How a gradient is stored, as the kernels' grad_at reads it: its float32 values; a bfloat16
 # gradient's raw bits (CuPy holds bfloat16 as uint16); a bfloat16 gradient's float32 widening (where
 # it crossed between items as float32: compile.WidenBfloat16), rounded to bfloat16 when read.
@@ -225,6 +236,10 @@ class _Launch:
         self.grid = 0
         self.names = [(*op.tensors_in, *op.outputs) for op in ops]  # table order, per node
         self.kernel = None
+        # Inside a session (launch_inside): the gradients' kinds, the table's buffer, its writer.
+        self.kinds: list[int] = []
+        self.inside_table = None
+        self.writer = None
 
     def _rows(self, values: dict[str, Any], where: str) -> list[tuple[list[Any], int]]:
         """Each node's arrays in table order, checked (contiguous, of one element count, float32 but
@@ -244,27 +259,57 @@ class _Launch:
         return rows
 
     def launch(self, cp, parity: int, values: dict[str, Any], where: str) -> None:
+        """Between sessions: the program's buffers, whose pointers change only in the first calls."""
         # Only the pointers are compared every step; the arrays are checked when they change.
         pointers = tuple(values[name].data.ptr for names in self.names for name in names)
         cached = self.tables[parity]
         if cached is None or cached[0] != pointers:
             rows = self._rows(values, where)
-            table = np.array([[a.data.ptr for a in arrays] + [arrays[0].size, kind] for arrays, kind in rows],
-                             dtype=np.int64)
-            assert table.shape[1] == self.stride, (table.shape, self.stride)  # the kernel's row length
+            table = np.array([self._row(arrays, kind) for arrays, kind in rows], dtype=np.int64)
             cached = (pointers, cp.asarray(table.reshape(-1)))
             self.tables[parity] = cached
-            if self.chunks is None:  # sizes never change after the first call
-                pairs = [(t, start) for t, (arrays, _) in enumerate(rows) for start in range(0, arrays[0].size, CHUNK)]
-                self.grid = len(pairs)
-                self.chunks = cp.asarray(np.array(pairs or [(0, 0)], dtype=np.int64).reshape(-1))
+            self._set_chunks(cp, rows)
+        self._update(cp, cached[1], values)
+
+    def launch_inside(self, cp, values: dict[str, Any], where: str, allocate: bool) -> None:
+        """Inside a session (in_session.py): onnxruntime's buffers, this call's. The table is
+        written on the stream from this call's pointers (TABLE_SOURCE), then read by the update.
+        ``allocate``: the first call, which checks the arrays and makes the table's buffer (the
+        session's sizes are static, so the chunks never change)."""
+        if allocate:
+            rows = self._rows(values, where)
+            self.kinds = [kind for _, kind in rows]
+            self.inside_table = cp.empty(max(len(rows) * self.stride, 1), dtype=np.int64)
+            self._set_chunks(cp, rows)
+            self.writer = compiled_module(cp, TABLE_SOURCE).get_function("write_table")
+        entries = [entry for names, kind in zip(self.names, self.kinds)
+                   for entry in self._row([values[name] for name in names], kind)]
+        for first in range(0, len(entries), TABLE_ARGS):
+            part = entries[first:first + TABLE_ARGS]
+            padded = [np.int64(e) for e in part] + [np.int64(0)] * (TABLE_ARGS - len(part))
+            self.writer((1,), (128,), (self.inside_table[first:], np.int32(len(part)), *padded))
+        self._update(cp, self.inside_table, values)
+
+    def _row(self, arrays: list[Any], kind: int) -> list[int]:
+        """A tensor's row of the table: its pointers (table order), its element count, its gradient's kind."""
+        row = [a.data.ptr for a in arrays] + [arrays[0].size, kind]
+        assert len(row) == self.stride, (len(row), self.stride)  # the kernel's row length
+        return row
+
+    def _set_chunks(self, cp, rows) -> None:
+        if self.chunks is None:  # sizes never change after the first call
+            pairs = [(t, start) for t, (arrays, _) in enumerate(rows) for start in range(0, arrays[0].size, CHUNK)]
+            self.grid = len(pairs)
+            self.chunks = cp.asarray(np.array(pairs or [(0, 0)], dtype=np.int64).reshape(-1))
+
+    def _update(self, cp, table, values: dict[str, Any]) -> None:
         if self.grid == 0:
             return
         lr = values[self.first.lr]
         step = (values[self.first.step],) if self.first.step is not None else ()
         if self.kernel is None:
             self.kernel = compiled_module(cp, SOURCE).get_function(_KERNEL[self.first.op_type])
-        self.kernel((self.grid,), (THREADS,), (cached[1], self.chunks, lr, *step, *self.arguments, np.int64(CHUNK)))
+        self.kernel((self.grid,), (THREADS,), (table, self.chunks, lr, *step, *self.arguments, np.int64(CHUNK)))
 
 
 class FusedUpdateRunner(SegmentRunner):
@@ -291,6 +336,13 @@ class FusedUpdateRunner(SegmentRunner):
         """Output -> the input it may overwrite: param' -> param, slot' -> slot. Each element is
         read once and written once, by the same thread, so the kernels are correct in place."""
         return {out: src for op in self.ops for src, out in zip((op.param, *op.slots), op.outputs)}
+
+    def launch(self, values: dict[str, Any], *, allocate: bool) -> None:
+        """One call inside a session (in_session.py), on its arrays (onnxruntime's buffers; an
+        output the program binds over its input is the input's buffer: in place, as above)."""
+        with self._on_stream():
+            for launch in self.launches:
+                launch.launch_inside(self.cp, values, self.where, allocate)
 
     def _on_stream(self):
         return self.stream if self.stream is not None else contextlib.nullcontext()

@@ -1,0 +1,139 @@
+"""The fused optimizer updates inside the step's session (runtime/gpu/in_session.py): a bucket's
+updates are one custom op that runs after its collective's finish, while later buckets' collectives
+are in flight; which of its outputs the program may bind over their inputs (``safe_in_place``); and
+the steps whose collectives publish what the updates write (`sharded`, `zero`) keep them between
+sessions (GpuBackend.prepare_step_graph). CPU: the ops are built, not run (test_native_plan.py runs
+one rank's update inside a CPU session)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import onnx
+import pytest
+from conftest import one_graph_model
+from onnx import TensorProto, helper
+
+from commands.main import main
+from contract.ops import FUSED_UPDATE_DOMAIN
+from runtime.collectives import LocalGroup
+from runtime.gpu.backend import publishes_updates
+from runtime.gpu.compile import SessionCollectives, Specialize, TakeNativeNodes, compile_segment
+from runtime.gpu.in_session import DOMAIN, safe_in_place
+from runtime.gpu.session_collectives import DOMAIN as COLLECTIVES_DOMAIN
+from runtime.gpu.session_collectives import FINISH, START, Registry
+from runtime.plan import load_plan
+from runtime.segments import cut_graph
+
+_DEVICE = SimpleNamespace(provider="CUDAExecutionProvider")
+
+
+class _Updates:
+    """A runner of a run of update nodes, as take_native_nodes asks for one: every state output may
+    overwrite its input (FusedUpdateRunner.in_place_pairs)."""
+
+    def __init__(self, group, where):
+        self.nodes = group.nodes
+
+    def in_place_pairs(self):
+        return {out: src for n in self.nodes for src, out in zip([n.input[0], *n.input[3 + (n.op_type in ("Adam", "AdamW")):]],
+                                                                  n.output)}
+
+
+def _runner(group, where):
+    if group.nodes[0].domain == FUSED_UPDATE_DOMAIN:
+        return _Updates(group, where)
+    return object()  # a start or a finish: built, not run
+
+
+def _compiled_step(out, rank: int, world: int):
+    """Rank ``rank``'s step segment through the GPU's passes up to the custom ops, the
+    collectives and the updates inside (zeros for the data: only the shapes matter)."""
+    plan = load_plan(out)
+    model = onnx.load(str(out / plan.graphs(rank).step.name))
+    cut = cut_graph(model, rank, "step", collectives_inside=True)
+    (segment,) = cut.segments  # the updates are no native stage: one session
+    feeds = {i.name: tuple(d.dim_value or 4 for d in i.type.tensor_type.shape.dim) for i in model.graph.input}
+    registry = Registry()
+    registry.comm = LocalGroup(world).communicator(rank)
+    passes = [Specialize(registry), SessionCollectives(registry), TakeNativeNodes(_runner, _DEVICE)]
+    inside = frozenset({FUSED_UPDATE_DOMAIN, COLLECTIVES_DOMAIN})
+    return compile_segment(segment, {n: feeds[n] for n in segment.inputs}, "step", passes, inside)
+
+
+@pytest.fixture(scope="module")
+def allreduce_out(model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("update_inside") / "out"
+    # A small bucket cap: the 4-layer GPT's gradients in several buckets.
+    assert main(["compile", str(model_dir("gpt") / "model.onnx"), "--gpus", "2", "--strategy", "allreduce",
+                 "--bucket-mb", "0.05", "-o", str(path)]) == 0
+    return path
+
+
+def test_each_buckets_updates_are_one_op_after_its_finish_and_after_the_last_start(allreduce_out):
+    compiled = _compiled_step(allreduce_out, 0, 2)
+    nodes = list(compiled.model.graph.node)
+    kinds = {op.name: op for op in compiled.custom_ops}
+    fused = [i for i, n in enumerate(nodes) if n.domain == DOMAIN and n.op_type in kinds
+             and isinstance(kinds[n.op_type].compute.runner, _Updates)]
+    finishes = [i for i, n in enumerate(nodes) if n.domain == DOMAIN and n.op_type.startswith(FINISH)]
+    starts = [i for i, n in enumerate(nodes) if n.domain == DOMAIN and n.op_type.startswith(START)]
+    assert len(finishes) > 2, "the bucket cap should give several buckets"
+    # One op per bucket: each fused node reads the outputs of exactly one finish, the one just before it.
+    assert len(fused) == len(finishes)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output}
+    last_token = nodes[starts[-1]].output[0]
+    updated = set()
+    for i in fused:
+        read_finishes = {producer[n] for n in nodes[i].input if producer.get(n) in finishes}
+        assert read_finishes == {i - 1}, nodes[i].name
+        # After every start: every gradient (and every reader of a weight in the backward) comes first.
+        assert last_token in nodes[i].input and i > starts[-1]
+        updated.update(n.input[0] for n in kinds[nodes[i].op_type].compute.runner.nodes)
+    assert not [n for n in nodes if n.domain == FUSED_UPDATE_DOMAIN]
+    # Every parameter and slot may be updated in place: the token makes each reader an ancestor.
+    pairs = {out: src for i in fused for out, src in kinds[nodes[i].op_type].compute.in_place.items()}
+    state = [i.name for i in compiled.model.graph.input if i.name.endswith(("weight", "bias")) or i.name == "wpe"]
+    assert set(state) <= updated and set(state) <= set(pairs.values())
+
+
+def _weight_read_twice(token: bool):
+    """W read by the forward (y = x W, whose gradient dW the update reads) and by the backward of
+    the layer before (dx = dy W^T, which no update needs): the shape of a bucket's boundary."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="forward"),
+             helper.make_node("Mul", ["y", "y"], ["dW"], name="grad"),
+             helper.make_node("Transpose", ["W"], ["Wt"], name="dx.t"),
+             helper.make_node("MatMul", ["dy", "Wt"], ["dx"], name="dx")]
+    if token:
+        nodes.append(helper.make_node("Identity", ["dx"], ["token"], name="start"))
+    update_inputs = ["W", "dW"] + (["token"] if token else [])
+    nodes.append(helper.make_node("Update", update_inputs, ["W.next"], name="update", domain=FUSED_UPDATE_DOMAIN))
+    value = lambda n: helper.make_tensor_value_info(n, f, [2, 2])  # noqa: E731
+    return one_graph_model(nodes, [value("x"), value("W"), value("dy")], [value("W.next"), value("dx")]), update_inputs
+
+
+@pytest.mark.parametrize("token", [False, True])
+def test_a_weight_the_backward_reads_after_its_update_could_run_is_not_updated_in_place(token):
+    model, inputs = _weight_read_twice(token)
+    nodes = list(model.graph.node)
+    got = safe_in_place(nodes, {len(nodes) - 1}, inputs, {"W.next": "W"}, {"x", "W", "dy"})
+    # Without the token nothing orders dx before the update; with it, dx is an ancestor.
+    assert got == ({"W.next": "W"} if token else {})
+
+
+def test_only_a_graph_input_is_written_over():
+    model, inputs = _weight_read_twice(True)
+    nodes = list(model.graph.node)
+    assert safe_in_place(nodes, {len(nodes) - 1}, inputs, {"W.next": "dW"}, {"x", "W", "dy"}) == {}
+
+
+@pytest.mark.parametrize("strategy,publishes", [("allreduce", False), ("sharded", True), ("zero", True)])
+def test_the_steps_that_publish_the_updates_are_known_alike_on_every_rank(model_dir, tmp_path, strategy, publishes):
+    out = tmp_path / "out"
+    assert main(["compile", str(model_dir("gpt") / "model.onnx"), "--gpus", "4", "--strategy", strategy,
+                 "-o", str(out)]) == 0
+    plan = load_plan(out)
+    got = [publishes_updates(onnx.load(str(out / plan.graphs(r).step.name), load_external_data=False))
+           for r in range(4)]
+    assert got == [publishes] * 4
