@@ -84,6 +84,12 @@ class _NodeKernel:
         self.runner = runner
         # Outputs the program may bind over their inputs (safe_in_place): OrtCudaSegment.in_place_pairs.
         self.in_place = dict(in_place or {})
+        # Set by OrtCudaSegment around the first graph run of a parity, which onnxruntime makes
+        # several runs of one call: uncaptured runs until its count allows a capture, then the
+        # capture and its replay (InferenceSession::Run runs itself again while the graph is not
+        # captured). A node writing state in place must update it once: it launches only while
+        # the stream captures, and the replay runs it. (Other nodes compute the same again.)
+        self.capture_call = False
         self.node_name = node.name or node.op_type
         self.ins, self.outs = ins, outs  # [(name, shape, numpy dtype)]
         self.device = device  # a GpuDevice (device.py)
@@ -91,6 +97,8 @@ class _NodeKernel:
         self.first = True
 
     def __call__(self, ctx: KernelContext) -> None:
+        if self.capture_call and self.in_place and not self.device.compute.is_capturing():
+            return
         if self.first:
             self._check(ctx)
         # Views valid for this call only: onnxruntime owns the buffers (no owner kept).

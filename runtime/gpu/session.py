@@ -422,10 +422,18 @@ class OrtCudaSegment(SegmentRunner):
             self.seen[parity] = True
             self._run(io, self._uncaptured() if first else self.policy.run_later)
             return
+        first_graph_run = not self.captured[parity]
         self.captured[parity] = True
         if self.shared_arena:
             self.policy.shared_captured = True
-        self._run(io, self.policy.run_graph[parity])
+        kernels = [op.compute for op in self.custom_ops if getattr(op.compute, "in_place", None)] if first_graph_run else []
+        for kernel in kernels:  # onnxruntime runs this call several times (in_session._NodeKernel.capture_call)
+            kernel.capture_call = True
+        try:
+            self._run(io, self.policy.run_graph[parity])
+        finally:
+            for kernel in kernels:
+                kernel.capture_call = False
 
     def _uncaptured(self):
         """Run options of an uncaptured run: the arena shrinks after it, unless a graph on that
