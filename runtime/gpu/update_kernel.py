@@ -187,8 +187,10 @@ TABLE_ARGS = 480
 TABLE_SOURCE = (
     "extern \"C\" __global__ void write_table(long long* __restrict__ dst, int n, "
     + ", ".join(f"long long a{k}" for k in range(TABLE_ARGS)) + ") {\n"
-    + f"    const long long v[{TABLE_ARGS}] = {{" + ", ".join(f"a{k}" for k in range(TABLE_ARGS)) + "};\n"
-    + "    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = v[i];\n}\n")
+    # One thread, straight-line stores from the arguments: an array indexed at run time would live
+    # in local memory, whose reservation for every thread the device can hold cost 0.4-0.5 GiB.
+    + "    if (threadIdx.x != 0) return;\n"
+    + "".join(f"    if ({k} < n) dst[{k}] = a{k};\n" for k in range(TABLE_ARGS)) + "}\n")
 
 # How a gradient is stored, as the kernels' grad_at reads it: its float32 values; a bfloat16
 # gradient's raw bits (CuPy holds bfloat16 as uint16); a bfloat16 gradient's float32 widening (where
@@ -287,7 +289,7 @@ class _Launch:
         for first in range(0, len(entries), TABLE_ARGS):
             part = entries[first:first + TABLE_ARGS]
             padded = [np.int64(e) for e in part] + [np.int64(0)] * (TABLE_ARGS - len(part))
-            self.writer((1,), (128,), (self.inside_table[first:], np.int32(len(part)), *padded))
+            self.writer((1,), (32,), (self.inside_table[first:], np.int32(len(part)), *padded))
         self._update(cp, self.inside_table, values)
 
     def _row(self, arrays: list[Any], kind: int) -> list[int]:
