@@ -115,7 +115,7 @@ def host_cupy(library):
 
             return call
 
-    stream = types.SimpleNamespace(synchronize=lambda: None)
+    stream = types.SimpleNamespace(synchronize=lambda: None, is_capturing=lambda: False)
     cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0), get_current_stream=lambda: stream)
     return types.SimpleNamespace(asarray=asarray, asnumpy=np.asarray, RawModule=RawModule, cuda=cuda,
                                  empty_like=lambda a: np.empty_like(a).view(HostArray),

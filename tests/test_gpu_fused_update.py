@@ -185,6 +185,9 @@ def test_gpt_trains_the_same_with_the_kernel_and_with_onnxruntime(optimizer, mod
         train(trainer, Dataset(data, plan.data_inputs, "<data>"), RunConfig(batch=4, steps=steps, lr=lr),
               log=lambda line: None)
         states[fused] = trainer.parameters()
+        if fused == "1":  # both parities captured, the state updated in place: the capture calls ran
+            (session,) = [r for _, r in trainer.step_program.steps if hasattr(r, "captured")]
+            assert session.captured == [True, True] and session.in_place_pairs()
     if optimizer == "momentum":
         assert max_rel_error(states["1"], states["0"]) < 1e-6
     else:

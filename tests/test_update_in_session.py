@@ -19,25 +19,26 @@ from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime.collectives import LocalGroup
 from runtime.gpu.backend import publishes_updates
 from runtime.gpu.compile import SessionCollectives, Specialize, TakeNativeNodes, compile_segment
-from runtime.gpu.in_session import DOMAIN, safe_in_place
+from runtime.gpu.in_session import DOMAIN, grouped_runs, safe_in_place
 from runtime.gpu.session_collectives import DOMAIN as COLLECTIVES_DOMAIN
 from runtime.gpu.session_collectives import FINISH, START, Registry
+from runtime.gpu.update_kernel import FusedUpdateRunner
 from runtime.plan import load_plan
 from runtime.segments import cut_graph
+from runtime.update_reference import UpdateOp
 
 _DEVICE = SimpleNamespace(provider="CUDAExecutionProvider")
 
 
 class _Updates:
     """A runner of a run of update nodes, as take_native_nodes asks for one: every state output may
-    overwrite its input (FusedUpdateRunner.in_place_pairs)."""
+    overwrite its input, as FusedUpdateRunner.in_place_pairs says."""
 
     def __init__(self, group, where):
         self.nodes = group.nodes
+        self.ops = [UpdateOp.from_node(node, where) for node in group.nodes]
 
-    def in_place_pairs(self):
-        return {out: src for n in self.nodes for src, out in zip([n.input[0], *n.input[3 + (n.op_type in ("Adam", "AdamW")):]],
-                                                                  n.output)}
+    in_place_pairs = FusedUpdateRunner.in_place_pairs
 
 
 def _runner(group, where):
@@ -137,3 +138,34 @@ def test_the_steps_that_publish_the_updates_are_known_alike_on_every_rank(model_
     got = [publishes_updates(onnx.load(str(out / plan.graphs(r).step.name), load_external_data=False))
            for r in range(4)]
     assert got == [publishes] * 4
+
+
+def _fp16_like_updates():
+    """Two updates, each followed by a Where that reads its output (--precision fp16's skip of an
+    overflowing step), then a finish, then a third update of the finish's gradient."""
+    f = TensorProto.FLOAT
+    upd = lambda p, g: helper.make_node("SGD", [p, g, "lr"], [f"{p}.next"], name=f"{p}.sgd", domain=FUSED_UPDATE_DOMAIN)  # noqa: E731
+    skip = lambda p: helper.make_node("Where", ["skipped", p, f"{p}.next"], [f"{p}.kept"], name=f"{p}.where")  # noqa: E731
+    nodes = [upd("a", "ga"), skip("a"), upd("b", "gb"), skip("b"),
+             helper.make_node("Identity", ["gc0"], ["gc"], name="finish"), upd("c", "gc"), skip("c")]
+    value = lambda n: helper.make_tensor_value_info(n, f, [2])  # noqa: E731
+    return one_graph_model(nodes, [value(n) for n in ("a", "b", "c", "ga", "gb", "gc0", "lr", "skipped")],
+                           [value(f"{p}.kept") for p in "abc"])
+
+
+def test_a_run_of_updates_passes_over_nodes_that_only_read_it_and_ends_where_an_input_is_made():
+    nodes = list(_fp16_like_updates().graph.node)
+    updates = [k for k, n in enumerate(nodes) if n.domain == FUSED_UPDATE_DOMAIN]
+    # The Wheres between read the run's outputs (they follow the fused op); the third update's
+    # gradient is made after the run began (by the finish): a run of its own.
+    assert grouped_runs(updates, nodes) == [[0, 2], [5]]
+
+
+def test_a_reader_of_a_view_of_the_weight_counts_as_a_reader():
+    model, inputs = _weight_read_twice(True)
+    nodes = list(model.graph.node)
+    update = len(nodes) - 1
+    # A later node reads W through a Reshape (a view of W's buffer on the CUDA EP), not an ancestor.
+    nodes += [helper.make_node("Reshape", ["W", "shape"], ["W.flat"], name="view"),
+              helper.make_node("Neg", ["W.flat"], ["late"], name="late")]
+    assert safe_in_place(nodes, {update}, inputs, {"W.next": "W"}, {"x", "W", "dy", "shape"}) == {}

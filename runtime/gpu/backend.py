@@ -65,7 +65,7 @@ class GpuBackend(Backend):
         self.device = device = GpuDevice(device_id, tf32=tf32)
         if device.cp.cuda.Device(device_id).compute_capability.startswith("9"):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", HOPPER_CUBLAS_WORKSPACE)
-        self.plan = native.from_environment(device.ort, variables.text(variables.NATIVE_OFF))
+        self.plan = self.decided = native.from_environment(device.ort, variables.text(variables.NATIVE_OFF))
         self.native_domains = self.plan.between
         self.late_native_domains = self.plan.between & {FUSED_UPDATE_DOMAIN}
         self.debug_sync = variables.flag(variables.DEBUG_SYNC)
@@ -99,15 +99,18 @@ class GpuBackend(Backend):
         elementwise_fusion.py's)."""
         if fuse_scatter_add not in self.plan.rewrites:
             refuse_unordered_row_sums(model)
-        if FUSED_UPDATE_DOMAIN in self.plan.inside and publishes_updates(model):
-            # `sharded` and `zero`: the step's Broadcasts (AllGathers) send what the updates write,
-            # which must end the session of the gradients' collectives so that the publish runs in
-            # sessions of its own, the same on every rank (segments._collectives_apart): the updates
-            # run between the sessions there, one launch.
-            self.native_domains = self.plan.between | {FUSED_UPDATE_DOMAIN}
-            self.late_native_domains = frozenset({FUSED_UPDATE_DOMAIN})
-            self.plan = dataclasses.replace(self.plan, line=f"{self.plan.line}; update between them (its step's "
-                                            "collectives publish what it writes)")
+        # `sharded` and `zero`: the step's Broadcasts (AllGathers) send what the updates write, which
+        # must end the session of the gradients' collectives so that the publish runs in sessions of
+        # its own, the same on every rank (segments._collectives_apart): the updates run between the
+        # sessions there, one launch. Decided per step graph from the plan ``decide`` made.
+        plan = self.decided
+        if FUSED_UPDATE_DOMAIN in plan.inside and publishes_updates(model):
+            self.native_domains = plan.between | {FUSED_UPDATE_DOMAIN}
+            self.plan = dataclasses.replace(plan, line=f"{plan.line}; update between them (its step's collectives "
+                                            "publish what it writes)")
+        else:
+            self.native_domains, self.plan = plan.between, plan
+        self.late_native_domains = self.native_domains & {FUSED_UPDATE_DOMAIN}
         for rewrite in self.plan.rewrites:
             model = rewrite(model)
         if self.plan.relu_masks:

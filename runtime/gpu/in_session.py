@@ -44,7 +44,7 @@ from runtime.gpu.layernorm_casts import DOMAIN as LAYERNORM_FORWARD_DOMAIN
 from runtime.gpu.parameter_casts import DOMAIN as PARAMETER_CASTS_DOMAIN
 from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
 from runtime.gpu.session_collectives import DOMAIN as SESSION_COLLECTIVES_DOMAIN
-from runtime.gpu.session_collectives import START
+from runtime.gpu.session_collectives import FINISH, START
 from runtime.ort_custom_ops import KernelContext, PythonOp
 from runtime.segments import build_native
 from runtime.specialize import static_values
@@ -74,6 +74,8 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
 # multi-tensor launch for the updates of a bucket (the finish of the next bucket's collective ends
 # the run; a session of no collectives has one run).
 GROUPED = frozenset({FUSED_UPDATE_DOMAIN})
+# Ops whose output onnxruntime's CUDA EP may place in its input's buffer (a view, no copy).
+ALIASING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
 
 class _NodeKernel:
@@ -90,6 +92,7 @@ class _NodeKernel:
         # captured). A node writing state in place must update it once: it launches only while
         # the stream captures, and the replay runs it. (Other nodes compute the same again.)
         self.capture_call = False
+        self.captured_launches = 0  # launches while capturing in a capture call (OrtCudaSegment checks: one)
         self.node_name = node.name or node.op_type
         self.ins, self.outs = ins, outs  # [(name, shape, numpy dtype)]
         self.device = device  # a GpuDevice (device.py)
@@ -97,8 +100,10 @@ class _NodeKernel:
         self.first = True
 
     def __call__(self, ctx: KernelContext) -> None:
-        if self.capture_call and self.in_place and not self.device.compute.is_capturing():
-            return
+        if self.capture_call and self.in_place:
+            if not self.device.compute.is_capturing():
+                return
+            self.captured_launches += 1
         if self.first:
             self._check(ctx)
         # Views valid for this call only: onnxruntime owns the buffers (no owner kept).
@@ -129,14 +134,9 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
     graph = model.graph
     known = static_values(graph)
     nodes = list(graph.node)
-    runs: list[list[int]] = []
-    for k, node in enumerate(nodes):
-        if node.domain not in domains or not _takeable(node, known, model, where):
-            continue
-        if node.domain in GROUPED and runs and runs[-1][-1] == k - 1 and nodes[k - 1].domain == node.domain:
-            runs[-1].append(k)
-        else:
-            runs.append([k])
+    runs = grouped_runs([k for k, node in enumerate(nodes) if node.domain in domains and _takeable(node, known, model, where)],
+                 nodes)
+    read_inside = {name for node in nodes for name in consumed(node)}
     ops: list[PythonOp] = []
     taken: set[tuple[str, str]] = set()  # (domain, op_type) of the nodes taken in
     fused: dict[int, onnx.NodeProto] = {}  # a run's first position -> its node
@@ -155,7 +155,9 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
             inputs, outputs = list(group.inputs), list(group.outputs)
             token = _last_start_token(nodes[:run[0]])
             inputs += [token] if token else []
-            if hasattr(node_runner, "in_place_pairs"):
+            # In place only where every output leaves the session: a capture call skips the op's
+            # uncaptured runs (_NodeKernel.capture_call), which must leave nothing a node reads.
+            if hasattr(node_runner, "in_place_pairs") and not read_inside & set(outputs):
                 in_place = safe_in_place(nodes, set(run), inputs, node_runner.in_place_pairs(),
                                          {i.name for i in graph.input})
         spec = lambda name: (name, known[name][0], VIEWS[known[name][1]])  # noqa: E731
@@ -179,6 +181,27 @@ def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device,
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model, ops
+
+
+def grouped_runs(taken: list[int], nodes: list[onnx.NodeProto]) -> list[list[int]]:
+    """The positions ``taken`` (in order) as the custom ops they become: one each, but a node of a
+    ``GROUPED`` domain joins the run of its domain before it where every input it reads is made
+    before that run's first node or by the run (the fused op takes the first node's place, so the
+    nodes between that read the run's outputs still follow it): a bucket's updates, but not across
+    the finish of the next bucket's collective, which makes their gradients. (`--precision fp16`
+    puts a Where after each update; it reads the update's outputs and joins no run.)"""
+    made_at = {name: k for k, node in enumerate(nodes) for name in node.output if name}
+    runs: list[list[int]] = []
+    for k in taken:
+        domain = nodes[k].domain
+        run = next((r for r in reversed(runs) if nodes[r[0]].domain == domain), None) if domain in GROUPED else None
+        if run is not None:
+            members = {name for r in run for name in nodes[r].output}
+            if all(name in members or made_at.get(name, -1) < run[0] for name in consumed(nodes[k])):
+                run.append(k)
+                continue
+        runs.append([k])
+    return runs
 
 
 def _takeable(node: onnx.NodeProto, known: dict, model: onnx.ModelProto, where: str) -> bool:
@@ -229,5 +252,25 @@ def safe_in_place(nodes: list[onnx.NodeProto], members: set[int], inputs: list[s
         if k not in members:
             for name in consumed(node):
                 readers.setdefault(name, set()).add(k)
-    return {out: src for out, src in pairs.items()
-            if src in graph_inputs and readers.get(src, set()) <= ancestors}
+    # A collective start hands its inputs to NCCL, which reads them until its finish.
+    finish_of = {_bucket(n): k for k, n in enumerate(nodes) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == FINISH}
+    done = {k: finish_of.get(_bucket(n), k) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == START else k
+            for k, n in enumerate(nodes)}
+
+    def read_before(src: str) -> bool:
+        # The value and its views: onnxruntime's CUDA EP gives a Reshape (Flatten, Squeeze,
+        # Unsqueeze, Identity) the buffer of its input, so a reader of one reads the source.
+        names, todo = {src}, [src]
+        while todo:
+            for k in readers.get(todo.pop(), ()):
+                if nodes[k].op_type in ALIASING and nodes[k].domain in ("", "ai.onnx"):
+                    fresh = [o for o in nodes[k].output if o and o not in names]
+                    names.update(fresh)
+                    todo.extend(fresh)
+        return all(done[k] in ancestors and k in ancestors for name in names for k in readers.get(name, ()))
+
+    return {out: src for out, src in pairs.items() if src in graph_inputs and read_before(src)}
+
+
+def _bucket(node: onnx.NodeProto) -> int | None:
+    return next((a.i for a in node.attribute if a.name == "bucket"), None)

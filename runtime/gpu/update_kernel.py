@@ -242,6 +242,8 @@ class _Launch:
         self.kinds: list[int] = []
         self.inside_table = None
         self.writer = None
+        self.written: list[int] = []  # the entries the last uncaptured call wrote
+        self.writer_captured = False  # a capture holds the writer: its replays write the table too
 
     def _rows(self, values: dict[str, Any], where: str) -> list[tuple[list[Any], int]]:
         """Each node's arrays in table order, checked (contiguous, of one element count, float32 but
@@ -286,6 +288,14 @@ class _Launch:
             self.writer = compiled_module(cp, TABLE_SOURCE).get_function("write_table")
         entries = [entry for names, kind in zip(self.names, self.kinds)
                    for entry in self._row([values[name] for name in names], kind)]
+        # The table holds the last entries written, unless a captured graph holding the writer
+        # replayed since (with its own): once one may exist, write every call.
+        if cp.cuda.get_current_stream().is_capturing():
+            self.writer_captured = True
+        elif entries == self.written and not self.writer_captured:
+            self._update(cp, self.inside_table, values)
+            return
+        self.written = entries
         for first in range(0, len(entries), TABLE_ARGS):
             part = entries[first:first + TABLE_ARGS]
             padded = [np.int64(e) for e in part] + [np.int64(0)] * (TABLE_ARGS - len(part))
