@@ -169,3 +169,26 @@ def test_a_reader_of_a_view_of_the_weight_counts_as_a_reader():
     nodes += [helper.make_node("Reshape", ["W", "shape"], ["W.flat"], name="view"),
               helper.make_node("Neg", ["W.flat"], ["late"], name="late")]
     assert safe_in_place(nodes, {update}, inputs, {"W.next": "W"}, {"x", "W", "dy", "shape"}) == {}
+
+
+@pytest.mark.parametrize("launches", [0, 1, 2])
+def test_a_capture_call_must_capture_each_in_place_update_once(launches):
+    """onnxruntime runs a parity's first graph run several times in one call; an op that writes state
+    in place launches only while capturing, and anything but one such launch is an error."""
+    from runtime.errors import RunError
+    from runtime.gpu.in_session import capture_call
+
+    kernel = SimpleNamespace(in_place={"W.next": "W"}, node_name="W.sgd", capture_call=False, captured_launches=0)
+    other = SimpleNamespace(in_place={}, capture_call=False)  # computes its outputs again: not gated
+    ops = [SimpleNamespace(compute=kernel), SimpleNamespace(compute=other)]
+
+    def run():
+        with capture_call(ops, "rank0.onnx: segment 0: step parity 1"):
+            assert kernel.capture_call and not other.capture_call
+            kernel.captured_launches += launches
+    if launches == 1:
+        run()
+    else:
+        with pytest.raises(RunError, match=rf"step parity 1: onnxruntime's capture ran 'W.sgd' {launches} times"):
+            run()
+    assert not kernel.capture_call

@@ -26,6 +26,7 @@ the node on the device's compute stream, on which the runners enqueue.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 import onnx
@@ -123,6 +124,27 @@ class _NodeKernel:
             got, _ = ctx.input_shape(i)
             if got != shape:
                 raise RunError(f"{self.where}: '{self.node_name}': input '{name}' is {got}, specialized as {shape}")
+
+
+@contextmanager
+def capture_call(custom_ops: list[PythonOp], where: str):
+    """Around a session's first graph run of a step parity, which onnxruntime makes several runs of
+    one call (``_NodeKernel.capture_call``): the ops that write state in place launch only while the
+    stream captures. After it, each must have launched once while capturing (then its replay ran
+    it once), else its state would be wrong: a one-line error."""
+    kernels = [op.compute for op in custom_ops if getattr(op.compute, "in_place", None)]
+    for kernel in kernels:
+        kernel.capture_call, kernel.captured_launches = True, 0
+    try:
+        yield
+    finally:
+        for kernel in kernels:
+            kernel.capture_call = False
+    wrong = [k for k in kernels if k.captured_launches != 1]
+    if wrong:
+        raise RunError(f"{where}: onnxruntime's capture ran '{wrong[0].node_name}' {wrong[0].captured_launches} "
+                       "times while capturing, not once: the state it updates in place would be wrong (set "
+                       "GRAPH_TRANSPILER_NATIVE_OFF=in_session to run the updates between sessions)")
 
 
 def take_native_nodes(model: onnx.ModelProto, domains, runner: Callable, device, where: str,

@@ -21,6 +21,7 @@ from runtime.gpu.compile import SegmentPass, compile_segment
 from runtime.gpu.cuda import ORT_DTYPES
 from runtime.gpu.device import GpuDevice
 from runtime.gpu.in_session import DOMAIN as IN_SESSION_DOMAIN
+from runtime.gpu.in_session import capture_call
 from runtime.gpu.lowering import widen_bfloat16
 from runtime.gpu.session_collectives import FINISH, START
 from runtime.segments import Segment, place
@@ -426,21 +427,9 @@ class OrtCudaSegment(SegmentRunner):
         self.captured[parity] = True
         if self.shared_arena:
             self.policy.shared_captured = True
-        kernels = [op.compute for op in self.custom_ops if getattr(op.compute, "in_place", None)] if first_graph_run else []
-        for kernel in kernels:  # onnxruntime runs this call several times (in_session._NodeKernel.capture_call)
-            kernel.capture_call, kernel.captured_launches = True, 0
-        try:
+        # onnxruntime runs the first graph run of a parity several times (in_session.capture_call).
+        with capture_call(self.custom_ops if first_graph_run else [], f"{self.where}: step parity {parity}"):
             self._run(io, self.policy.run_graph[parity])
-        finally:
-            for kernel in kernels:
-                kernel.capture_call = False
-        # Its state is right only if the captured graph holds the op once (and its replay ran it).
-        wrong = [k for k in kernels if k.captured_launches != 1]
-        if wrong:
-            raise RunError(f"{self.where}: onnxruntime's capture of the step parity {parity} ran '{wrong[0].node_name}' "
-                           f"{wrong[0].captured_launches} times while capturing, not once: the state it updates in "
-                           "place would be wrong (set GRAPH_TRANSPILER_NATIVE_OFF=in_session to run the updates "
-                           "between sessions)")
 
     def _uncaptured(self):
         """Run options of an uncaptured run: the arena shrinks after it, unless a graph on that
