@@ -19,7 +19,7 @@ import types
 import numpy as np
 import pytest
 from conftest import CUDA_HOST_SHIM
-from test_gpu_fused_update import compare_kernel_with_reference
+from test_gpu_fused_update import SHAPES, _group, compare_kernel_with_reference
 from test_optimizer import CASES
 
 import runtime.gpu.cuda as gpu_cuda
@@ -141,3 +141,41 @@ def test_kernel_source_on_the_host_inside_a_session(case, library, monkeypatch):
     half the state in place."""
     monkeypatch.setattr(gpu_cuda, "_MODULES", {})
     compare_kernel_with_reference(host_cupy(library), case, "bfloat16", inside=True)
+
+
+def test_the_table_writer_runs_when_its_entries_change_or_once_a_capture_holds_it(library, monkeypatch):
+    """Inside a session the update's table is written on the stream before each launch, but an
+    uncaptured call whose pointers are those of the last write skips it, until a capture holds
+    the writer (its replays write the table too)."""
+    from runtime.gpu.update_kernel import FusedUpdateRunner
+
+    monkeypatch.setattr(gpu_cuda, "_MODULES", {})
+    cp = host_cupy(library)
+    writes = []
+    module = cp.RawModule
+
+    class Counting(module):
+        def get_function(self, name):
+            function = super().get_function(name)
+            return (lambda *a: (writes.append(1), function(*a))) if name == "write_table" else function
+
+    capturing = [False]
+    cp.RawModule = Counting
+    cp.cuda.get_current_stream = lambda: types.SimpleNamespace(is_capturing=lambda: capturing[0])
+    group, ops = _group(CASES["sgd_wd"].validate())
+    runner = FusedUpdateRunner(group, "test", types.SimpleNamespace(cp=cp))
+    shape_of = {name: shape for op, shape in zip(ops, SHAPES) for name in op.tensors_in}
+    feeds = {name: cp.asarray(np.ones(shape_of.get(name, ()), np.float32)) for name in group.inputs}
+    outputs = lambda: {o: cp.empty_like(feeds[op.param]) for op in ops for o in op.outputs}  # noqa: E731
+    values = {**feeds, **outputs()}
+    runner.launch(values, allocate=True)
+    runner.launch(values, allocate=False)
+    assert len(writes) == 1  # the same pointers: the table stands
+    values = {**feeds, **outputs()}
+    runner.launch(values, allocate=False)
+    assert len(writes) == 2  # new buffers: written again
+    capturing[0] = True
+    runner.launch(values, allocate=False)
+    capturing[0] = False
+    runner.launch(values, allocate=False)
+    assert len(writes) == 4  # a capture holds the writer: every call writes from then on

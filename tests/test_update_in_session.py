@@ -19,12 +19,13 @@ from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime.collectives import LocalGroup
 from runtime.gpu.backend import publishes_updates
 from runtime.gpu.compile import SessionCollectives, Specialize, TakeNativeNodes, compile_segment
-from runtime.gpu.in_session import DOMAIN, grouped_runs, safe_in_place
+from runtime.gpu.in_session import DOMAIN, grouped_runs, safe_in_place, take_native_nodes
 from runtime.gpu.session_collectives import DOMAIN as COLLECTIVES_DOMAIN
 from runtime.gpu.session_collectives import FINISH, START, Registry
 from runtime.gpu.update_kernel import FusedUpdateRunner
 from runtime.plan import load_plan
 from runtime.segments import cut_graph
+from runtime.specialize import specialize
 from runtime.update_reference import UpdateOp
 
 _DEVICE = SimpleNamespace(provider="CUDAExecutionProvider")
@@ -144,13 +145,18 @@ def _fp16_like_updates():
     """Two updates, each followed by a Where that reads its output (--precision fp16's skip of an
     overflowing step), then a finish, then a third update of the finish's gradient."""
     f = TensorProto.FLOAT
-    upd = lambda p, g: helper.make_node("SGD", [p, g, "lr"], [f"{p}.next"], name=f"{p}.sgd", domain=FUSED_UPDATE_DOMAIN)  # noqa: E731
+    upd = lambda p, g: helper.make_node("SGD", [p, g, "lr"], [f"{p}.next"], name=f"{p}.sgd",  # noqa: E731
+                                        domain=FUSED_UPDATE_DOMAIN, weight_decay=0.0)
     skip = lambda p: helper.make_node("Where", ["skipped", p, f"{p}.next"], [f"{p}.kept"], name=f"{p}.where")  # noqa: E731
     nodes = [upd("a", "ga"), skip("a"), upd("b", "gb"), skip("b"),
              helper.make_node("Identity", ["gc0"], ["gc"], name="finish"), upd("c", "gc"), skip("c")]
     value = lambda n: helper.make_tensor_value_info(n, f, [2])  # noqa: E731
-    return one_graph_model(nodes, [value(n) for n in ("a", "b", "c", "ga", "gb", "gc0", "lr", "skipped")],
-                           [value(f"{p}.kept") for p in "abc"])
+    model = one_graph_model(nodes, [value(n) for n in ("a", "b", "c", "ga", "gb", "gc0", "lr")]
+                            + [helper.make_tensor_value_info("skipped", TensorProto.BOOL, [])],
+                            [value(f"{p}.kept") for p in "abc"])
+    model.graph.value_info.extend(value(f"{p}.next") for p in "abc")  # the updates' outputs, typed
+    model.opset_import.append(helper.make_opsetid(FUSED_UPDATE_DOMAIN, 1))
+    return model
 
 
 def test_a_run_of_updates_passes_over_nodes_that_only_read_it_and_ends_where_an_input_is_made():
@@ -161,14 +167,50 @@ def test_a_run_of_updates_passes_over_nodes_that_only_read_it_and_ends_where_an_
     assert grouped_runs(updates, nodes) == [[0, 2], [5]]
 
 
-def test_a_reader_of_a_view_of_the_weight_counts_as_a_reader():
-    model, inputs = _weight_read_twice(True)
-    nodes = list(model.graph.node)
-    update = len(nodes) - 1
-    # A later node reads W through a Reshape (a view of W's buffer on the CUDA EP), not an ancestor.
-    nodes += [helper.make_node("Reshape", ["W", "shape"], ["W.flat"], name="view"),
-              helper.make_node("Neg", ["W.flat"], ["late"], name="late")]
-    assert safe_in_place(nodes, {update}, inputs, {"W.next": "W"}, {"x", "W", "dy", "shape"}) == {}
+def _view_read_late(aliasing: str):
+    """W's view (``aliasing`` of it) read by the gradient (an ancestor of the update) and by a node
+    that is not an ancestor."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node(aliasing, ["W"], ["W.view"], name="view"),
+             helper.make_node("MatMul", ["x", "W.view"], ["dW"], name="grad"),
+             helper.make_node("Neg", ["W.view"], ["late"], name="late"),
+             helper.make_node("Update", ["W", "dW"], ["W.next"], name="update", domain=FUSED_UPDATE_DOMAIN)]
+    value = lambda n: helper.make_tensor_value_info(n, f, [2, 2])  # noqa: E731
+    return list(one_graph_model(nodes, [value("x"), value("W")], [value("W.next"), value("late")]).graph.node)
+
+
+@pytest.mark.parametrize("aliasing,in_place", [("Identity", False), ("Transpose", False), ("Neg", True)])
+def test_a_reader_of_a_view_of_the_weight_counts_as_a_reader(aliasing, in_place):
+    # Through an Identity (a view of W's buffer on the CUDA EP) or a Transpose (onnxruntime may fuse
+    # it into its reader, which then reads W), the late Neg reads W after the update could write it;
+    # through a Neg, a copy, it does not.
+    nodes = _view_read_late(aliasing)
+    got = safe_in_place(nodes, {3}, ["W", "dW"], {"W.next": "W"}, {"x", "W"})
+    assert got == ({"W.next": "W"} if in_place else {})
+
+
+@pytest.mark.parametrize("finish_is_ancestor", [False, True])
+def test_a_collective_start_reads_its_input_until_its_finish(finish_is_ancestor):
+    f = TensorProto.FLOAT
+    start = helper.make_node(START, ["W"], ["token"], name="start", domain=COLLECTIVES_DOMAIN, bucket=0)
+    finish = helper.make_node(FINISH, ["token"], ["sent"], name="finish", domain=COLLECTIVES_DOMAIN, bucket=0)
+    grad = helper.make_node("Neg", ["token"] + (["sent"] if finish_is_ancestor else []), ["dW"], name="grad")
+    update = helper.make_node("Update", ["W", "dW"], ["W.next"], name="update", domain=FUSED_UPDATE_DOMAIN)
+    nodes = [start, finish, grad, update] if finish_is_ancestor else [start, grad, update, finish]
+    value = lambda n: helper.make_tensor_value_info(n, f, [2])  # noqa: E731
+    nodes = list(one_graph_model(nodes, [value("W")], [value("W.next"), value("sent")]).graph.node)
+    got = safe_in_place(nodes, {nodes.index(update)}, ["W", "dW"], {"W.next": "W"}, {"W"})
+    assert got == ({"W.next": "W"} if finish_is_ancestor else {})
+
+
+def test_updates_whose_outputs_a_node_of_the_session_reads_are_fused_but_never_in_place():
+    model = specialize(_fp16_like_updates(), {**{n: (2,) for n in ("a", "b", "c", "ga", "gb", "gc0", "lr")}, "skipped": ()})
+    rewritten, ops = take_native_nodes(model, {FUSED_UPDATE_DOMAIN}, _runner, _DEVICE, "step", (0, 0, 0))
+    assert [len(op.compute.runner.nodes) for op in ops] == [2, 1] and all(op.compute.in_place == {} for op in ops)
+    made = set(i.name for i in rewritten.graph.input)
+    for node in rewritten.graph.node:  # still a topological order
+        assert set(node.input) <= made, node.name
+        made.update(node.output)
 
 
 @pytest.mark.parametrize("launches", [0, 1, 2])

@@ -75,8 +75,12 @@ TAKES = {ELEMENTWISE_DOMAIN: tuple(CUPY_DTYPES),
 # multi-tensor launch for the updates of a bucket (the finish of the next bucket's collective ends
 # the run; a session of no collectives has one run).
 GROUPED = frozenset({FUSED_UPDATE_DOMAIN})
-# Ops whose output onnxruntime's CUDA EP may place in its input's buffer (a view, no copy).
-ALIASING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+# Ops whose readers may end up reading the op's input itself: onnxruntime's CUDA EP gives some their
+# input's buffer (a view), and its graph optimizations remove others (a Cast to the same type, a
+# Dropout in inference, an Expand or Slice that changes nothing, a Transpose pair, a Transpose into a
+# MatMul), their readers then reading the input.
+ALIASING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast", "Dropout", "Expand",
+                      "Slice", "Transpose"})
 
 
 class _NodeKernel:
@@ -276,12 +280,11 @@ def safe_in_place(nodes: list[onnx.NodeProto], members: set[int], inputs: list[s
                 readers.setdefault(name, set()).add(k)
     # A collective start hands its inputs to NCCL, which reads them until its finish.
     finish_of = {_bucket(n): k for k, n in enumerate(nodes) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == FINISH}
-    done = {k: finish_of.get(_bucket(n), k) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == START else k
-            for k, n in enumerate(nodes)}
+    done = {k: finish_of.get(_bucket(n), -1) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == START else k
+            for k, n in enumerate(nodes)}  # -1: a start without its finish here is never done
 
     def read_before(src: str) -> bool:
-        # The value and its views: onnxruntime's CUDA EP gives a Reshape (Flatten, Squeeze,
-        # Unsqueeze, Identity) the buffer of its input, so a reader of one reads the source.
+        # The value and what may read it through an op onnxruntime aliases or removes (ALIASING).
         names, todo = {src}, [src]
         while todo:
             for k in readers.get(todo.pop(), ()):
