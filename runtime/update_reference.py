@@ -172,21 +172,20 @@ class ReferenceUpdateRunner:
 
     def run(self, feeds: dict) -> list[np.ndarray]:
         env = dict(feeds)
-        self._update(env)
+        for name, result in self._results(env):
+            env[name] = result
         return [env[name] for name in self.outputs]
 
     def launch(self, values: dict, allocate: bool) -> None:
         """Inside a session (runtime/gpu/in_session.py; a CPU session in the tests): into the output
         buffers onnxruntime gives."""
-        self._update(values)
+        for name, result in self._results(values):
+            values[name][...] = result
 
-    def _update(self, env: dict) -> None:
+    def _results(self, env: dict):
+        """Each output and its value, node by node (the caller stores a node's before the next reads ``env``)."""
         for op in self.ops:
             lr = np.asarray(env[op.lr]).reshape(())
             step = None if op.step is None else np.asarray(env[op.step]).reshape(())
-            results = reference_update(op, lr, step, env[op.param], env[op.grad], [env[s] for s in op.slots])
-            for name, result in zip(op.outputs, results):
-                if name in env and isinstance(env[name], np.ndarray) and env[name].shape == np.shape(result):
-                    env[name][...] = result  # a buffer onnxruntime gave the custom op
-                else:
-                    env[name] = result
+            yield from zip(op.outputs, reference_update(op, lr, step, env[op.param], env[op.grad],
+                                                        [env[s] for s in op.slots]))

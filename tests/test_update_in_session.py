@@ -16,8 +16,7 @@ from onnx import TensorProto, helper
 
 from commands.main import main
 from contract.ops import FUSED_UPDATE_DOMAIN
-from runtime.collectives import LocalGroup
-from runtime.gpu.backend import publishes_updates
+from runtime.collectives import LocalGroup, publishes_updates
 from runtime.gpu.compile import SessionCollectives, Specialize, TakeNativeNodes, compile_segment
 from runtime.gpu.in_session import DOMAIN, grouped_runs, safe_in_place, take_native_nodes
 from runtime.gpu.session_collectives import DOMAIN as COLLECTIVES_DOMAIN

@@ -24,6 +24,15 @@ from runtime.collectives.reducescatter import ReduceScatter
 from runtime.errors import RunError
 
 _EXECUTORS: dict[str, type[CollectiveOp]] = {cls.op_type: cls for cls in (AllReduce, Reduce, Broadcast, ReduceScatter, AllGather, AllConcat)}
+# The collectives that send updated parameters (`sharded`'s Broadcasts, `zero`'s AllGathers).
+PUBLISHING = frozenset({Broadcast.op_type, AllGather.op_type})
+
+
+def publishes_updates(model: onnx.ModelProto) -> bool:
+    """Whether a step graph publishes updated parameters through a collective. By op type, not by
+    what a rank's own updates write, so every rank of a plan answers alike (a rank that roots no
+    parameter has no update but the same Broadcasts)."""
+    return any(n.domain == COLLECTIVE_DOMAIN and n.op_type in PUBLISHING for n in model.graph.node)
 
 
 def make_collective(node: onnx.NodeProto, output_specs: Sequence[TensorSpec], rank: int, where: str) -> CollectiveOp:
@@ -43,4 +52,5 @@ __all__ = [
     "LocalGroup",
     "TensorSpec",
     "make_collective",
+    "publishes_updates",
 ]

@@ -18,7 +18,7 @@ import os
 
 from contract.ops import FUSED_UPDATE_DOMAIN
 from runtime import variables
-from runtime.collectives import COLLECTIVE_DOMAIN
+from runtime.collectives import publishes_updates
 from runtime.errors import RunError
 from runtime.executor import Backend
 from runtime.gpu import native, session_collectives
@@ -38,17 +38,6 @@ from runtime.segments import NativeGroup
 # 0.56 GiB (35.45 against 35.46 ms); 16 MiB cost 0.55 ms (cuBLAS drops split-K GEMMs). Elsewhere
 # cuBLAS's default is smaller than this, so it is left alone. Read when a handle is made.
 HOPPER_CUBLAS_WORKSPACE = ":32768:1"
-
-
-# Collectives that send updated parameters (`sharded`'s Broadcasts, `zero`'s AllGathers). By op
-# type, not by what a rank's own updates write: every rank must cut its step alike (a rank that
-# roots no parameter has no update but the same Broadcasts).
-PUBLISHING = frozenset({"Broadcast", "AllGather"})
-
-
-def publishes_updates(model) -> bool:
-    """Whether the step graph has a collective that publishes updated parameters."""
-    return any(n.domain == COLLECTIVE_DOMAIN and n.op_type in PUBLISHING for n in model.graph.node)
 
 
 class GpuBackend(Backend):

@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from runtime.collectives import COLLECTIVE_DOMAIN
+from runtime.collectives import COLLECTIVE_DOMAIN, publishes_updates
 from runtime.errors import RunError
 from runtime.gpu.kernel_runner import RawKernelRunner, refuse_unless
 from runtime.gpu.rewrite_nodes import add_function, attribute, constant_value, renamed
@@ -113,7 +113,6 @@ extern "C" __global__ void sum_rows(const long long* __restrict__ indices, long 
 """
 
 
-
 def fuse_scatter_add(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with each ScatterND(reduction="add") whose indices an Unsqueeze over the last axis
     makes (so each index picks a whole row) replaced by a ``DOMAIN`` node with a function of it, in
@@ -153,9 +152,9 @@ def refuse_unordered_row_sums(model: onnx.ModelProto) -> None:
     (GpuBackend.prepare_step_graph), before the replicas drift apart. (Under `sharded` one root sums and Broadcasts.)"""
     nodes = list(model.graph.node)
     read = {name for node in nodes for name in node.input}
-    collectives = [n for n in nodes if n.domain == COLLECTIVE_DOMAIN]
-    gathered = [n for n in collectives if n.op_type == "AllConcat" and any(o in read for o in n.output)]
-    if gathered and not any(n.op_type == "Broadcast" for n in collectives):
+    gathered = [n for n in nodes if n.domain == COLLECTIVE_DOMAIN and n.op_type == "AllConcat"
+                and any(o in read for o in n.output)]
+    if gathered and not publishes_updates(model):
         raise RunError(f"{model.graph.name or 'the step graph'}: every rank sums the gathered rows of "
                        f"'{gathered[0].output[0]}' (--sparse-grads under allreduce), which needs the GPU's row "
                        "scatter-add kernel (one summation order on every rank); it is off here (see the banner's "
