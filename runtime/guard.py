@@ -325,6 +325,8 @@ class Watchdog:
                 os.kill(os.getpid(), signal.SIGKILL)
             self._beat_file()
             if self._armed and time.monotonic() - self._last > self.timeout:
+                # The line names the limit, not the measured idle time: on a loaded host this thread
+                # wakes late, and "6 s" for --timeout 5 would read as a wrong limit.
                 self._fire()
                 return
 
@@ -334,7 +336,6 @@ class Watchdog:
         return _WHERE.get(self.phase, f"{self.phase} at step {{step}}").format(step=self.step)
 
     def _fire(self) -> None:
-        idle = time.monotonic() - self._last
         where = self._where()
         inside = self.activity() if self.activity is not None else None
         if inside:
@@ -363,7 +364,7 @@ class Watchdog:
                     absent = "ranks are at different steps: " + ", ".join(
                         f"rank {r} {phase} {step}" for r, (_, step, phase, _) in behind)
         if speaker:
-            print(f"transpile: error: rank {self.rank}: collective timeout: no progress for {idle:.0f} s in {where}; "
+            print(f"transpile: error: rank {self.rank}: collective timeout: no progress for {self.timeout:g} s in {where}; "
                   f"{absent} (--timeout)", file=sys.stderr, flush=True)
         else:
             time.sleep(1.0)  # let the speaker's line out before the job is torn down
