@@ -1,7 +1,7 @@
 """The data-parallel strategies: one module each, one table.
 
-    STRATEGIES["allreduce"]      the reference: AllReduce, every rank updates everything
-    STRATEGIES["sharded"]        Reduce to the bucket's root, update there, Broadcast (default)
+    STRATEGIES["allreduce"]      the reference: AllReduce, every rank updates everything (default)
+    STRATEGIES["sharded"]        Reduce to the bucket's root, update there, Broadcast (the seed design)
     STRATEGIES["zero"]           ReduceScatter, each rank updates 1/N of the bucket, AllGather
     STRATEGIES["local"]          one device, no collective (--gpus 1, the single-device graphs)
 
