@@ -367,5 +367,8 @@ class Watchdog:
             print(f"transpile: error: rank {self.rank}: collective timeout: no progress for {self.timeout:g} s in {where}; "
                   f"{absent} (--timeout)", file=sys.stderr, flush=True)
         else:
-            time.sleep(1.0)  # let the speaker's line out before the job is torn down
+            # Let the speaker's line out before this exit tears the job down: the speaker's own check
+            # may come a watchdog period later, and later still on a loaded host. Bounded well inside
+            # the supervisor's grace after a rank ends (supervisor.GRACE_S).
+            time.sleep(self.period + 2.0)
         self.exit(1)

@@ -80,9 +80,16 @@ def test_checkpoint_into_an_earlier_checkpoint_or_an_empty_directory(project):
         assert (project / "ck" / "checkpoint-2" / "meta.json").is_file()
 
 
-def _alive(marker: str) -> list[str]:
-    listed = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in listed if marker in line and "ps -eo" not in line]
+def _alive(marker: str, seconds: float = 10.0) -> list[str]:
+    """The live processes whose command line holds ``marker``, once none is left or ``seconds`` have
+    passed: a rank SIGKILLed as the job ends may still be exiting when ``transpile run`` returns."""
+    deadline = time.monotonic() + seconds
+    while True:
+        listed = subprocess.run(["ps", "-ww", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+        left = [line for line in listed.splitlines() if marker in line and "ps -ww" not in line and " Z" not in line]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 @pytest.mark.mpi

@@ -516,17 +516,36 @@ def test_out_of_range_ids_are_refused_naming_file_input_and_row(model_dir, tmp_p
         assert ok.returncode == 0, ok.stderr
 
 
-def test_a_killed_transpile_leaves_a_temporary_that_the_next_one_removes(model_dir, tmp_path):
+# SIGKILL of the transpile right after it creates OUT's temporary (a sitecustomize.py on its path):
+# the temporary lives only a fraction of a second, too short to catch by polling on a loaded host.
+KILL_AFTER_TEMPORARY = """
+import os
+import pathlib
+import signal
+
+mkdir = pathlib.Path.mkdir
+
+
+def mkdir_then_die(self, *args, **kwargs):
+    mkdir(self, *args, **kwargs)
+    if self.name.startswith(".out.tmp-"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+pathlib.Path.mkdir = mkdir_then_die
+"""
+
+
+def test_a_killed_transpile_leaves_a_temporary_that_the_next_one_removes(model_dir, tmp_path_factory):
     src = model_dir("gpt")
+    tmp_path = tmp_path_factory.mktemp("transpile")
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "commands", str(src / "model.onnx"), "--gpus", "2", "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path, env=ENV)
-    deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.tmp-*")):
-        assert proc.poll() is None and time.monotonic() < deadline, "transpile ended before its temporary appeared"
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
+    hook = tmp_path_factory.mktemp("hook")
+    (hook / "sitecustomize.py").write_text(KILL_AFTER_TEMPORARY)
+    killed = subprocess.run([sys.executable, "-m", "commands", str(src / "model.onnx"), "--gpus", "2", "-o", str(out)],
+                            capture_output=True, cwd=tmp_path, timeout=120,
+                            env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{ENV['PYTHONPATH']}"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert list(tmp_path.glob(".out.tmp-*")) and not out.exists()
     # Someone else's live temporary (this test's pid) is left alone.
     (tmp_path / f".out.tmp-{os.getpid()}-abcdef012345").mkdir()

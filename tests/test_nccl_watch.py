@@ -145,7 +145,7 @@ def test_a_step_that_blocks_the_host_times_out(monkeypatch):
     stuck.set()
     assert failed and failed[0].startswith("the first step of rank 0's step (its collectives run inside its "
                                            "sessions) did not complete within 0 s")
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 4.5  # the watchdog looks once a second; the loop above gives up at 5
 
 
 def test_the_watchdog_thread_calls_cuda_on_the_ranks_own_device(monkeypatch):

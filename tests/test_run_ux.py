@@ -98,7 +98,7 @@ def test_two_rank_run_writes_metrics_and_prints_progress(plans, tmp_path):
     assert set(summary) == SUMMARY_KEYS
     assert summary["steps"] == summary["steps_run"] == 12 and summary["samples"] == 12 * 16
     assert summary["final_loss"] == records[-1]["loss"] and summary["runtime_s"] > 0
-    assert summary["samples_per_second"] == pytest.approx(12 * 16 / summary["runtime_s"], rel=1e-3)
+    assert summary["samples_per_second"] == pytest.approx(12 * 16 / summary["runtime_s"], rel=1e-3, abs=0.05)  # written to 0.1
     assert summary["export"] == str(trained) and summary["metrics"] == str(metrics) and summary["checkpoint"] is None
 
     lines = done.stdout.splitlines()
