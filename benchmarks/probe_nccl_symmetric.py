@@ -8,7 +8,7 @@ NVLink loads and stores, with fewer CTAs, where both buffers lie in windows regi
 ``NCCL_WIN_COLL_SYMMETRIC`` (memory from ``ncclMemAlloc``). With ``NCCL_CTA_POLICY=2`` an AllGather
 on such windows runs on the copy engines, with no CTA at all (NCCL 2.28, ``ncclCeImplemented``).
 
-    NCCL_NVLS_ENABLE=0 mpirun -n N python benchmarks/probe_nccl_symmetric.py OUT.json [--mib 147]
+    NCCL_NVLS_ENABLE=0 mpirun -n N python -m mpi4py benchmarks/probe_nccl_symmetric.py OUT.json [--mib 147]
 
 One process per GPU (rank r on device r). For each buffer kind (``plain``: CuPy's pool, i.e.
 cudaMalloc, what the runtime's collectives read today; ``symmetric``: ncclMemAlloc, registered) and
@@ -21,7 +21,7 @@ kernels do not take; ``rs_ag``: ReduceScatter then AllGather in place), it times
 - both at once on two streams: the collectives' time, the load's time (``load_slowdown``: beside
   over alone) and the span of both (``span_ms``; the ideal is the longer of the two alone).
 It also checks each form's result once (``ok``). Rank 0 writes one JSON object; the NCCL_*
-variables of the environment are recorded in it, so runs under different settings compare
+variables of the environment are recorded in it (every rank's rows), so runs under different settings compare
 (``NCCL_CTA_POLICY=2``; ``NCCL_SYM_CTAS=K``; ``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING`` names the
 kernel NCCL picked for each call).
 """
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     plain = cp.empty(count, dtype=cp.float32)
     sym_ptr = nccl.mem_alloc(nbytes)
     window = nccl.register(sym_ptr, nbytes)  # collective: every rank, the same size
+    if not window.value:  # no symmetric support (CUDA P2P between every pair, NCCL_WIN_ENABLE, cuMem)
+        raise SystemExit(f"rank {rank}: NCCL registered no window: its symmetric kernels are off here")
     symmetric = cp.ndarray(count, cp.float32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(sym_ptr, nbytes, None), 0))
     buffers = {"plain": plain, "symmetric": symmetric}
 
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     x = cp.random.rand(64 * 2**20, dtype=cp.float32)
     y = cp.zeros_like(x)
     axpy = cp.ElementwiseKernel("float32 x, float32 a", "float32 y", "y += a * x", "probe_axpy")
+    spin = cp.RawKernel(r"""extern "C" __global__ void probe_spin(long long cycles) {
+        long long start = clock64(); while (clock64() - start < cycles) {} }""", "probe_spin")
     loads = {"gemm": lambda: cp.matmul(a, b, out=c), "stream": lambda: axpy(x, cp.float32(1e-3), y)}
     forms = {"allreduce": lambda buf: nccl.all_reduce(buf.data.ptr, count, NCCL_SUM, comm_stream.ptr),
              "avg": lambda buf: nccl.all_reduce(buf.data.ptr, count, NCCL_AVG, comm_stream.ptr),
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return start, end
 
     def ms(events) -> float:
+        events[1].synchronize()  # cudaEventElapsedTime refuses an event not yet reached
         return cp.cuda.get_elapsed_time(*events)
 
     def settle() -> None:
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             settle()
             want = size * (size + 1) / 2 / (size if form == "avg" else 1)
             ok = bool(cp.allclose(buf, want))
+            buf.fill(0)  # timed sums of zeros stay finite
             collective = functools.partial(call, buf)
             timed(comm_stream, collective, 2)  # warm: NCCL connects per algorithm and protocol
             settle()
@@ -179,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                 launches = max(1, round(world.allreduce(comm, op=MPI.MAX) / unit[name]))
                 alone = ms(timed(compute, load, launches))
                 settle()
+                # Both streams start from one point: the host enqueues everything behind a 2 ms spin.
+                with compute:
+                    spin((1,), (1,), (cp.int64(4_000_000),))
                 begin = cp.cuda.Event()
                 begin.record(compute)
                 comm_stream.wait_event(begin)
@@ -196,11 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     nccl.check(nccl.lib.ncclCommWindowDeregister(nccl.comm, window), "ncclCommWindowDeregister")
     nccl.check(nccl.lib.ncclMemFree(ctypes.c_void_p(sym_ptr)), "ncclMemFree")
     nccl.check(nccl.lib.ncclCommDestroy(nccl.comm), "ncclCommDestroy")
+    ranks = world.gather(result.pop("rows"), root=0)
     if rank == 0:
+        result["rows"] = [{"rank": r, **row} for r, rows in enumerate(ranks) for row in rows]
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         for row in result["rows"]:
             print(json.dumps(row), flush=True)
-    return 0 if all(row["ok"] for row in result["rows"]) else 1
+        return 0 if all(row["ok"] for row in result["rows"]) else 1
+    return 0
 
 
 if __name__ == "__main__":
