@@ -112,5 +112,5 @@ def test_ranks_with_another_cadence_are_refused_in_one_line(model_dir, tmp_path,
                           text=True, cwd=tmp_path, env=ENV, timeout=120)
     took = time.monotonic() - began
     one_error_line(done, "the ranks disagree on", fragment, "refused before any training collective")
-    assert took < 30, took  # long before the 60 s --timeout
+    assert took < 55, took  # before the 60 s --timeout: the refusal, not the watchdog, ended it
     assert not list((tmp_path / "ck").glob("checkpoint-*"))
