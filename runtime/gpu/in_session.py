@@ -43,6 +43,7 @@ from runtime.gpu.elementwise_steps import CUPY_DTYPES
 from runtime.gpu.elementwise_steps import DOMAIN as ELEMENTWISE_DOMAIN
 from runtime.gpu.layernorm_casts import DOMAIN as LAYERNORM_FORWARD_DOMAIN
 from runtime.gpu.parameter_casts import DOMAIN as PARAMETER_CASTS_DOMAIN
+from runtime.gpu.rewrite_nodes import attribute
 from runtime.gpu.scatter_add import DOMAIN as SCATTER_ADD_DOMAIN
 from runtime.gpu.session_collectives import DOMAIN as SESSION_COLLECTIVES_DOMAIN
 from runtime.gpu.session_collectives import FINISH, START
@@ -105,7 +106,7 @@ class _NodeKernel:
         self.first = True
 
     def __call__(self, ctx: KernelContext) -> None:
-        if self.capture_call and self.in_place:
+        if self.capture_call:  # set only on a kernel with in-place pairs (capture_call)
             if not self.device.compute.is_capturing():
                 return
             self.captured_launches += 1
@@ -279,8 +280,8 @@ def safe_in_place(nodes: list[onnx.NodeProto], members: set[int], inputs: list[s
             for name in consumed(node):
                 readers.setdefault(name, set()).add(k)
     # A collective start hands its inputs to NCCL, which reads them until its finish.
-    finish_of = {_bucket(n): k for k, n in enumerate(nodes) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == FINISH}
-    done = {k: finish_of.get(_bucket(n), -1) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == START else k
+    finish_of = {attribute(n, "bucket"): k for k, n in enumerate(nodes) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == FINISH}
+    done = {k: finish_of.get(attribute(n, "bucket"), -1) if n.domain == SESSION_COLLECTIVES_DOMAIN and n.op_type == START else k
             for k, n in enumerate(nodes)}  # -1: a start without its finish here is never done
 
     def read_before(src: str) -> bool:
@@ -295,7 +296,3 @@ def safe_in_place(nodes: list[onnx.NodeProto], members: set[int], inputs: list[s
         return all(done[k] in ancestors and k in ancestors for name in names for k in readers.get(name, ()))
 
     return {out: src for out, src in pairs.items() if src in graph_inputs and read_before(src)}
-
-
-def _bucket(node: onnx.NodeProto) -> int | None:
-    return next((a.i for a in node.attribute if a.name == "bucket"), None)

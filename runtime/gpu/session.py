@@ -423,12 +423,13 @@ class OrtCudaSegment(SegmentRunner):
             self.seen[parity] = True
             self._run(io, self._uncaptured() if first else self.policy.run_later)
             return
-        first_graph_run = not self.captured[parity]
-        self.captured[parity] = True
+        if self.captured[parity]:  # every step from here on: a replay, nothing else on the host
+            self._run(io, self.policy.run_graph[parity])
+            return
+        self.captured[parity] = True  # this first graph run: onnxruntime runs it several times (capture_call)
         if self.shared_arena:
             self.policy.shared_captured = True
-        # onnxruntime runs the first graph run of a parity several times (in_session.capture_call).
-        with capture_call(self.custom_ops if first_graph_run else [], f"{self.where}: step parity {parity}"):
+        with capture_call(self.custom_ops, f"{self.where}: step parity {parity}"):
             self._run(io, self.policy.run_graph[parity])
 
     def _uncaptured(self):
